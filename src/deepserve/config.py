@@ -1,0 +1,71 @@
+"""Configuration: frozen dataclasses, validated at construction.
+
+EngineConfig holds what one TE needs to run one model. Fields left None are
+derived from the model (`resolve`) before the engine starts; after that the
+config never changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    """Path of a Hugging Face model directory."""
+    dtype: str | None = None
+    """"float32" or "bfloat16"; None takes config.json's."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_kv_blocks: int | None = None
+    """KV blocks in the pool; None derives it from kv_cache_memory."""
+    kv_cache_memory: int = 512 << 20
+    """Bytes of KV pool, used when num_kv_blocks is None."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decodes)."""
+    max_num_seqs: int = 256
+    """Running sequences at most."""
+    max_model_len: int | None = None
+    """Prompt + output tokens at most; None: the model's max_position_embeddings
+    (capped by what the KV pool holds)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV of equal prompt prefixes through the radix tree."""
+    seed: int = 0
+    """Seed of the generator shared by unseeded sampled requests."""
+
+    def __post_init__(self):
+        for name in ("block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs"):
+            _positive(name, getattr(self, name))
+        for name in ("num_kv_blocks", "max_model_len"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @classmethod
+    def from_options(cls, model: str, **options) -> "EngineConfig":
+        """Build from keyword options; an unknown one is a ValueError naming it."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(model=str(model), **options)
+
+    def resolve(self, max_position_embeddings: int, kv_bytes_per_block: int) -> "EngineConfig":
+        """Fill the derived fields from the model's numbers."""
+        num_blocks = self.num_kv_blocks or max(1, self.kv_cache_memory // kv_bytes_per_block)
+        max_len = min(self.max_model_len or max_position_embeddings, max_position_embeddings)
+        if self.max_model_len is not None and max_len < self.max_model_len:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_position_embeddings}")
+        pool_tokens = num_blocks * self.block_size
+        if self.max_model_len is not None and pool_tokens < max_len:
+            raise ValueError(f"num_kv_blocks {num_blocks} x block_size {self.block_size} cannot "
+                             f"hold one sequence of max_model_len {max_len}")
+        return replace(self, num_kv_blocks=num_blocks, max_model_len=min(max_len, pool_tokens))
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

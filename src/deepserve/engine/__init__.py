@@ -1,0 +1,1 @@
+"""One TE (FlowServe engine): scheduler, sequences, tokenizer, the LLM API."""

@@ -1,0 +1,167 @@
+"""LLMEngine: one TE's step loop in one process.
+
+    add_request ──> Scheduler.waiting ──schedule()──> StepBatch ──> ModelRunner
+                                                                      │
+    RequestOutput <── detokenize, stop strings <── update() <── StepOutput
+
+The ModelRunner is the seam: with worker processes the same StepBatch goes
+over a broadcast ring instead of a function call.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from deepserve.cache.kv_manager import KVCacheManager
+from deepserve.config import EngineConfig
+from deepserve.engine.detokenizer import IncrementalDetokenizer
+from deepserve.engine.outputs import RequestOutput, TokenLogprob
+from deepserve.engine.request_checks import check_prompt_ids
+from deepserve.engine.scheduler import Scheduler, SchedulerOutput
+from deepserve.engine.sequence import Sequence
+from deepserve.engine.tokenizer import Tokenizer
+from deepserve.errors import InvalidRequestError
+from deepserve.messages.sampling import SamplingParams
+from deepserve.messages.step import NewSeq, ScheduledSeq, StepBatch
+from deepserve.model.loader import load_model
+from deepserve.worker.model_runner import ModelRunner
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    text: str = ""
+    num_emitted_chars: int = 0
+    stop_holdback: int = 0  # chars kept back while a stop string may still complete
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        model = load_model(config.model, config.dtype)
+        self.model_config = model.config
+        self.tokenizer = Tokenizer(config.model)
+        self.config = config.resolve(
+            model.config.max_position_embeddings,
+            ModelRunner.kv_bytes_per_block(model.config, config.block_size))
+        c = self.config
+        self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, c.max_num_batched_tokens, c.max_num_seqs,
+                                   c.max_model_len)
+        self.runner = ModelRunner(model, c.num_kv_blocks, c.block_size, c.seed)
+        self._requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, _Request] = {}
+        self._released_seq_ids: list[int] = []
+        self._seq_ids = itertools.count()
+        self._step_ids = itertools.count()
+        self._request_ids = itertools.count()
+
+    # -- requests ------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+                    request_id: str | None = None, salt: str | None = None) -> str:
+        """Validate and queue one request; raise InvalidRequestError on bad input
+        (nothing is queued then, and running requests are unaffected)."""
+        sampling = (sampling or SamplingParams()).validate(self.model_config.vocab_size)
+        request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        prompt_text, ids = self._prompt_ids(prompt)
+        check_prompt_ids(ids, self.model_config.vocab_size, self.config.max_model_len)
+        stops = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stops.update(self.model_config.eos_token_ids)
+        seq = Sequence(next(self._seq_ids), ids, sampling, frozenset(stops), salt)
+        req = _Request(request_id, prompt_text, seq, IncrementalDetokenizer(self.tokenizer, ids),
+                       stop_holdback=max((len(s) for s in sampling.stop), default=1) - 1)
+        self._requests[request_id] = self._by_seq[seq.seq_id] = req
+        self.scheduler.add(seq)
+        return request_id
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", "prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise InvalidRequestError(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+            "prompt")
+
+    def abort_request(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is not None:
+            self.scheduler.finish(req.seq, "abort")
+            self._release(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the step --------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for every request that advanced."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        output = self.runner.execute(self._step_batch(scheduled))
+        advanced = self.scheduler.update(scheduled, output.sampled)
+        return [self._emit(self._by_seq[seq.seq_id]) for seq in advanced]
+
+    def _step_batch(self, scheduled: SchedulerOutput) -> StepBatch:
+        seqs, new = [], []
+        for seq_id, num_new in scheduled.scheduled.items():
+            seq = scheduled.seqs[seq_id]
+            start = seq.num_computed_tokens
+            seqs.append(ScheduledSeq(seq_id, start, seq.token_ids[start:start + num_new],
+                                     list(self.kv.block_table(seq_id)),
+                                     start + num_new == seq.num_tokens))
+            if not seq.is_known_to_workers:
+                seq.is_known_to_workers = True
+                new.append(NewSeq(seq_id, seq.sampling))
+        released, self._released_seq_ids = self._released_seq_ids, []
+        return StepBatch(next(self._step_ids), seqs, new, released)
+
+    def _emit(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        req.detok.push(seq.token_ids[-1])
+        if seq.is_finished:
+            req.detok.flush()
+        req.text = req.detok.text
+        if seq.sampling.stop and not self._apply_stop_strings(req) and not seq.is_finished:
+            visible = req.text[:max(req.num_emitted_chars, len(req.text) - req.stop_holdback)]
+        else:
+            visible = req.text
+        delta, req.num_emitted_chars = visible[req.num_emitted_chars:], len(visible)
+        if seq.is_finished:
+            self._release(req)
+        return self._output(req, visible, delta)
+
+    def _apply_stop_strings(self, req: _Request) -> bool:
+        """Cut the text at the first stop string and finish; True if one hit."""
+        window_start = max(0, req.num_emitted_chars - req.stop_holdback)
+        hits = [i for i in (req.text.find(s, window_start) for s in req.seq.sampling.stop)
+                if i >= 0]
+        if not hits:
+            return False
+        req.text = req.text[:min(hits)]
+        self.scheduler.finish(req.seq, "stop")
+        req.seq.finish_reason = "stop"  # also when max_tokens ended it in the same step
+        return True
+
+    def _release(self, req: _Request) -> None:
+        self._requests.pop(req.request_id, None)
+        if self._by_seq.pop(req.seq.seq_id, None) is not None and req.seq.is_known_to_workers:
+            self._released_seq_ids.append(req.seq.seq_id)
+
+    def _output(self, req: _Request, text: str, delta: str) -> RequestOutput:
+        seq = req.seq
+        logprobs = None
+        if seq.sampling.logprobs is not None:
+            logprobs = [TokenLogprob(t.token_id, t.logprob, t.top or []) for t in seq.logprobs]
+        return RequestOutput(req.request_id, req.prompt, seq.token_ids[:seq.num_prompt_tokens],
+                             seq.output_token_ids, text, seq.finish_reason,
+                             seq.num_cached_tokens or 0, logprobs, delta)

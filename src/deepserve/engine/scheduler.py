@@ -1,0 +1,147 @@
+"""Continuous batching under a per-step token budget (no I/O, CPU-testable).
+
+Each step:
+  1. running sequences, decodes first, each takes min(uncomputed, budget)
+     tokens (a long prompt goes in chunks across steps: chunked prefill);
+     when the pool is short, the latest-arrived running sequence is
+     preempted (KV dropped, recomputed later) until the allocation fits;
+  2. if nothing was preempted, waiting sequences are admitted in arrival
+     order while the budget, max_num_seqs and free blocks allow, each reusing
+     its cached prefix.
+After the step, update() advances the sequences, publishes their computed
+blocks to the prefix cache, appends sampled tokens and retires finished ones.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deepserve.cache.kv_manager import KVCacheManager
+from deepserve.engine.sequence import Sequence, SequenceStatus
+from deepserve.messages.step import SampledToken
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: dict[int, int] = field(default_factory=dict)  # seq_id -> new tokens
+    seqs: dict[int, Sequence] = field(default_factory=dict)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.scheduled.values())
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int):
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # seq_id order is arrival order
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence (stop, length or abort) and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        if self.kv.has_seq(seq.seq_id):
+            self.kv.free(seq.seq_id)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    # -- schedule ------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.seq_id)):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.kv.grow(seq.seq_id, seq.num_computed_tokens + num_new):
+                victim = max(self.running, key=lambda s: s.seq_id)  # latest arrived
+                budget += out.scheduled.pop(victim.seq_id, 0)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled[seq.seq_id], out.seqs[seq.seq_id] = num_new, seq
+                budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_cached = self.kv.num_cached_tokens(seq.token_ids, seq.salt)
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.kv.allocate(seq.seq_id, seq.token_ids, num_cached + num_new, seq.salt):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled[seq.seq_id], out.seqs[seq.seq_id] = num_new, seq
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.seqs.pop(seq.seq_id, None)
+        out.preempted.append(seq)
+
+    # -- update --------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[Sequence]:
+        """Apply one step's results; return the sequences that got a token."""
+        for seq_id, num_new in out.scheduled.items():
+            seq = out.seqs[seq_id]
+            if seq.is_finished:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += num_new
+            self.kv.commit(seq_id, seq.token_ids, seq.num_computed_tokens)
+        advanced = []
+        for token in sampled:
+            seq = out.seqs[token.seq_id]
+            if seq.is_finished:
+                continue  # aborted while the step ran
+            seq.token_ids.append(token.token_id)
+            if seq.sampling.logprobs is not None:
+                seq.logprobs.append(token)
+            self._check_stop(seq, token.token_id)
+            advanced.append(seq)
+        return advanced
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> None:
+        if token_id in seq.stop_token_ids:
+            self.finish(seq, "stop")
+        elif seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, "length")

@@ -1,0 +1,59 @@
+"""Sequence: one request's tokens and progress inside a TE."""
+
+from __future__ import annotations
+
+import enum
+from typing import Hashable
+
+from deepserve.messages.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """WAITING -> RUNNING -> FINISHED; RUNNING -> WAITING when preempted
+    (its KV is dropped and recomputed on re-admission)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingParams,
+                 stop_token_ids: frozenset[int], salt: Hashable = None):
+        self.seq_id = seq_id
+        self.token_ids = list(prompt_token_ids)  # prompt, then output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling = sampling
+        self.stop_token_ids = stop_token_ids  # EOS (unless ignore_eos) + the request's own
+        self.salt = salt
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the pool
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+        self.num_preemptions = 0
+        self.is_known_to_workers = False
+        self.finish_reason: str | None = None
+        self.logprobs: list = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

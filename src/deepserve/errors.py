@@ -1,0 +1,35 @@
+"""Typed exceptions every layer raises; the gateway maps them to HTTP codes.
+
+    DeepServeError
+    ├── InvalidRequestError (also ValueError)   bad prompt or sampling field
+    │   └── PromptTooLongError                  prompt + room to generate > max_model_len
+    └── ModelLoadError                          model directory unusable
+        └── UnsupportedModelError               architecture we do not implement
+"""
+
+
+class DeepServeError(Exception):
+    """Base of every error DeepServe raises on purpose."""
+
+
+class InvalidRequestError(DeepServeError, ValueError):
+    """A request is malformed; raised before it enters the batch.
+
+    `param` names the offending field (OpenAI's error body has the same slot).
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt does not fit the model's context (`max_model_len`)."""
+
+
+class ModelLoadError(DeepServeError):
+    """The model directory is missing, incomplete or corrupt."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """config.json names an architecture we do not implement."""

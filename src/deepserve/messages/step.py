@@ -1,0 +1,61 @@
+"""Master -> workers: one step's batch; rank 0 -> master: the sampled tokens.
+
+This is the seam between the scheduler and the ModelRunner. In-process the
+engine hands a StepBatch straight to the runner; with worker processes the
+same Struct is encoded once and broadcast to every worker.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from deepserve.messages.sampling import SamplingParams
+
+
+class ScheduledSeq(msgspec.Struct, array_like=True, gc=False):
+    """One sequence's slice of the step.
+
+    start: position of the first new token (= tokens already computed).
+    token_ids: the new tokens, at positions start .. start + len - 1.
+    block_table: KV block ids covering positions 0 .. start + len - 1.
+    do_sample: the chunk ends the known tokens, so sample the next one.
+    """
+
+    seq_id: int
+    start: int
+    token_ids: list[int]
+    block_table: list[int]
+    do_sample: bool
+
+
+class NewSeq(msgspec.Struct, array_like=True, gc=False):
+    """A sequence the workers have not seen: its sampling state starts here."""
+
+    seq_id: int
+    sampling: SamplingParams
+
+
+class StepBatch(msgspec.Struct, array_like=True, gc=False):
+    step_id: int
+    seqs: list[ScheduledSeq]
+    new_seqs: list[NewSeq] = []
+    finished_seq_ids: list[int] = []  # drop their sampling state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+class SampledToken(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """logprob: of token_id under the model's distribution; top: the N most
+    likely (token_id, logprob) pairs, when the request asked for logprobs."""
+
+    seq_id: int
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+class StepOutput(msgspec.Struct, array_like=True, gc=False):
+    step_id: int
+    sampled: list[SampledToken]

@@ -1,0 +1,1 @@
+"""One device: the model runner (executor) and the sampler."""

@@ -1,0 +1,138 @@
+"""ModelRunner: one step's StepBatch in, one StepOutput out.
+
+It owns the model, this device's KV pool and the per-sequence sampling state
+(parameters and random generator), so the master never ships tensors: it
+sends token ids, positions and block ids, and gets token ids back.
+
+KV pool layout: one tensor (2, L, num_blocks * block_size, Hkv, D); the
+first index is K or V, slot s of a layer holds one token's K (or V).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepserve.messages.sampling import SamplingParams
+from deepserve.messages.step import SampledToken, ScheduledSeq, StepBatch, StepOutput
+from deepserve.model.attention import AttentionMetadata, PrefillSpan
+from deepserve.model.llama import CausalLM
+from deepserve.worker.sampler import logprobs_of, sample
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, seed: int = 0):
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # Zeroed, not empty: padded decode slots are masked, but NaN * 0 is NaN.
+        self.kv_pool = torch.zeros(2, cfg.num_layers, num_blocks * block_size,
+                                   cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)
+        self.kv_caches = [(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(cfg.num_layers)]
+        self._sampling: dict[int, tuple[SamplingParams, torch.Generator]] = {}
+        self._default_generator = torch.Generator().manual_seed(seed)
+
+    @staticmethod
+    def kv_bytes_per_block(model_config, block_size: int) -> int:
+        c = model_config
+        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * c.dtype.itemsize
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        self._update_states(batch)
+        input_ids, positions, meta = self._prepare(batch.seqs)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)  # (T, E)
+        sampling_seqs = [s for s in batch.seqs if s.do_sample]
+        if not sampling_seqs:
+            return StepOutput(batch.step_id, [])
+        last_rows = torch.tensor(self._last_rows(batch.seqs), dtype=torch.long)
+        logits = self.model.compute_logits(hidden[last_rows])  # (N, V)
+        return StepOutput(batch.step_id, self._sample(sampling_seqs, logits))
+
+    def _update_states(self, batch: StepBatch) -> None:
+        for seq_id in batch.finished_seq_ids:
+            self._sampling.pop(seq_id, None)
+        for new in batch.new_seqs:
+            p = new.sampling
+            gen = self._default_generator
+            if p.seed is not None:
+                gen = torch.Generator().manual_seed(p.seed)
+            self._sampling[new.seq_id] = (p, gen)
+
+    def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SampledToken]:
+        params, gens = zip(*(self._sampling[s.seq_id] for s in seqs))
+        tokens = sample(logits, list(params), list(gens))
+        lps = logprobs_of(logits, tokens, [p.logprobs for p in params])
+        out = []
+        for seq, token, lp in zip(seqs, tokens.tolist(), lps):
+            if lp is None:
+                out.append(SampledToken(seq.seq_id, token))
+            else:
+                out.append(SampledToken(seq.seq_id, token, lp[0], lp[1]))
+        return out
+
+    def _last_rows(self, seqs: list[ScheduledSeq]) -> list[int]:
+        rows, row = [], 0
+        for s in seqs:
+            row += len(s.token_ids)
+            if s.do_sample:
+                rows.append(row - 1)
+        return rows
+
+    def _prepare(self, seqs: list[ScheduledSeq]):
+        """Flat input ids and positions (T,), and the attention metadata."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for s in seqs:
+            input_ids.extend(s.token_ids)
+            positions.extend(range(s.start, s.start + len(s.token_ids)))
+        pos = torch.tensor(positions, dtype=torch.long)
+        tables = _padded_tables(seqs)  # (B, max_blocks)
+        block_of_token = torch.repeat_interleave(
+            tables, torch.tensor([len(s.token_ids) for s in seqs]), dim=0)
+        slot_mapping = self._slots(block_of_token, pos)
+        meta = self._attention_metadata(seqs, tables, slot_mapping)
+        return torch.tensor(input_ids, dtype=torch.long), pos, meta
+
+    def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tables: (N, max_blocks), positions: (N,) -> slots (N,)."""
+        bs = self.block_size
+        blocks = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1)
+        return blocks * bs + positions % bs
+
+    def _attention_metadata(self, seqs: list[ScheduledSeq], tables: torch.Tensor,
+                            slot_mapping: torch.Tensor) -> AttentionMetadata:
+        bs = self.block_size
+        # (B, max_blocks * bs): slot of every position of every sequence.
+        all_slots = (tables.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)
+        decode_idx, decode_rows, prefills, row = [], [], [], 0
+        for i, s in enumerate(seqs):
+            n, ctx = len(s.token_ids), s.start + len(s.token_ids)
+            if n == 1:
+                decode_idx.append(i)
+                decode_rows.append(row)
+            else:
+                prefills.append(PrefillSpan(row, n, all_slots[i, :ctx], _offset_causal(n, ctx)))
+            row += n
+        ctx_lens = torch.tensor([seqs[i].start + 1 for i in decode_idx], dtype=torch.long)
+        max_ctx = int(ctx_lens.max()) if decode_idx else 0
+        decode_slots = all_slots[decode_idx, :max_ctx]
+        mask = None
+        if decode_idx and int(ctx_lens.min()) != max_ctx:
+            mask = (torch.arange(max_ctx) < ctx_lens.unsqueeze(1)).view(-1, 1, 1, max_ctx)
+        return AttentionMetadata(slot_mapping, torch.tensor(decode_rows, dtype=torch.long),
+                                 decode_slots, mask, prefills)
+
+
+def _padded_tables(seqs: list[ScheduledSeq]) -> torch.Tensor:
+    width = max(len(s.block_table) for s in seqs)
+    return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                        dtype=torch.long)
+
+
+def _offset_causal(num_new: int, ctx: int) -> torch.Tensor | None:
+    """(num_new, ctx) mask: new token i (position ctx - num_new + i) sees keys <= it."""
+    if num_new == ctx:
+        return None
+    keys = torch.arange(ctx)
+    queries = torch.arange(ctx - num_new, ctx).unsqueeze(1)
+    return keys <= queries

@@ -1,0 +1,49 @@
+"""Shared factories: tiny models made by the project's own tool, HF oracles."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAKE_MODEL = ROOT / "tools" / "make_model.py"
+ARCHS = ("llama", "qwen2")
+
+
+def make_model(out_dir: Path, arch: str = "qwen2", preset: str = "tiny", *extra: str) -> Path:
+    subprocess.run([sys.executable, str(MAKE_MODEL), str(out_dir), "--preset", preset,
+                    "--arch", arch, *extra], check=True, capture_output=True, timeout=300)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """arch -> a tiny float32 model directory (built once per test session)."""
+    base = tmp_path_factory.mktemp("models")
+    return {arch: make_model(base / f"tiny-{arch}", arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_dirs) -> Path:
+    return model_dirs["qwen2"]
+
+
+@pytest.fixture(scope="session")
+def hf_models(model_dirs):
+    """arch -> the Hugging Face transformers model on the same weights (oracle)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return {arch: AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+            for arch, d in model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model):
+    """One shared engine for tests that only add requests and read results."""
+    from deepserve import LLM
+
+    return LLM(str(tiny_model), num_kv_blocks=256, max_num_batched_tokens=256)

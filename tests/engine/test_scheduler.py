@@ -1,0 +1,103 @@
+"""The scheduler as a pure object: no model, a fake step that emits token 7."""
+
+from deepserve.cache.kv_manager import KVCacheManager
+from deepserve.engine.scheduler import Scheduler
+from deepserve.engine.sequence import Sequence, SequenceStatus
+from deepserve.messages.sampling import SamplingParams
+from deepserve.messages.step import SampledToken
+
+BS = 4
+
+
+def _scheduler(num_blocks=64, budget=16, max_seqs=8, max_len=64) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, BS), budget, max_seqs, max_len)
+
+
+def _seq(seq_id: int, num_prompt: int, max_tokens: int = 4) -> Sequence:
+    return Sequence(seq_id, [seq_id * 100 + i for i in range(num_prompt)],
+                    SamplingParams(temperature=0, max_tokens=max_tokens), frozenset())
+
+
+def _step(s: Scheduler) -> dict[int, int]:
+    out = s.schedule()
+    sampled = [SampledToken(i, 7) for i, n in out.scheduled.items()
+               if out.seqs[i].num_computed_tokens + n == out.seqs[i].num_tokens]
+    s.update(out, sampled)
+    s.kv.check_integrity()
+    return dict(out.scheduled)
+
+
+def test_long_prompt_is_chunked_and_samples_only_at_the_end():
+    s = _scheduler(budget=8)
+    seq = _seq(1, 20)
+    s.add(seq)
+    assert _step(s) == {1: 8} and seq.num_output_tokens == 0
+    assert _step(s) == {1: 8} and seq.num_output_tokens == 0
+    assert _step(s) == {1: 4} and seq.num_output_tokens == 1
+    assert _step(s) == {1: 1} and seq.num_output_tokens == 2
+
+
+def test_decodes_go_first_and_a_new_prompt_takes_the_rest_of_the_budget():
+    s = _scheduler(budget=10)
+    a, b = _seq(1, 3), _seq(2, 3)
+    s.add(a)
+    s.add(b)
+    assert _step(s) == {1: 3, 2: 3}
+    c = _seq(3, 30)
+    s.add(c)
+    assert _step(s) == {1: 1, 2: 1, 3: 8}
+    # c is now a running prefill; decodes still come first
+    assert list(_step(s)) == [1, 2, 3]
+
+
+def test_admission_is_limited_by_free_blocks_and_max_num_seqs():
+    s = _scheduler(num_blocks=4, budget=64)
+    s.add(_seq(1, 12))
+    s.add(_seq(2, 12))
+    assert _step(s) == {1: 12}  # 3 blocks used; seq 2 needs 3, only 1 free
+    assert [q.seq_id for q in s.waiting] == [2]
+    s2 = _scheduler(max_seqs=1)
+    s2.add(_seq(1, 2))
+    s2.add(_seq(2, 2))
+    assert _step(s2) == {1: 2}
+
+
+def test_latest_arrived_is_preempted_and_recomputed():
+    s = _scheduler(num_blocks=4, budget=64, max_len=64)
+    a, b = _seq(1, 7, max_tokens=6), _seq(2, 4, max_tokens=6)
+    s.add(a)
+    s.add(b)
+    assert _step(s) == {1: 7, 2: 4}  # a: 2 blocks, b: 1 block (+1 free)
+    _step(s)  # a fills its block 2, b takes the last free block
+    assert _step(s) == {1: 1}  # a needs a 3rd block: b (latest) is preempted
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+    assert s.num_preemptions == 1 and s.waiting[0] is b
+    while s.has_unfinished:
+        _step(s)
+    assert a.num_output_tokens == 6 and b.num_output_tokens == 6
+    assert s.kv.num_free_blocks == 4
+
+
+def test_finish_frees_blocks_of_running_and_waiting():
+    s = _scheduler()
+    a, b = _seq(1, 5), _seq(2, 5)
+    s.add(a)
+    _step(s)
+    s.add(b)
+    s.finish(a, "abort")
+    s.finish(b, "abort")
+    assert not s.has_unfinished and a.finish_reason == "abort"
+    assert s.kv.num_free_blocks == 64
+    s.kv.check_integrity()
+
+
+def test_max_tokens_and_stop_token_finish():
+    s = _scheduler()
+    a = _seq(1, 3, max_tokens=2)
+    b = Sequence(2, [1, 2, 3], SamplingParams(max_tokens=10), frozenset({7}))
+    s.add(a)
+    s.add(b)
+    _step(s)
+    assert b.finish_reason == "stop" and b.output_token_ids == [7]
+    _step(s)
+    assert a.finish_reason == "length" and a.output_token_ids == [7, 7]
