@@ -21,8 +21,9 @@ the LM head is scaled so logits have a standard deviation of about
 projections use gains above 1 (sharp attention, strongly nonlinear MLP, layer
 outputs that outweigh a tied embedding) so greedy text does not collapse into
 repeating one token; and RMSNorm weights and qwen2 q/k/v biases are randomly
-perturbed so an engine that ignores them is caught by comparison tests.  This tool is standalone: it imports
-neither ``deepserve`` nor ``transformers``.
+perturbed so an engine that ignores them is caught by comparison tests.
+
+This tool is standalone: it imports neither ``deepserve`` nor ``transformers``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -167,8 +169,6 @@ def split_shards(weights: dict[str, torch.Tensor], n: int) -> list[list[str]]:
 def save_weights(out: Path, weights: dict[str, torch.Tensor], n_shards: int) -> None:
     """Write a single safetensors file, or ``n_shards`` shards plus an index."""
     meta = {"format": "pt"}
-    for stale in out.glob("model*.safetensors*"):  # from an earlier run with other --shards
-        stale.unlink()
     if n_shards == 1:
         save_file(weights, str(out / "model.safetensors"), metadata=meta)
         return
@@ -266,8 +266,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     start = time.perf_counter()
-    n_params = make_model(args.out_dir, args.preset, args.arch, args.seed, args.dtype,
-                          args.shards)
+    # Build beside the target and rename at the end, so an interrupted run
+    # never leaves a directory that looks like a complete model.
+    out = args.out_dir.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        n_params = make_model(staging, args.preset, args.arch, args.seed, args.dtype, args.shards)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     print(f"{args.out_dir} params={n_params} seconds={time.perf_counter() - start:.2f}")
 
 
