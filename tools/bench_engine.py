@@ -68,15 +68,19 @@ def run_ours(llm, prompts, gen_len) -> dict:
     engine = llm.engine
     start = time.perf_counter()
     ids = [engine.add_request(p, sp) for p in prompts]
-    first, last, counts = {}, {}, {i: 0 for i in ids}
+    first, last, decode_steps = {}, {}, []
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            now = time.perf_counter()
+        step_start = time.perf_counter()
+        outs = engine.step()
+        now = time.perf_counter()
+        if len(outs) == len(prompts) and all(len(o.token_ids) > 1 for o in outs):
+            decode_steps.append(now - step_start)  # every sequence decoding, no prefill
+        for out in outs:
             first.setdefault(out.request_id, now)
             last[out.request_id] = now
-            counts[out.request_id] = len(out.token_ids)
-    assert all(c == gen_len for c in counts.values()), counts
-    return _summary(start, [first[i] for i in ids], [last[i] for i in ids], gen_len)
+            assert len(out.token_ids) <= gen_len
+    return _summary(start, [first[i] for i in ids], [last[i] for i in ids], gen_len,
+                    decode_steps)
 
 
 def run_hf(model, prompts, gen_len) -> dict:
@@ -95,21 +99,20 @@ def run_hf(model, prompts, gen_len) -> dict:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=gen_len, min_new_tokens=gen_len,
                              logits_processor=LogitsProcessorList([Stamp()]), pad_token_id=0)
-    end = time.perf_counter()
-    assert out.shape[1] == ids.shape[1] + gen_len
-    # Token k is known when step k+1's logits arrive; the last when generate returns.
-    done = stamps[1:] + [end]
-    return _summary(start, [done[0]] * len(prompts), [done[-1]] * len(prompts), gen_len)
+    assert out.shape[1] == ids.shape[1] + gen_len and len(stamps) == gen_len
+    # Stamp k comes with the logits of token k: the token is known then.
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return _summary(start, [stamps[0]] * len(prompts), [stamps[-1]] * len(prompts),
+                    gen_len, steps)
 
 
-def _summary(start: float, first: list[float], last: list[float], gen_len: int) -> dict:
-    ttft = [f - start for f in first]
-    tpot = [(l - f) / (gen_len - 1) for f, l in zip(first, last)]
-    batch, prefill_s = len(first), max(first) - start
-    decode_s = max(last) - max(first)
-    return {"ttft_s": statistics.median(ttft), "tpot_s": statistics.median(tpot),
-            "prefill_s": prefill_s, "decode_s": decode_s,
-            "decode_tok_s": batch * (gen_len - 1) / max(sum(tpot) / batch * (gen_len - 1), 1e-9)}
+def _summary(start: float, first: list[float], last: list[float], gen_len: int,
+             decode_steps: list[float]) -> dict:
+    """Medians over requests (TTFT, TPOT) and over pure-decode steps."""
+    return {"ttft_s": statistics.median(f - start for f in first),
+            "tpot_s": statistics.median((l - f) / (gen_len - 1) for f, l in zip(first, last)),
+            "prefill_s": max(first) - start,
+            "decode_step_s": statistics.median(decode_steps)}
 
 
 def ensure_model(model: Path, preset: str, dtype: str) -> Path:
@@ -166,36 +169,39 @@ def main(model, preset, batch_sizes, prompt_len, gen_len, dtype, max_num_batched
 def _row(batch, prompt_len, gen_len, ours, theirs, machine, nums) -> dict:
     avg_ctx = prompt_len + gen_len / 2
     step_bytes = nums["weight_bytes"] + batch * avg_ctx * nums["kv_bytes_per_token"]
-    roof_tpot = step_bytes / (machine["read_gbps"] * 1e9)
-    roof_prefill = prefill_flops(nums, batch, prompt_len) / (machine["matmul_tflops"] * 1e12)
-    row = {"batch": batch, "ours": ours, "hf": theirs,
-           "decode_roofline_tpot_s": roof_tpot, "prefill_roofline_s": roof_prefill,
-           "prefill_tok_s": batch * prompt_len / ours["prefill_s"],
-           "decode_tok_s": batch / ours["tpot_s"]}
-    if theirs:
-        row.update(hf_prefill_tok_s=batch * prompt_len / theirs["prefill_s"],
-                   hf_decode_tok_s=batch / theirs["tpot_s"])
-    return row
+    return {"batch": batch, "ours": ours, "hf": theirs,
+            "decode_roofline_s": step_bytes / (machine["read_gbps"] * 1e9),
+            "prefill_roofline_s":
+                prefill_flops(nums, batch, prompt_len) / (machine["matmul_tflops"] * 1e12),
+            "prompt_tokens": batch * prompt_len}
+
+
+def _phase_cells(r: dict, m: dict) -> list[str]:
+    return [f"{r['prompt_tokens'] / m['prefill_s']:.0f}", f"{r['batch'] / m['decode_step_s']:.1f}",
+            f"{m['prefill_s']:.2f}", f"{m['ttft_s'] * 1e3:.0f}", f"{m['tpot_s'] * 1e3:.1f}",
+            f"{m['decode_step_s'] * 1e3:.1f}"]
 
 
 def _print_table(rows: list[dict]) -> None:
-    head = ("batch", "prefill tok/s", "decode tok/s", "TTFT p50 ms", "TPOT p50 ms",
-            "HF prefill tok/s", "HF decode tok/s", "HF TTFT ms", "HF TPOT ms",
-            "prefill x HF", "decode x HF", "TPOT/roofline", "prefill/roofline")
+    phase = ("prefill tok/s", "decode tok/s", "batch prefill s", "TTFT p50 ms", "TPOT p50 ms",
+             "decode step p50 ms")
+    head = (["batch", "who"] + list(phase)
+            + ["decode step / roofline", "batch prefill / roofline"])
     print(" | ".join(head))
     for r in rows:
-        o, h = r["ours"], r["hf"] or {}
-        cells = [r["batch"], f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}",
-                 f"{o['ttft_s'] * 1e3:.0f}", f"{o['tpot_s'] * 1e3:.1f}"]
-        if h:
-            cells += [f"{r['hf_prefill_tok_s']:.0f}", f"{r['hf_decode_tok_s']:.1f}",
-                      f"{h['ttft_s'] * 1e3:.0f}", f"{h['tpot_s'] * 1e3:.1f}",
-                      f"{h['prefill_s'] / o['prefill_s']:.2f}", f"{h['tpot_s'] / o['tpot_s']:.2f}"]
-        else:
-            cells += ["-"] * 6
-        cells += [f"{o['tpot_s'] / r['decode_roofline_tpot_s']:.2f}",
-                  f"{o['prefill_s'] / r['prefill_roofline_s']:.2f}"]
-        print(" | ".join(str(c) for c in cells))
+        for who, m in (("deepserve", r["ours"]), ("hf", r["hf"])):
+            if m:
+                print(" | ".join([str(r["batch"]), who] + _phase_cells(r, m) + [
+                    f"{m['decode_step_s'] / r['decode_roofline_s']:.2f}",
+                    f"{m['prefill_s'] / r['prefill_roofline_s']:.2f}"]))
+        if r["hf"]:
+            o, h = r["ours"], r["hf"]
+            print(f"{r['batch']} | hf/deepserve | prefill x{h['prefill_s'] / o['prefill_s']:.2f}"
+                  f" | decode step x{h['decode_step_s'] / o['decode_step_s']:.2f}"
+                  f" | TTFT x{h['ttft_s'] / o['ttft_s']:.2f} | TPOT x{h['tpot_s'] / o['tpot_s']:.2f}")
+    print(f"roofline per batch: " + ", ".join(
+        f"B={r['batch']}: decode step {r['decode_roofline_s'] * 1e3:.1f} ms, "
+        f"prefill {r['prefill_roofline_s']:.2f} s" for r in rows))
 
 
 if __name__ == "__main__":

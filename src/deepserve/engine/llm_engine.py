@@ -11,7 +11,7 @@ over a broadcast ring instead of a function call.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.config import EngineConfig
@@ -37,7 +37,6 @@ class _Request:
     text: str = ""
     num_emitted_chars: int = 0
     stop_holdback: int = 0  # chars kept back while a stop string may still complete
-    extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:

@@ -1,15 +1,22 @@
 """Paged attention in plain torch.
 
-The KV pool of one layer is a tensor of slots: (num_blocks * block_size,
-Hkv, D); a token at position p of a sequence lives in slot
-`block_table[p // block_size] * block_size + p % block_size`. Every step
-first writes the new tokens' K/V into their slots, then gathers each
-sequence's whole context through its slots and attends over it.
+KV pool of one layer, head-major so that one head's blocks are rows of one
+matrix:
 
-Sequences with one new token (decode) are attended together in one batched
-call, padded to the longest context and masked; sequences with several new
-tokens (a prefill chunk) get one call each, causal with an offset when part of
-the context was computed earlier (prefix-cache hit or an earlier chunk).
+    k_cache, v_cache: (Hkv, num_blocks, block_size, D)
+
+Token at position p of a sequence lives in block `block_table[p // bs]`, row
+`p % bs`; its *slot* is block * bs + row. Every step first writes the new
+tokens' K/V into their slots, then gathers each sequence's context block by
+block and attends over it:
+
+  * decode (one new token per sequence): all such sequences at once; each
+    head's blocks are gathered with one index_select (whole 2-KiB blocks, the
+    fastest copy torch has here) straight into a (Hkv, B, Lmax, D) buffer,
+    and the G = H / Hkv query heads of a KV head are G query rows of it, so
+    K/V are never repeated;
+  * prefill chunk (several new tokens): one call per sequence, causal with an
+    offset when part of the context was computed earlier.
 """
 
 from __future__ import annotations
@@ -24,15 +31,15 @@ import torch.nn.functional as F
 class PrefillSpan:
     """One sequence with several new tokens in this step.
 
-    rows: its new tokens are rows [start, start + num_new) of the flat batch;
-    ctx_slots: (L,) slots of the whole context, the new tokens last;
-    mask: (num_new, L) bool, True where attended; None when L == num_new
-    (plain causal).
+    rows [start, start + num_new) of the flat batch are its new tokens;
+    block_ids: (nb,) its blocks; ctx_len: tokens of context, the new last;
+    mask: (num_new, ctx_len) bool, None when ctx_len == num_new (plain causal).
     """
 
     start: int
     num_new: int
-    ctx_slots: torch.Tensor
+    block_ids: torch.Tensor
+    ctx_len: int
     mask: torch.Tensor | None
 
 
@@ -42,14 +49,14 @@ class AttentionMetadata:
 
     slot_mapping: (T,) KV slot of each new token.
     decode_rows: (Bd,) rows of the decode tokens in the flat batch.
-    decode_slots: (Bd, Lmax) context slots of each decode sequence, padded.
-    decode_mask: (Bd, 1, 1, Lmax) True where attended; None if no padding.
+    decode_blocks: (Bd * nb,) block ids of the decode sequences, padded to nb each.
+    decode_mask: (1, Bd, 1, nb * bs) True where a key is in the context.
     """
 
     slot_mapping: torch.Tensor
     decode_rows: torch.Tensor
-    decode_slots: torch.Tensor
-    decode_mask: torch.Tensor | None
+    decode_blocks: torch.Tensor
+    decode_mask: torch.Tensor
     prefills: list[PrefillSpan] = field(default_factory=list)
 
     @property
@@ -60,9 +67,10 @@ class AttentionMetadata:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: (T, H, D); k, v: (T, Hkv, D); caches: (S, Hkv, D) -> (T, H, D)."""
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
+    """q: (T, H, D); k, v: (T, Hkv, D); caches: (Hkv, NB, bs, D) -> (T, H, D)."""
+    num_kv_heads, _, _, head_dim = k_cache.shape
+    k_cache.view(num_kv_heads, -1, head_dim)[:, meta.slot_mapping] = k.transpose(0, 1)
+    v_cache.view(num_kv_heads, -1, head_dim)[:, meta.slot_mapping] = v.transpose(0, 1)
     out = torch.empty_like(q)
     if meta.num_decodes:
         out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
@@ -72,30 +80,36 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """cache: (Hkv, NB, bs, D), blocks: (B * nb,) -> (Hkv, B, nb * bs, D)."""
+    num_kv_heads, _, block_size, head_dim = cache.shape
+    out = cache.new_empty(num_kv_heads, blocks.numel(), block_size, head_dim)
+    for h in range(num_kv_heads):
+        torch.index_select(cache[h], 0, blocks, out=out[h])
+    return out.view(num_kv_heads, num_seqs, -1, head_dim)
+
+
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: (B, H, D) -> (B, H, D); one query per sequence.
-
-    The G = H / Hkv query heads that share a KV head become G query rows of
-    that head, so K/V are never repeated: (B, Hkv, G, D) x (B, Hkv, L, D).
-    """
+    """q: (B, H, D) -> (B, H, D), one query token per sequence."""
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    keys = k_cache[meta.decode_slots].transpose(1, 2)  # (B, Hkv, L, D)
-    values = v_cache[meta.decode_slots].transpose(1, 2)
+    num_kv_heads = k_cache.shape[0]
+    # (B, H, D) -> (Hkv, B, G, D): query heads of one KV head become its rows.
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+    keys = gather_blocks(k_cache, meta.decode_blocks, num_seqs)  # (Hkv, B, L, D)
+    values = gather_blocks(v_cache, meta.decode_blocks, num_seqs)
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask,
-                                         scale=scale)  # (B, Hkv, G, D)
-    return out.reshape(num_seqs, num_heads, head_dim)
+                                         scale=scale)  # (Hkv, B, G, D)
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              span: PrefillSpan, scale: float) -> torch.Tensor:
     """q: (N, H, D) -> (N, H, D) for one sequence's chunk of N new tokens."""
-    keys = k_cache[span.ctx_slots].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
-    values = v_cache[span.ctx_slots].transpose(0, 1).unsqueeze(0)
+    keys = gather_blocks(k_cache, span.block_ids, 1)[:, :, :span.ctx_len]  # (Hkv, 1, L, D)
+    values = gather_blocks(v_cache, span.block_ids, 1)[:, :, :span.ctx_len]
     query = q.transpose(0, 1).unsqueeze(0)  # (1, H, N, D)
     out = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=span.mask, is_causal=span.mask is None,
-        scale=scale, enable_gqa=True)  # (1, H, N, D)
+        query, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=span.mask,
+        is_causal=span.mask is None, scale=scale, enable_gqa=True)  # (1, H, N, D)
     return out.squeeze(0).transpose(0, 1)

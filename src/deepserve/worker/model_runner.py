@@ -4,8 +4,8 @@ It owns the model, this device's KV pool and the per-sequence sampling state
 (parameters and random generator), so the master never ships tensors: it
 sends token ids, positions and block ids, and gets token ids back.
 
-KV pool layout: one tensor (2, L, num_blocks * block_size, Hkv, D); the
-first index is K or V, slot s of a layer holds one token's K (or V).
+KV pool layout: one tensor (2, L, Hkv, num_blocks, block_size, D); the first
+index is K or V; see model/attention.py for why it is head-major.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         # Zeroed, not empty: padded decode slots are masked, but NaN * 0 is NaN.
-        self.kv_pool = torch.zeros(2, cfg.num_layers, num_blocks * block_size,
-                                   cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)
+        self.kv_pool = torch.zeros(2, cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size,
+                                   cfg.head_dim, dtype=cfg.dtype)
         self.kv_caches = [(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(cfg.num_layers)]
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator]] = {}
         self._default_generator = torch.Generator().manual_seed(seed)
@@ -101,9 +101,6 @@ class ModelRunner:
 
     def _attention_metadata(self, seqs: list[ScheduledSeq], tables: torch.Tensor,
                             slot_mapping: torch.Tensor) -> AttentionMetadata:
-        bs = self.block_size
-        # (B, max_blocks * bs): slot of every position of every sequence.
-        all_slots = (tables.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)
         decode_idx, decode_rows, prefills, row = [], [], [], 0
         for i, s in enumerate(seqs):
             n, ctx = len(s.token_ids), s.start + len(s.token_ids)
@@ -111,16 +108,16 @@ class ModelRunner:
                 decode_idx.append(i)
                 decode_rows.append(row)
             else:
-                prefills.append(PrefillSpan(row, n, all_slots[i, :ctx], _offset_causal(n, ctx)))
+                blocks = tables[i, :len(s.block_table)]
+                prefills.append(PrefillSpan(row, n, blocks, ctx, _offset_causal(n, ctx)))
             row += n
         ctx_lens = torch.tensor([seqs[i].start + 1 for i in decode_idx], dtype=torch.long)
-        max_ctx = int(ctx_lens.max()) if decode_idx else 0
-        decode_slots = all_slots[decode_idx, :max_ctx]
-        mask = None
-        if decode_idx and int(ctx_lens.min()) != max_ctx:
-            mask = (torch.arange(max_ctx) < ctx_lens.unsqueeze(1)).view(-1, 1, 1, max_ctx)
+        width = max((len(seqs[i].block_table) for i in decode_idx), default=0)
+        decode_blocks = tables[decode_idx, :width].flatten()
+        keys = torch.arange(width * self.block_size)
+        mask = (keys < ctx_lens.unsqueeze(1)).view(1, len(decode_idx), 1, keys.numel())
         return AttentionMetadata(slot_mapping, torch.tensor(decode_rows, dtype=torch.long),
-                                 decode_slots, mask, prefills)
+                                 decode_blocks, mask, prefills)
 
 
 def _padded_tables(seqs: list[ScheduledSeq]) -> torch.Tensor:
