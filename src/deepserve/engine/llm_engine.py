@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.config import EngineConfig
-from deepserve.engine.detokenizer import IncrementalDetokenizer
+from deepserve.engine.output_processor import RequestState
 from deepserve.engine.outputs import RequestOutput, TokenLogprob
 from deepserve.engine.request_checks import check_prompt_ids
 from deepserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -30,13 +30,12 @@ from deepserve.worker.model_runner import ModelRunner
 
 @dataclass
 class _Request:
-    request_id: str
-    prompt: str | None
+    state: RequestState
     seq: Sequence
-    detok: IncrementalDetokenizer
-    text: str = ""
-    num_emitted_chars: int = 0
-    stop_holdback: int = 0  # chars kept back while a stop string may still complete
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
 
 
 class LLMEngine:
@@ -74,8 +73,7 @@ class LLMEngine:
         if not sampling.ignore_eos:
             stops.update(self.model_config.eos_token_ids)
         seq = Sequence(next(self._seq_ids), ids, sampling, frozenset(stops), salt)
-        req = _Request(request_id, prompt_text, seq, IncrementalDetokenizer(self.tokenizer, ids),
-                       stop_holdback=max((len(s) for s in sampling.stop), default=1) - 1)
+        req = _Request(RequestState(request_id, prompt_text, ids, sampling, self.tokenizer), seq)
         self._requests[request_id] = self._by_seq[seq.seq_id] = req
         self.scheduler.add(seq)
         return request_id
@@ -126,41 +124,23 @@ class LLMEngine:
 
     def _emit(self, req: _Request) -> RequestOutput:
         seq = req.seq
-        req.detok.push(seq.token_ids[-1])
-        if seq.is_finished:
-            req.detok.flush()
-        req.text = req.detok.text
-        if seq.sampling.stop and not self._apply_stop_strings(req) and not seq.is_finished:
-            visible = req.text[:max(req.num_emitted_chars, len(req.text) - req.stop_holdback)]
-        else:
-            visible = req.text
-        delta, req.num_emitted_chars = visible[req.num_emitted_chars:], len(visible)
-        if seq.is_finished:
+        delta = req.state.add_tokens([seq.token_ids[-1]], seq.finish_reason)
+        if req.state.finish_reason == "stop" and not seq.is_finished:
+            self.scheduler.finish(seq, "stop")  # a stop string
+        if req.state.is_finished:
             self._release(req)
-        return self._output(req, visible, delta)
-
-    def _apply_stop_strings(self, req: _Request) -> bool:
-        """Cut the text at the first stop string and finish; True if one hit."""
-        window_start = max(0, req.num_emitted_chars - req.stop_holdback)
-        hits = [i for i in (req.text.find(s, window_start) for s in req.seq.sampling.stop)
-                if i >= 0]
-        if not hits:
-            return False
-        req.text = req.text[:min(hits)]
-        self.scheduler.finish(req.seq, "stop")
-        req.seq.finish_reason = "stop"  # also when max_tokens ended it in the same step
-        return True
+        return self._output(req, delta)
 
     def _release(self, req: _Request) -> None:
         self._requests.pop(req.request_id, None)
         if self._by_seq.pop(req.seq.seq_id, None) is not None and req.seq.is_known_to_workers:
             self._released_seq_ids.append(req.seq.seq_id)
 
-    def _output(self, req: _Request, text: str, delta: str) -> RequestOutput:
-        seq = req.seq
+    def _output(self, req: _Request, delta: str) -> RequestOutput:
+        seq, state = req.seq, req.state
         logprobs = None
         if seq.sampling.logprobs is not None:
             logprobs = [TokenLogprob(t.token_id, t.logprob, t.top or []) for t in seq.logprobs]
-        return RequestOutput(req.request_id, req.prompt, seq.token_ids[:seq.num_prompt_tokens],
-                             seq.output_token_ids, text, seq.finish_reason,
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
+                             seq.output_token_ids, state.text, state.finish_reason,
                              seq.num_cached_tokens or 0, logprobs, delta)

@@ -10,6 +10,14 @@ Each step:
      its cached prefix.
 After the step, update() advances the sequences, publishes their computed
 blocks to the prefix cache, appends sampled tokens and retires finished ones.
+
+Asynchronous (one-step-ahead) scheduling splits update() in two:
+on_dispatched(N) right after step N is sent counts its tokens as computed and
+gives each sampling sequence a PLACEHOLDER token, so step N+1 can be built
+while N runs (the workers put the token they sampled in N where the
+placeholder is); on_sampled(N) later writes the real tokens over the
+placeholders and applies stop conditions. A sequence that stops on step N's
+token may already be in step N+1: that extra token is discarded.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from deepserve.cache.kv_manager import KVCacheManager
-from deepserve.engine.sequence import Sequence, SequenceStatus
+from deepserve.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from deepserve.messages.step import SampledToken
 
 
@@ -59,6 +67,9 @@ class Scheduler:
         """Retire a sequence (stop, length or abort) and free its blocks."""
         if seq.is_finished:
             return
+        if seq.num_pending_tokens:  # tokens of steps still running: discarded
+            del seq.token_ids[-seq.num_pending_tokens:]
+            seq.num_pending_tokens = 0
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
@@ -79,8 +90,8 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.seq_id)):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or self._is_exhausted(seq):
+                continue  # preempted earlier in this loop, or awaiting its last token
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.kv.grow(seq.seq_id, seq.num_computed_tokens + num_new):
                 victim = max(self.running, key=lambda s: s.seq_id)  # latest arrived
@@ -119,29 +130,53 @@ class Scheduler:
         out.seqs.pop(seq.seq_id, None)
         out.preempted.append(seq)
 
+    def _is_exhausted(self, seq: Sequence) -> bool:
+        """Its pending tokens already reach a length limit: nothing to schedule."""
+        return (seq.num_output_tokens >= seq.sampling.max_tokens
+                or seq.num_tokens >= self.max_model_len)
+
     # -- update --------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[Sequence]:
-        """Apply one step's results; return the sequences that got a token."""
+        """Synchronous mode: the step ran; apply it whole."""
+        self.on_dispatched(out)
+        return self.on_sampled(out, sampled)
+
+    def on_dispatched(self, out: SchedulerOutput) -> None:
+        """Step sent: its tokens count as computed; samplers get a placeholder."""
         for seq_id, num_new in out.scheduled.items():
             seq = out.seqs[seq_id]
             if seq.is_finished:
-                continue  # aborted while the step ran
+                continue
             seq.num_computed_tokens += num_new
-            self.kv.commit(seq_id, seq.token_ids, seq.num_computed_tokens)
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(PLACEHOLDER)
+                seq.num_pending_tokens += 1
+
+    def on_sampled(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[Sequence]:
+        """Step done: fill placeholders, stop, publish blocks; return the
+        sequences that got a token."""
         advanced = []
         for token in sampled:
             seq = out.seqs[token.seq_id]
             if seq.is_finished:
-                continue  # aborted while the step ran
-            seq.token_ids.append(token.token_id)
+                continue  # aborted or stopped while the step ran
+            seq.token_ids[seq.num_tokens - seq.num_pending_tokens] = token.token_id
+            seq.num_pending_tokens -= 1
             if seq.sampling.logprobs is not None:
                 seq.logprobs.append(token)
             self._check_stop(seq, token.token_id)
             advanced.append(seq)
+        for seq_id in out.scheduled:
+            seq = out.seqs[seq_id]
+            if self.kv.has_seq(seq_id) and not seq.is_finished:
+                num_known = seq.num_tokens - seq.num_pending_tokens
+                self.kv.commit(seq_id, seq.token_ids, min(seq.num_computed_tokens, num_known))
         return advanced
 
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
+        num_known = seq.num_tokens - seq.num_pending_tokens
         if token_id in seq.stop_token_ids:
             self.finish(seq, "stop")
-        elif seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif (num_known - seq.num_prompt_tokens >= seq.sampling.max_tokens
+              or num_known >= self.max_model_len):
             self.finish(seq, "length")

@@ -7,6 +7,8 @@ from typing import Hashable
 
 from deepserve.messages.sampling import SamplingParams
 
+PLACEHOLDER = -1  # a token sampled by a step still running; the workers know it
+
 
 class SequenceStatus(enum.Enum):
     """WAITING -> RUNNING -> FINISHED; RUNNING -> WAITING when preempted
@@ -27,7 +29,8 @@ class Sequence:
         self.stop_token_ids = stop_token_ids  # EOS (unless ignore_eos) + the request's own
         self.salt = salt
         self.status = SequenceStatus.WAITING
-        self.num_computed_tokens = 0  # tokens whose KV is in the pool
+        self.num_computed_tokens = 0  # tokens whose KV is in the pool (or being written)
+        self.num_pending_tokens = 0  # trailing PLACEHOLDERs: sampled by steps in flight
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.num_preemptions = 0
         self.is_known_to_workers = False

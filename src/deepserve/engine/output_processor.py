@@ -1,0 +1,64 @@
+"""RequestState: one request's text, built token by token.
+
+Used by the in-process engine and by the tokenizer process alike. It
+detokenizes incrementally, cuts the text at the first stop string (which then
+finishes the request), and holds back the last len(longest stop) - 1
+characters while the request runs, so a stop string split across two
+increments never reaches the caller.
+"""
+
+from __future__ import annotations
+
+from deepserve.engine.detokenizer import IncrementalDetokenizer
+from deepserve.engine.tokenizer import Tokenizer
+from deepserve.messages.sampling import SamplingParams
+
+
+class RequestState:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 sampling: SamplingParams, tokenizer: Tokenizer):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling = sampling
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._num_emitted = 0  # characters of text already handed out
+        self._holdback = max((len(s) for s in sampling.stop), default=1) - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add_tokens(self, token_ids: list[int], finish_reason: str | None = None) -> str:
+        """Append tokens (finish_reason set when the engine ended the request);
+        return the text the caller may see now. A stop string found here sets
+        finish_reason to "stop"."""
+        if self.is_finished:
+            return ""
+        self.token_ids.extend(token_ids)
+        for token_id in token_ids:
+            self._detok.push(token_id)
+        if finish_reason is not None:
+            self._detok.flush()
+        self.text = self._detok.text
+        if self._cut_at_stop_string():
+            finish_reason = "stop"
+        self.finish_reason = finish_reason
+        visible = len(self.text)
+        if not self.is_finished:
+            visible = max(self._num_emitted, visible - self._holdback)
+        delta = self.text[self._num_emitted:visible]
+        self._num_emitted = visible
+        return delta
+
+    def _cut_at_stop_string(self) -> bool:
+        if not self.sampling.stop:
+            return False
+        start = max(0, self._num_emitted - self._holdback)
+        hits = [i for i in (self.text.find(s, start) for s in self.sampling.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+        return bool(hits)

@@ -1,0 +1,127 @@
+"""The channels of one TE and their wire types (one tagged union per channel).
+
+    client ──ToTokenizer──> tokenizer ──ToMaster──> master ──StepBatch (ring)──> workers
+      ^                       │  ^                    │  ^                          │
+      │                       │  └──── StepTokens ────┘  └──── StepOutput (rank 0) ┘
+      └──── ToClient ─────────┘   (text goes straight back: the streaming shortcut;
+                                   the master and the launcher also report failures)
+
+Workers also send WorkerReady / WorkerFailed to the master.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from deepserve.messages.sampling import SamplingParams
+from deepserve.messages.step import StepOutput
+
+_STRUCT = dict(tag_field="kind", omit_defaults=True, kw_only=True)
+
+
+# -- client -> tokenizer ----------------------------------------------------
+class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
+    """prompt: text, or token ids already; chat: messages to render first."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    sampling: SamplingParams
+    salt: str | None = None
+
+
+class AbortRequest(msgspec.Struct, tag="abort", **_STRUCT):
+    request_id: str
+
+
+
+# -- tokenizer -> master ----------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add", **_STRUCT):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    salt: str | None = None
+
+
+class FinishRequest(msgspec.Struct, tag="finish", **_STRUCT):
+    """Abort by the client, or a stop string the detokenizer found."""
+
+    request_id: str
+    reason: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", **_STRUCT):
+    pass
+
+
+ToMaster = AddRequest | FinishRequest | Shutdown
+
+
+# -- master -> tokenizer ----------------------------------------------------
+class NewTokens(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one request; finish_reason set on its last message."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+
+
+class StepTokens(msgspec.Struct, tag="tokens", **_STRUCT):
+    items: list[NewTokens]
+
+
+# The tokenizer process binds one PULL socket: clients and the master push to it.
+ToTokenizer = SubmitRequest | AbortRequest | StepTokens
+
+
+# -- tokenizer / master / launcher -> client ----------------------------------
+class RequestDelta(msgspec.Struct, tag="delta", **_STRUCT):
+    """What one request gained since its last delta."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None  # on the first delta
+    cached_tokens: int = 0
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+
+
+class RequestFailed(msgspec.Struct, tag="failed", **_STRUCT):
+    """error: "invalid_request", "prompt_too_long" or "engine_dead"."""
+
+    request_id: str
+    error: str
+    message: str
+    param: str | None = None
+
+
+ToClient = RequestDelta | RequestFailed
+
+
+# -- workers -> master ---------------------------------------------------------
+class StepDone(msgspec.Struct, tag="step_done", **_STRUCT):
+    """Rank 0's result of one step; forward_start/end are time.monotonic()
+    stamps (one clock for every process on the node) for the busy fraction."""
+
+    output: StepOutput
+    forward_start: float
+    forward_end: float
+
+
+class WorkerReady(msgspec.Struct, tag="ready", **_STRUCT):
+    rank: int
+    pid: int
+    kv_segment: str
+
+
+class WorkerFailed(msgspec.Struct, tag="worker_failed", **_STRUCT):
+    rank: int
+    message: str
+
+
+FromWorker = StepDone | WorkerReady | WorkerFailed
