@@ -61,26 +61,36 @@ def prefill_flops(nums: dict, batch: int, prompt_len: int) -> float:
     return linear + attention
 
 
-def run_ours(llm, prompts, gen_len) -> dict:
+def run_llm(llm, prompts, gen_len) -> dict:
+    """One batch through our LLM API (any mode), timed on the client side."""
     from deepserve import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
-    engine = llm.engine
-    start = time.perf_counter()
-    ids = [engine.add_request(p, sp) for p in prompts]
-    first, last, decode_steps = {}, {}, []
-    while engine.has_unfinished_requests():
-        step_start = time.perf_counter()
-        outs = engine.step()
-        now = time.perf_counter()
-        if len(outs) == len(prompts) and all(len(o.token_ids) > 1 for o in outs):
-            decode_steps.append(now - step_start)  # every sequence decoding, no prefill
-        for out in outs:
-            first.setdefault(out.request_id, now)
-            last[out.request_id] = now
-            assert len(out.token_ids) <= gen_len
-    return _summary(start, [first[i] for i in ids], [last[i] for i in ids], gen_len,
-                    decode_steps)
+    start = time.monotonic()
+    first, last, arrivals = {}, {}, []
+    for out in llm.stream(prompts, sp):
+        now = time.monotonic()
+        first.setdefault(out.request_id, now)
+        last[out.request_id] = now
+        arrivals.append(now)
+        assert len(out.token_ids) <= gen_len
+    ids = list(first)
+    assert len(ids) == len(prompts)
+    summary = _summary(start, [first[i] for i in ids], [last[i] for i in ids], gen_len, [])
+    # Steady decode: from the moment every request has its first token.
+    phase_start, phase_end = max(first.values()), max(last.values())
+    num_decode_tokens = sum(1 for t in arrivals if t > phase_start)
+    summary["decode_step_s"] = len(prompts) * (phase_end - phase_start) / max(num_decode_tokens, 1)
+    summary["decode_window"] = (phase_start, phase_end)
+    return summary
+
+
+def busy_fraction(llm, window: tuple[float, float]) -> float:
+    """Time the workers spent in forward / wall time, inside the window."""
+    lo, hi = window
+    spans = llm.client.stats().forward_spans
+    busy = sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in spans)
+    return busy / (hi - lo)
 
 
 def run_hf(model, prompts, gen_len) -> dict:
@@ -90,11 +100,11 @@ def run_hf(model, prompts, gen_len) -> dict:
 
     class Stamp(LogitsProcessor):
         def __call__(self, input_ids, scores):
-            stamps.append(time.perf_counter())
+            stamps.append(time.monotonic())
             return scores
 
     ids = torch.tensor(prompts)
-    start = time.perf_counter()
+    start = time.monotonic()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=gen_len, min_new_tokens=gen_len,
@@ -112,7 +122,7 @@ def _summary(start: float, first: list[float], last: list[float], gen_len: int,
     return {"ttft_s": statistics.median(f - start for f in first),
             "tpot_s": statistics.median((l - f) / (gen_len - 1) for f, l in zip(first, last)),
             "prefill_s": max(first) - start,
-            "decode_step_s": statistics.median(decode_steps)}
+            "decode_step_s": statistics.median(decode_steps) if decode_steps else None}
 
 
 def ensure_model(model: Path, preset: str, dtype: str) -> Path:
@@ -131,75 +141,101 @@ def ensure_model(model: Path, preset: str, dtype: str) -> Path:
 @click.option("--gen-len", default=128)
 @click.option("--dtype", default="bfloat16")
 @click.option("--max-num-batched-tokens", default=2048)
-@click.option("--skip-hf", is_flag=True, help="measure only DeepServe")
+@click.option("--processes", is_flag=True, help="also run the TE as processes (async scheduling)")
+@click.option("--sync", is_flag=True, help="with --processes: also run synchronous scheduling")
+@click.option("--tp", default=1, help="tensor-parallel degree of the process-mode TE")
+@click.option("--skip-hf", is_flag=True, help="do not run Hugging Face transformers")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def main(model, preset, batch_sizes, prompt_len, gen_len, dtype, max_num_batched_tokens,
-         skip_hf, json_out):
+         processes, sync, tp, skip_hf, json_out):
     from deepserve import LLM
 
     model = ensure_model(model, preset, dtype)
     sizes = [int(b) for b in batch_sizes.split(",")]
-    kv_tokens = max(sizes) * (prompt_len + gen_len)
-    llm = LLM(str(model), dtype=dtype, enable_prefix_caching=False,
-              num_kv_blocks=kv_tokens // 16 + max(sizes) + 1,
-              max_num_batched_tokens=max_num_batched_tokens)
+    options = dict(dtype=dtype, enable_prefix_caching=False,
+                   num_kv_blocks=max(sizes) * (prompt_len + gen_len) // 16 + max(sizes) + 1,
+                   max_num_batched_tokens=max_num_batched_tokens)
+    modes = {"in-process": {}}
+    if processes:
+        modes[f"processes tp={tp}"] = dict(processes=True, tp=tp)
+        if sync:
+            modes[f"processes tp={tp} sync"] = dict(processes=True, tp=tp, async_scheduling=False)
+    llms = {name: LLM(str(model), **options, **extra) for name, extra in modes.items()}
+    try:
+        _bench(llms, model, sizes, prompt_len, gen_len, dtype, skip_hf, json_out)
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+
+
+def _bench(llms, model, sizes, prompt_len, gen_len, dtype, skip_hf, json_out) -> None:
     hf = None
     if not skip_hf:
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype)).eval()
     machine = measure_machine(getattr(torch, dtype))
-    nums = model_numbers(llm.engine.model_config)
+    any_llm = next(iter(llms.values()))
+    cfg = any_llm.engine.model_config if any_llm.engine else _model_config(model, dtype)
+    nums = model_numbers(cfg)
     print(f"machine: read {machine['read_gbps']:.1f} GB/s, copy {machine['copy_gbps']:.1f} GB/s, "
           f"bf16 matmul {machine['matmul_tflops']:.2f} TFLOP/s; torch threads "
           f"{torch.get_num_threads()}")
     gen = torch.Generator().manual_seed(0)
-    vocab = llm.engine.model_config.vocab_size
     rows = []
     for batch in sizes:
-        prompts = torch.randint(100, vocab, (batch, prompt_len), generator=gen).tolist()
-        run_ours(llm, [p[:32] for p in prompts[:1]], 4)  # warm-up
-        ours = run_ours(llm, prompts, gen_len)
-        theirs = run_hf(hf, prompts, gen_len) if hf is not None else None
-        rows.append(_row(batch, prompt_len, gen_len, ours, theirs, machine, nums))
+        prompts = torch.randint(100, cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
+        results = {}
+        for name, llm in llms.items():
+            run_llm(llm, [p[:32] for p in prompts[:1]], 4)  # warm-up
+            results[name] = run_llm(llm, prompts, gen_len)
+            if llm.client is not None:
+                results[name]["busy"] = busy_fraction(llm, results[name]["decode_window"])
+        if hf is not None:
+            results["hf"] = run_hf(hf, prompts, gen_len)
+        rows.append(_row(batch, prompt_len, gen_len, results, machine, nums))
     _print_table(rows)
     if json_out:
         json_out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
 
 
-def _row(batch, prompt_len, gen_len, ours, theirs, machine, nums) -> dict:
+def _model_config(model: Path, dtype: str):
+    from deepserve.model.config import load_model_config
+    return load_model_config(model, dtype)
+
+
+def _row(batch, prompt_len, gen_len, results, machine, nums) -> dict:
     avg_ctx = prompt_len + gen_len / 2
     step_bytes = nums["weight_bytes"] + batch * avg_ctx * nums["kv_bytes_per_token"]
-    return {"batch": batch, "ours": ours, "hf": theirs,
+    return {"batch": batch, "results": results,
             "decode_roofline_s": step_bytes / (machine["read_gbps"] * 1e9),
             "prefill_roofline_s":
                 prefill_flops(nums, batch, prompt_len) / (machine["matmul_tflops"] * 1e12),
             "prompt_tokens": batch * prompt_len}
 
 
-def _phase_cells(r: dict, m: dict) -> list[str]:
+def _cells(r: dict, m: dict) -> list[str]:
+    busy = f"{m['busy']:.2f}" if "busy" in m else "-"
     return [f"{r['prompt_tokens'] / m['prefill_s']:.0f}", f"{r['batch'] / m['decode_step_s']:.1f}",
             f"{m['prefill_s']:.2f}", f"{m['ttft_s'] * 1e3:.0f}", f"{m['tpot_s'] * 1e3:.1f}",
-            f"{m['decode_step_s'] * 1e3:.1f}"]
+            f"{m['decode_step_s'] * 1e3:.1f}", busy,
+            f"{m['decode_step_s'] / r['decode_roofline_s']:.2f}",
+            f"{m['prefill_s'] / r['prefill_roofline_s']:.2f}"]
 
 
 def _print_table(rows: list[dict]) -> None:
-    phase = ("prefill tok/s", "decode tok/s", "batch prefill s", "TTFT p50 ms", "TPOT p50 ms",
-             "decode step p50 ms")
-    head = (["batch", "who"] + list(phase)
-            + ["decode step / roofline", "batch prefill / roofline"])
-    print(" | ".join(head))
+    print(" | ".join(["batch", "who", "prefill tok/s", "decode tok/s", "batch prefill s",
+                      "TTFT p50 ms", "TPOT p50 ms", "decode step ms", "busy",
+                      "decode step / roofline", "batch prefill / roofline"]))
     for r in rows:
-        for who, m in (("deepserve", r["ours"]), ("hf", r["hf"])):
-            if m:
-                print(" | ".join([str(r["batch"]), who] + _phase_cells(r, m) + [
-                    f"{m['decode_step_s'] / r['decode_roofline_s']:.2f}",
-                    f"{m['prefill_s'] / r['prefill_roofline_s']:.2f}"]))
-        if r["hf"]:
-            o, h = r["ours"], r["hf"]
-            print(f"{r['batch']} | hf/deepserve | prefill x{h['prefill_s'] / o['prefill_s']:.2f}"
-                  f" | decode step x{h['decode_step_s'] / o['decode_step_s']:.2f}"
-                  f" | TTFT x{h['ttft_s'] / o['ttft_s']:.2f} | TPOT x{h['tpot_s'] / o['tpot_s']:.2f}")
-    print(f"roofline per batch: " + ", ".join(
+        base = r["results"]["in-process"]
+        for who, m in r["results"].items():
+            print(" | ".join([str(r["batch"]), who] + _cells(r, m)))
+        for who, m in r["results"].items():
+            if who != "in-process":
+                print(f"{r['batch']} | {who} / in-process | decode tok/s "
+                      f"x{base['decode_step_s'] / m['decode_step_s']:.2f} | prefill tok/s "
+                      f"x{base['prefill_s'] / m['prefill_s']:.2f}")
+    print("roofline: " + ", ".join(
         f"B={r['batch']}: decode step {r['decode_roofline_s'] * 1e3:.1f} ms, "
         f"prefill {r['prefill_roofline_s']:.2f} s" for r in rows))
 

@@ -1,10 +1,26 @@
-"""DeepServe: a serverless LLM serving platform (FlowServe engines, RTC, DistFlow)."""
+"""DeepServe: a serverless LLM serving platform (FlowServe engines, RTC, DistFlow).
 
-from deepserve.engine.llm import LLM
-from deepserve.engine.outputs import RequestOutput
-from deepserve.errors import (DeepServeError, InvalidRequestError, ModelLoadError,
-                              PromptTooLongError, UnsupportedModelError)
-from deepserve.messages.sampling import SamplingParams
+The public names load lazily (PEP 562), so a process that needs only the
+plumbing (ipc, messages) does not pay for importing torch.
+"""
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "DeepServeError", "InvalidRequestError",
-           "ModelLoadError", "PromptTooLongError", "UnsupportedModelError"]
+from importlib import import_module
+
+_EXPORTS = {
+    "LLM": "deepserve.engine.llm",
+    "RequestOutput": "deepserve.engine.outputs",
+    "SamplingParams": "deepserve.messages.sampling",
+    "DeepServeError": "deepserve.errors",
+    "EngineDeadError": "deepserve.errors",
+    "InvalidRequestError": "deepserve.errors",
+    "ModelLoadError": "deepserve.errors",
+    "PromptTooLongError": "deepserve.errors",
+    "UnsupportedModelError": "deepserve.errors",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'deepserve' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

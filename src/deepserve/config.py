@@ -7,7 +7,9 @@ config never changes.
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -33,15 +35,27 @@ class EngineConfig:
     """Reuse KV of equal prompt prefixes through the radix tree."""
     seed: int = 0
     """Seed of the generator shared by unseeded sampled requests."""
+    processes: bool = False
+    """Run the TE as processes (master, tokenizer, one worker per device)
+    instead of in the caller's process."""
+    tp: int = 1
+    """Tensor-parallel degree: worker processes sharing one model (processes only)."""
+    async_scheduling: bool = True
+    """Build step N+1 while step N runs (processes only); False: synchronous."""
+    startup_timeout_s: float = 120.0
+    """Seconds the TE's processes have to load and report ready."""
 
     def __post_init__(self):
-        for name in ("block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
+                     "tp"):
             _positive(name, getattr(self, name))
         for name in ("num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.tp > 1 and not self.processes:
+            raise ValueError("tp > 1 needs processes=True (one worker process per rank)")
 
     @classmethod
     def from_options(cls, model: str, **options) -> "EngineConfig":
@@ -64,6 +78,23 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks {num_blocks} x block_size {self.block_size} cannot "
                              f"hold one sequence of max_model_len {max_len}")
         return replace(self, num_kv_blocks=num_blocks, max_model_len=min(max_len, pool_tokens))
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> EngineConfig:
+    """Read the [engine] table of a TOML file (unknown keys are errors);
+    `overrides` (e.g. from the command line) win over the file."""
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    unknown = sorted(set(raw) - {"engine"})
+    if unknown:
+        raise ValueError(f"{path}: unknown section(s) {unknown}; known: ['engine']")
+    options = {**raw.get("engine", {}), **(overrides or {})}
+    if "model" not in options:
+        raise ValueError(f"{path}: [engine] needs model = \"PATH\"")
+    model = Path(options.pop("model"))
+    if not model.is_absolute():  # relative to the repository root, like conf/ itself
+        model = Path(path).resolve().parent.parent / model
+    return EngineConfig.from_options(str(model), **options)
 
 
 def _positive(name: str, value) -> None:

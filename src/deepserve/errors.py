@@ -3,8 +3,9 @@
     DeepServeError
     ├── InvalidRequestError (also ValueError)   bad prompt or sampling field
     │   └── PromptTooLongError                  prompt + room to generate > max_model_len
-    └── ModelLoadError                          model directory unusable
-        └── UnsupportedModelError               architecture we do not implement
+    ├── ModelLoadError                          model directory unusable
+    │   └── UnsupportedModelError               architecture we do not implement
+    └── EngineDeadError                         a TE process died; its requests fail
 """
 
 
@@ -33,3 +34,7 @@ class ModelLoadError(DeepServeError):
 
 class UnsupportedModelError(ModelLoadError):
     """config.json names an architecture we do not implement."""
+
+
+class EngineDeadError(DeepServeError):
+    """A process of the TE died or the TE was shut down: in-flight requests fail."""

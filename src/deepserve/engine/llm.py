@@ -3,67 +3,173 @@
     llm = LLM(model="models/tiny", max_num_batched_tokens=512)
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=16))
     out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
+    for piece in llm.stream("Once", SamplingParams(max_tokens=8)): print(piece.delta)
+
+In-process (default) it drives an LLMEngine step by step; with
+`processes=True` (and `tp=N`) the same calls go to a TE of processes
+through an EngineClient.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import uuid
+from typing import Iterator, Sequence
 
 from deepserve.config import EngineConfig
+from deepserve.engine.client import EngineClient
 from deepserve.engine.llm_engine import LLMEngine
-from deepserve.engine.outputs import RequestOutput
-from deepserve.errors import InvalidRequestError
+from deepserve.engine.outputs import RequestOutput, TokenLogprob
+from deepserve.engine.tokenizer import Tokenizer
+from deepserve.errors import (EngineDeadError, InvalidRequestError, PromptTooLongError)
+from deepserve.messages.engine import RequestDelta, RequestFailed, SubmitRequest
 from deepserve.messages.sampling import SamplingParams
 
 Prompt = str | list[int]
+_ERRORS = {"invalid_request": InvalidRequestError, "prompt_too_long": PromptTooLongError}
 
 
 class LLM:
     def __init__(self, model: str, **options):
-        self.engine = LLMEngine(EngineConfig.from_options(model, **options))
-        self.tokenizer = self.engine.tokenizer
+        config = EngineConfig.from_options(model, **options)
+        self.engine = self.client = None
+        if config.processes:
+            self.client = EngineClient(config)
+            self.tokenizer = Tokenizer(config.model)
+        else:
+            self.engine = LLMEngine(config)
+            self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Generate for every prompt; results in prompt order.
-
-        Every prompt is checked before any is queued: a bad one raises
-        InvalidRequestError and nothing runs."""
+        """Generate for every prompt; results in prompt order. A bad prompt
+        raises InvalidRequestError and the batch's other requests are dropped."""
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
-        except InvalidRequestError:
-            for request_id in ids:
-                self.engine.abort_request(request_id)
-            raise
-        return self._run(ids)
+        requests = self._submit(prompts, _as_params_list(sampling_params, len(prompts)))
+        done = {}
+        for out in self._outputs(requests):
+            if out.finished:
+                done[out.request_id] = out
+        return [done[r] for r in requests]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+             ) -> list[RequestOutput]:
         """Apply the chat template to one conversation (or a list of them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt)
-                   for c in conversations]
+        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         outs = self.generate(ids, sampling_params)
         for out, prompt in zip(outs, prompts):
             out.prompt = prompt
         return outs
 
-    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(request_ids):
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-            if not self.engine.has_unfinished_requests() and len(done) < len(request_ids):
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Each request's output whenever it grows (`.delta` is the new text),
+        until all have finished."""
+        prompts = _as_prompt_list(prompts)
+        requests = self._submit(prompts, _as_params_list(sampling_params, len(prompts)))
+        yield from self._outputs(requests)
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            self.client.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- both modes ------------------------------------------------------------
+    def _submit(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+        for p in params:
+            p.validate()
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self._add(prompt, p))
+        except InvalidRequestError:
+            for request_id in ids:
+                self._abort(request_id)
+            raise
+        return ids
+
+    def _add(self, prompt: Prompt, sampling: SamplingParams) -> str:
+        if self.engine is not None:
+            return self.engine.add_request(prompt, sampling)
+        request_id = uuid.uuid4().hex
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", "prompt")
+            msg = SubmitRequest(request_id=request_id, prompt=prompt, sampling=sampling)
+        elif isinstance(prompt, list):
+            msg = SubmitRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+        self.client.submit(msg)
+        return request_id
+
+    def _abort(self, request_id: str) -> None:
+        if self.engine is not None:
+            self.engine.abort_request(request_id)
+        else:
+            self.client.abort(request_id)
+
+    def _outputs(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        if self.engine is not None:
+            yield from self._engine_outputs(set(request_ids))
+        else:
+            yield from self._client_outputs(request_ids)
+
+    def _engine_outputs(self, open_ids: set[str]) -> Iterator[RequestOutput]:
+        while open_ids:
+            if not self.engine.has_unfinished_requests():
                 raise RuntimeError("engine went idle with requests unanswered")
-        return [done[i] for i in request_ids]
+            for out in self.engine.step():
+                if out.request_id in open_ids:
+                    yield out
+                    if out.finished:
+                        open_ids.discard(out.request_id)
+
+    def _client_outputs(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        outputs = {r: RequestOutput(r, None, [], [], "", None, 0) for r in request_ids}
+        open_ids, error = set(request_ids), None
+        while open_ids:
+            for msg in self.client.poll(timeout=0.1):
+                out = outputs.get(msg.request_id)
+                if out is None or msg.request_id not in open_ids:
+                    continue
+                if isinstance(msg, RequestFailed):
+                    open_ids.discard(msg.request_id)
+                    if error is None:
+                        error = _ERRORS.get(msg.error, EngineDeadError)(msg.message)
+                        for other in open_ids:
+                            self._abort(other)
+                    continue
+                _apply_delta(out, msg)
+                if out.finished:
+                    open_ids.discard(msg.request_id)
+                if error is None:
+                    yield dataclasses.replace(out)  # a snapshot, as in-process steps give
+        if error is not None:
+            raise error
+
+
+def _apply_delta(out: RequestOutput, delta: RequestDelta) -> None:
+    if delta.prompt_token_ids is not None:
+        out.prompt, out.prompt_token_ids = delta.prompt, delta.prompt_token_ids
+    out.token_ids = out.token_ids + delta.token_ids
+    out.text += delta.text
+    out.delta = delta.text
+    out.finish_reason = delta.finish_reason
+    out.cached_tokens = delta.cached_tokens
+    if delta.logprobs is not None:
+        out.logprobs = (out.logprobs or []) + [TokenLogprob(t, lp, [tuple(x) for x in top])
+                                               for t, lp, top in delta.logprobs]
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -18,12 +18,11 @@ from deepserve.config import EngineConfig
 from deepserve.engine.output_processor import RequestState
 from deepserve.engine.outputs import RequestOutput, TokenLogprob
 from deepserve.engine.request_checks import check_prompt_ids
-from deepserve.engine.scheduler import Scheduler, SchedulerOutput
+from deepserve.engine.scheduler import Scheduler
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.tokenizer import Tokenizer
 from deepserve.errors import InvalidRequestError
 from deepserve.messages.sampling import SamplingParams
-from deepserve.messages.step import NewSeq, ScheduledSeq, StepBatch
 from deepserve.model.loader import load_model
 from deepserve.worker.model_runner import ModelRunner
 
@@ -104,23 +103,11 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        output = self.runner.execute(self._step_batch(scheduled))
+        batch = scheduled.to_step_batch(next(self._step_ids), self.kv, self._released_seq_ids)
+        self._released_seq_ids = []
+        output = self.runner.execute(batch)
         advanced = self.scheduler.update(scheduled, output.sampled)
         return [self._emit(self._by_seq[seq.seq_id]) for seq in advanced]
-
-    def _step_batch(self, scheduled: SchedulerOutput) -> StepBatch:
-        seqs, new = [], []
-        for seq_id, num_new in scheduled.scheduled.items():
-            seq = scheduled.seqs[seq_id]
-            start = seq.num_computed_tokens
-            seqs.append(ScheduledSeq(seq_id, start, seq.token_ids[start:start + num_new],
-                                     list(self.kv.block_table(seq_id)),
-                                     start + num_new == seq.num_tokens))
-            if not seq.is_known_to_workers:
-                seq.is_known_to_workers = True
-                new.append(NewSeq(seq_id, seq.sampling))
-        released, self._released_seq_ids = self._released_seq_ids, []
-        return StepBatch(next(self._step_ids), seqs, new, released)
 
     def _emit(self, req: _Request) -> RequestOutput:
         seq = req.seq

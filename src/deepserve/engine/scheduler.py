@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
-from deepserve.messages.step import SampledToken
+from deepserve.messages.step import NewSeq, SampledToken, ScheduledSeq, StepBatch
 
 
 @dataclass
@@ -43,6 +43,20 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(self.scheduled.values())
+
+    def to_step_batch(self, step_id: int, kv: KVCacheManager, released: list[int]) -> StepBatch:
+        """The wire form for the workers; marks new sequences as known to them."""
+        seqs, new = [], []
+        for seq_id, num_new in self.scheduled.items():
+            seq = self.seqs[seq_id]
+            start = seq.num_computed_tokens
+            seqs.append(ScheduledSeq(seq_id, start, seq.token_ids[start:start + num_new],
+                                     list(kv.block_table(seq_id)),
+                                     start + num_new == seq.num_tokens))
+            if not seq.is_known_to_workers:
+                seq.is_known_to_workers = True
+                new.append(NewSeq(seq_id, seq.sampling))
+        return StepBatch(step_id, seqs, new, released)
 
 
 class Scheduler:

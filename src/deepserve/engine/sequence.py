@@ -6,8 +6,7 @@ import enum
 from typing import Hashable
 
 from deepserve.messages.sampling import SamplingParams
-
-PLACEHOLDER = -1  # a token sampled by a step still running; the workers know it
+from deepserve.messages.step import PLACEHOLDER  # noqa: F401  (re-exported)
 
 
 class SequenceStatus(enum.Enum):

@@ -55,7 +55,11 @@ class Shutdown(msgspec.Struct, tag="shutdown", **_STRUCT):
     pass
 
 
-ToMaster = AddRequest | FinishRequest | Shutdown
+class GetStats(msgspec.Struct, tag="get_stats", **_STRUCT):
+    """Ask the master for its EngineStats (answered to the client)."""
+
+
+ToMaster = AddRequest | FinishRequest | Shutdown | GetStats
 
 
 # -- master -> tokenizer ----------------------------------------------------
@@ -74,7 +78,7 @@ class StepTokens(msgspec.Struct, tag="tokens", **_STRUCT):
 
 
 # The tokenizer process binds one PULL socket: clients and the master push to it.
-ToTokenizer = SubmitRequest | AbortRequest | StepTokens
+ToTokenizer = SubmitRequest | AbortRequest | StepTokens | GetStats
 
 
 # -- tokenizer / master / launcher -> client ----------------------------------
@@ -100,7 +104,15 @@ class RequestFailed(msgspec.Struct, tag="failed", **_STRUCT):
     param: str | None = None
 
 
-ToClient = RequestDelta | RequestFailed
+class EngineStats(msgspec.Struct, tag="stats", **_STRUCT):
+    """forward_spans: (start, end) time.monotonic() of the workers' recent
+    forwards, oldest first; num_preemptions so far."""
+
+    forward_spans: list[tuple[float, float]]
+    num_preemptions: int
+
+
+ToClient = RequestDelta | RequestFailed | EngineStats
 
 
 # -- workers -> master ---------------------------------------------------------

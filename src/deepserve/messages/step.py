@@ -11,12 +11,15 @@ import msgspec
 
 from deepserve.messages.sampling import SamplingParams
 
+PLACEHOLDER = -1  # an input token the workers fill in: the one they sampled last for the seq
+
 
 class ScheduledSeq(msgspec.Struct, array_like=True, gc=False):
     """One sequence's slice of the step.
 
     start: position of the first new token (= tokens already computed).
-    token_ids: the new tokens, at positions start .. start + len - 1.
+    token_ids: the new tokens, at positions start .. start + len - 1; with
+        asynchronous scheduling the last may be PLACEHOLDER.
     block_table: KV block ids covering positions 0 .. start + len - 1.
     do_sample: the chunk ends the known tokens, so sample the next one.
     """

@@ -4,6 +4,11 @@ Shapes: T = tokens in this step (all sequences, flattened), H/Hkv = query/KV
 heads, D = head_dim, E = hidden size. q/k/v and gate/up projections are fused
 at load time (one matmul each), which is what the checkpoints' separate
 tensors compute.
+
+Tensor parallelism (model/parallel.py): with tp = N each rank builds the same
+modules at local sizes, Hl = H / N query heads, Hkvl = Hkv / N KV heads and
+I / N MLP columns; the loader fills them with this rank's shard. o_proj and
+down_proj are RowParallelLinear: one all-reduce each, bias added once after.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from torch import nn
 
 from deepserve.model.attention import AttentionMetadata, paged_attention
 from deepserve.model.config import ModelConfig
+from deepserve.model.parallel import TensorParallel
 from deepserve.model.rope import RotaryEmbedding
 
 
@@ -30,14 +36,46 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class RowParallelLinear(nn.Linear):
+    """A Linear whose input features are split across ranks.
+
+    Each rank holds weight columns for its slice of the input, so its product
+    is a partial sum of the full output: one all-reduce completes it. The bias
+    (replicated) is added after the sum so that it counts once, not N times.
+    At tp=1 this is exactly nn.Linear.
+    """
+
+    def __init__(self, local_in: int, out: int, bias: bool, tp: TensorParallel):
+        super().__init__(local_in, out, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tp.is_parallel:
+            return super().forward(x)
+        y = self.tp.all_reduce(F.linear(x, self.weight))  # (T, out), summed over ranks
+        return y if self.bias is None else y + self.bias
+
+
+_KV_HINT = " (replicating KV heads when tp > num_kv_heads is not supported yet)"
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    """Self-attention over this rank's heads: Hl query heads, Hkvl KV heads.
+
+    Heads are split in order, rank r taking query heads [r*Hl, (r+1)*Hl) and
+    KV heads [r*Hkvl, (r+1)*Hkvl), so each query head keeps its GQA KV head.
+    """
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel):
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.num_heads = tp.shard(cfg.num_heads, "num_heads")
+        self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_kv_heads", _KV_HINT)
         self.head_dim = cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_size = self.num_heads * cfg.head_dim  # local
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.rotary = rotary
         self.scale = cfg.head_dim ** -0.5
 
@@ -45,33 +83,35 @@ class Attention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hl, D)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkvl, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, H, D)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, Hl, D)
+        return self.o_proj(out.view(num_tokens, self.q_size))  # (T, E), all-reduced
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """SwiGLU over this rank's I / N intermediate columns; down_proj all-reduces."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate_size = tp.shard(cfg.intermediate_size, "intermediate_size")  # local
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = RowParallelLinear(self.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I/N) each
+        return self.down_proj(F.silu(gate) * up)  # (T, E), all-reduced
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, positions, meta, kv):
         x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv)
@@ -79,18 +119,29 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """forward() -> hidden states (T, E); compute_logits() -> (N, V) float32."""
+    """forward() -> hidden states (T, E); compute_logits() -> (N, V) float32.
 
-    def __init__(self, cfg: ModelConfig):
+    With tp > 1 every rank of the group must call forward() with the same
+    batch (SPMD): the layers' all-reduces pair up across ranks. Hidden states
+    and logits come out whole and identical on every rank.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.config = cfg
+        self.tp = tp
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank stores: what its KV pool is sized by."""
+        return self.config.num_kv_heads // self.tp.size  # divisibility checked in Attention
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

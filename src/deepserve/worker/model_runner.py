@@ -5,7 +5,9 @@ It owns the model, this device's KV pool and the per-sequence sampling state
 sends token ids, positions and block ids, and gets token ids back.
 
 KV pool layout: one tensor (2, L, Hkv, num_blocks, block_size, D); the first
-index is K or V; see model/attention.py for why it is head-major.
+index is K or V; see model/attention.py for why it is head-major. With tensor
+parallelism Hkv is this rank's share (Hkv / tp): each rank keeps the K/V of
+its own heads only, under the same block ids as every other rank.
 """
 
 from __future__ import annotations
@@ -13,32 +15,53 @@ from __future__ import annotations
 import torch
 
 from deepserve.messages.sampling import SamplingParams
-from deepserve.messages.step import SampledToken, ScheduledSeq, StepBatch, StepOutput
+from deepserve.messages.step import (PLACEHOLDER, SampledToken, ScheduledSeq, StepBatch,
+                                     StepOutput)
 from deepserve.model.attention import AttentionMetadata, PrefillSpan
 from deepserve.model.llama import CausalLM
+from deepserve.model.parallel import TensorParallel
 from deepserve.worker.sampler import logprobs_of, sample
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, seed: int = 0):
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, seed: int = 0,
+                 kv_pool: torch.Tensor | None = None):
+        """kv_pool: optional caller-allocated storage (e.g. shared memory) of
+        kv_pool_shape(...) and the model dtype; by default one is allocated here."""
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
+        shape = self.kv_pool_shape(model, num_blocks, block_size)
+        if kv_pool is None:
+            kv_pool = torch.empty(shape, dtype=cfg.dtype)
+        elif tuple(kv_pool.shape) != shape or kv_pool.dtype != cfg.dtype:
+            raise ValueError(f"kv_pool is {tuple(kv_pool.shape)} {kv_pool.dtype}, "
+                             f"this rank needs {shape} {cfg.dtype}")
         # Zeroed, not empty: padded decode slots are masked, but NaN * 0 is NaN.
-        self.kv_pool = torch.zeros(2, cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size,
-                                   cfg.head_dim, dtype=cfg.dtype)
+        self.kv_pool = kv_pool.zero_()  # (2, L, Hkv_local, NB, bs, D)
         self.kv_caches = [(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(cfg.num_layers)]
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator]] = {}
         self._default_generator = torch.Generator().manual_seed(seed)
+        self._last_sampled: dict[int, int] = {}  # seq_id -> token sampled in its last step
 
     @staticmethod
-    def kv_bytes_per_block(model_config, block_size: int) -> int:
+    def kv_pool_shape(model: CausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """(2, L, Hkv_local, NB, bs, D): this rank's pool; Hkv_local = Hkv / tp."""
+        cfg = model.config
+        return (2, cfg.num_layers, model.num_local_kv_heads, num_blocks, block_size,
+                cfg.head_dim)
+
+    @staticmethod
+    def kv_bytes_per_block(model_config, block_size: int, tp_size: int = 1) -> int:
+        """Bytes one block takes on one rank: each holds num_kv_heads / tp_size heads."""
         c = model_config
-        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * c.dtype.itemsize
+        local_kv_heads = TensorParallel(0, tp_size).shard(c.num_kv_heads, "num_kv_heads")
+        return 2 * c.num_layers * block_size * local_kv_heads * c.head_dim * c.dtype.itemsize
 
     def execute(self, batch: StepBatch) -> StepOutput:
         self._update_states(batch)
+        self._resolve_placeholders(batch)
         input_ids, positions, meta = self._prepare(batch.seqs)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)  # (T, E)
         sampling_seqs = [s for s in batch.seqs if s.do_sample]
@@ -46,11 +69,23 @@ class ModelRunner:
             return StepOutput(batch.step_id, [])
         last_rows = torch.tensor(self._last_rows(batch.seqs), dtype=torch.long)
         logits = self.model.compute_logits(hidden[last_rows])  # (N, V)
-        return StepOutput(batch.step_id, self._sample(sampling_seqs, logits))
+        output = StepOutput(batch.step_id, self._sample(sampling_seqs, logits))
+        for token in output.sampled:
+            self._last_sampled[token.seq_id] = token.token_id
+        return output
+
+    def _resolve_placeholders(self, batch: StepBatch) -> None:
+        """Asynchronous scheduling: a PLACEHOLDER input is the token this
+        runner sampled for that sequence in its previous step."""
+        for seq in batch.seqs:
+            if PLACEHOLDER in seq.token_ids:
+                last = self._last_sampled[seq.seq_id]
+                seq.token_ids = [last if t == PLACEHOLDER else t for t in seq.token_ids]
 
     def _update_states(self, batch: StepBatch) -> None:
         for seq_id in batch.finished_seq_ids:
             self._sampling.pop(seq_id, None)
+            self._last_sampled.pop(seq_id, None)
         for new in batch.new_seqs:
             p = new.sampling
             gen = self._default_generator

@@ -1,0 +1,149 @@
+"""TELauncher: start one TE's processes, watch them, stop them.
+
+    launcher (the caller's process)
+    ├─ tokenizer      tokenizer_main
+    ├─ master         master_main
+    └─ worker 0..tp-1 worker_main (SPMD)
+
+Every child gets a death pipe (it exits when this process dies) and a ready
+pipe (it says "ready" or why not). The launcher notices dead children by
+their sentinels. Everything of a run lives under names derived from its run
+id: a short run directory for the ipc:// sockets and shared-memory segments
+`deepserve-<run id>-*`, which shutdown() sweeps on every exit path.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from pathlib import Path
+
+from deepserve.config import EngineConfig
+from deepserve.engine.master import MasterSpec, master_main
+from deepserve.engine.tokenizer_actor import TokenizerSpec, tokenizer_main
+from deepserve.errors import EngineDeadError
+from deepserve.ipc.segments import list_segments, segment_name, unlink_segment
+from deepserve.ipc.sockets import ipc_address
+from deepserve.model.config import load_model_config
+from deepserve.worker.model_runner import ModelRunner
+from deepserve.worker.worker_actor import WorkerSpec, worker_main
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Child:
+    name: str
+    process: mp.Process
+    death_pipe: object  # write end, held open while we live
+    ready_pipe: object
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TELauncher:
+    def __init__(self, config: EngineConfig):
+        model_config = load_model_config(config.model, config.dtype)
+        self.config = config.resolve(
+            model_config.max_position_embeddings,
+            ModelRunner.kv_bytes_per_block(model_config, config.block_size, config.tp))
+        self.run_id = uuid.uuid4().hex[:12]
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"ds-{self.run_id}-"))
+        self.address = {name: ipc_address(self.run_dir, name)
+                        for name in ("client", "tokenizer", "master", "steps", "ring")}
+        self.children: list[_Child] = []
+        self._mp = mp.get_context("spawn")
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {c.name: c.process.pid for c in self.children}
+
+    def start(self) -> None:
+        """Start every process and wait until all report ready (or raise)."""
+        try:
+            self._spawn("tokenizer", tokenizer_main, self._tokenizer_spec())
+            self._spawn("master", master_main, self._master_spec())
+            init = f"tcp://127.0.0.1:{_free_port()}"
+            for rank in range(self.config.tp):
+                self._spawn(f"worker{rank}", worker_main, self._worker_spec(rank, init))
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _spawn(self, name: str, target, spec) -> None:
+        death_r, death_w = self._mp.Pipe(duplex=False)
+        ready_r, ready_w = self._mp.Pipe(duplex=False)
+        process = self._mp.Process(target=target, args=(spec, death_r, ready_w),
+                                   name=f"deepserve-{name}", daemon=False)
+        process.start()
+        death_r.close()
+        ready_w.close()
+        self.children.append(_Child(name, process, death_w, ready_r))
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        waiting = {c.ready_pipe: c for c in self.children}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineDeadError(f"TE not ready after {self.config.startup_timeout_s} s: "
+                                      f"{sorted(c.name for c in waiting.values())}")
+            for pipe in wait(list(waiting) + [c.process.sentinel for c in self.children], left):
+                child = waiting.pop(pipe, None)
+                if child is None:  # a sentinel: some process exited
+                    raise EngineDeadError(f"TE process died while starting: {self.dead()}")
+                status, detail = child.ready_pipe.recv()
+                if status != "ready":
+                    raise EngineDeadError(f"{child.name} failed to start: {detail}")
+
+    def dead(self) -> list[str]:
+        """Children that have exited, as 'name (exit code)'."""
+        return [f"{c.name} (exit {c.process.exitcode})" for c in self.children
+                if not c.process.is_alive()]
+
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every child, SIGKILL what is left after grace_s, then sweep
+        the run's shared memory and run directory. Safe to call twice."""
+        for c in self.children:
+            if c.process.is_alive():
+                c.process.terminate()
+        deadline = time.monotonic() + grace_s
+        for c in self.children:
+            c.process.join(max(0.0, deadline - time.monotonic()))
+            if c.process.is_alive():
+                log.warning("%s did not stop in %.1f s: killing", c.name, grace_s)
+                c.process.kill()
+                c.process.join(5)
+        for c in self.children:
+            c.death_pipe.close()
+            c.ready_pipe.close()
+        self.children = []
+        for name in list_segments(segment_name(self.run_id, "")):
+            unlink_segment(name)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    # -- specs -----------------------------------------------------------------
+    def _tokenizer_spec(self) -> TokenizerSpec:
+        a = self.address
+        return TokenizerSpec(self.config, a["tokenizer"], a["master"], a["client"])
+
+    def _master_spec(self) -> MasterSpec:
+        a = self.address
+        return MasterSpec(self.config, segment_name(self.run_id, "steps"), a["ring"],
+                          a["master"], a["steps"], a["tokenizer"], a["client"])
+
+    def _worker_spec(self, rank: int, init_method: str) -> WorkerSpec:
+        return WorkerSpec(self.run_id, rank, self.config, segment_name(self.run_id, "steps"),
+                          self.address["ring"], self.address["steps"], init_method)

@@ -1,0 +1,225 @@
+"""The TE master: scheduler and RTC control, one step ahead of the workers.
+
+    tokenizer ──AddRequest/FinishRequest──> [requests PULL]
+                                                  │
+                          Scheduler + KVCacheManager (block tables, radix tree)
+                                                  │ StepBatch, encoded once
+                                   shared-memory broadcast ring ══> workers
+    workers ──StepDone/WorkerReady/WorkerFailed──> [steps PULL]
+    master ──StepTokens──> tokenizer (detokenizes, streams to the client)
+    master ──RequestFailed──> client (when the workers report a failure)
+
+Pipeline: with async scheduling up to two steps are in flight, so while the
+workers run step N the master has already built and sent N+1; synchronous
+mode keeps one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import msgspec
+import zmq
+
+from deepserve.actor import ActorLife
+from deepserve.cache.kv_manager import KVCacheManager
+from deepserve.config import EngineConfig
+from deepserve.engine.scheduler import Scheduler, SchedulerOutput
+from deepserve.engine.sequence import Sequence
+from deepserve.ipc.shm_ring import BroadcastRing
+from deepserve.ipc.sockets import PullSocket, PushSocket
+from deepserve.messages.engine import (AddRequest, EngineStats, FinishRequest, FromWorker,
+                                       GetStats, NewTokens, RequestFailed, Shutdown, StepDone,
+                                       StepTokens, ToMaster, WorkerFailed, WorkerReady)
+from deepserve.messages.step import StepBatch
+from deepserve.model.config import load_model_config
+
+log = logging.getLogger(__name__)
+SHUTDOWN_STEP_ID = -1
+
+
+@dataclass(frozen=True)
+class MasterSpec:
+    config: EngineConfig  # resolved
+    ring_name: str
+    ring_overflow: str
+    requests_address: str
+    steps_address: str
+    tokenizer_address: str
+    client_address: str
+
+
+def master_main(spec: MasterSpec, death_pipe: Connection, ready_pipe: Connection) -> None:
+    life = ActorLife("master", death_pipe)
+    master = Master(spec, life)
+    try:
+        master.start()
+        ready_pipe.send(("ready", None))
+        master.wait_for_workers()
+        master.loop()
+    except Exception as e:
+        log.exception("master failed")
+        ready_pipe.send(("error", f"{type(e).__name__}: {e}"))
+        raise SystemExit(1)
+    finally:
+        master.close()
+
+
+class Master:
+    def __init__(self, spec: MasterSpec, life: ActorLife):
+        self.spec, self.life, cfg = spec, life, spec.config
+        self.model_config = load_model_config(cfg.model, cfg.dtype)
+        self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                   cfg.max_model_len)
+        self.depth = 2 if cfg.async_scheduling else 1
+        self.in_flight: deque[tuple[int, SchedulerOutput]] = deque()
+        self.seqs: dict[str, Sequence] = {}  # request id -> sequence
+        self.request_ids: dict[int, str] = {}
+        self.released: list[int] = []
+        self.forward_spans: deque[tuple[float, float]] = deque(maxlen=100_000)
+        self.seq_ids, self.step_ids = itertools.count(), itertools.count()
+        self.ctx = zmq.Context()
+        self.encoder = msgspec.msgpack.Encoder()
+        self.ring = None
+
+    def start(self) -> None:
+        s = self.spec
+        self.requests = PullSocket(self.ctx, s.requests_address, bind=True, type=ToMaster)
+        self.steps = PullSocket(self.ctx, s.steps_address, bind=True, type=FromWorker)
+        self.to_tokenizer = PushSocket(self.ctx, s.tokenizer_address, bind=False)
+        self.to_client = PushSocket(self.ctx, s.client_address, bind=False)
+        self.ring = BroadcastRing.create(s.ring_name, num_readers=s.config.tp,
+                                         overflow_address=s.ring_overflow)
+        self.poller = zmq.Poller()
+        self.poller.register(self.requests.socket, zmq.POLLIN)
+        self.poller.register(self.steps.socket, zmq.POLLIN)
+
+    def wait_for_workers(self) -> None:
+        ready, deadline = set(), time.monotonic() + self.spec.config.startup_timeout_s
+        while len(ready) < self.spec.config.tp:
+            if self.life.should_stop() or time.monotonic() > deadline:
+                raise TimeoutError(f"{len(ready)} of {self.spec.config.tp} workers ready")
+            try:
+                msg = self.steps.get(timeout=0.2)
+            except TimeoutError:
+                continue
+            if isinstance(msg, WorkerFailed):
+                raise RuntimeError(f"worker {msg.rank} failed to start: {msg.message}")
+            if isinstance(msg, WorkerReady):
+                ready.add(msg.rank)
+
+    # -- the loop ------------------------------------------------------------
+    def loop(self) -> None:
+        while not self.life.should_stop():
+            self._fill_pipeline()
+            idle = not self.in_flight
+            events = dict(self.poller.poll(timeout=200 if idle else 1000))
+            if self.requests.socket in events:
+                self._recv_requests()
+            if self.steps.socket in events:
+                self._collect()
+
+    def _fill_pipeline(self) -> None:
+        while len(self.in_flight) < self.depth:
+            scheduled = self.scheduler.schedule()
+            if scheduled.is_empty:
+                return
+            step_id = next(self.step_ids)
+            batch = scheduled.to_step_batch(step_id, self.kv, self.released)
+            self.released = []
+            self.ring.put(self.encoder.encode(batch), timeout=30)
+            self.scheduler.on_dispatched(scheduled)
+            self.in_flight.append((step_id, scheduled))
+
+    def _recv_requests(self) -> None:
+        while True:
+            try:
+                msg = self.requests.get(timeout=0)
+            except TimeoutError:
+                return
+            if isinstance(msg, AddRequest):
+                self._add(msg)
+            elif isinstance(msg, FinishRequest):
+                self._finish(msg.request_id, msg.reason)
+            elif isinstance(msg, Shutdown):
+                self.life.request_stop()
+            elif isinstance(msg, GetStats):
+                self.to_client.put(EngineStats(forward_spans=list(self.forward_spans),
+                                               num_preemptions=self.scheduler.num_preemptions))
+
+    def _add(self, msg: AddRequest) -> None:
+        stops = set(msg.sampling.stop_token_ids)
+        if not msg.sampling.ignore_eos:
+            stops.update(self.model_config.eos_token_ids)
+        seq = Sequence(next(self.seq_ids), msg.prompt_token_ids, msg.sampling,
+                       frozenset(stops), msg.salt)
+        self.seqs[msg.request_id] = seq
+        self.request_ids[seq.seq_id] = msg.request_id
+        self.scheduler.add(seq)
+
+    def _finish(self, request_id: str, reason: str) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq, reason)
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        request_id = self.request_ids.pop(seq.seq_id)
+        del self.seqs[request_id]
+        if seq.is_known_to_workers:
+            self.released.append(seq.seq_id)
+
+    def _collect(self) -> None:
+        while True:
+            try:
+                msg = self.steps.get(timeout=0)
+            except TimeoutError:
+                return
+            if isinstance(msg, WorkerFailed):
+                raise RuntimeError(f"worker {msg.rank} failed: {msg.message}")
+            if isinstance(msg, StepDone):
+                self._on_step_done(msg)
+
+    def _on_step_done(self, done: StepDone) -> None:
+        step_id, scheduled = self.in_flight.popleft()
+        self.forward_spans.append((done.forward_start, done.forward_end))
+        assert done.output.step_id == step_id, (done.output.step_id, step_id)
+        items = []
+        for seq in self.scheduler.on_sampled(scheduled, done.output.sampled):
+            items.append(self._new_tokens(seq))
+            if seq.is_finished:
+                self._release(seq)
+        if items:
+            self.to_tokenizer.put(StepTokens(items=items))
+
+    def _new_tokens(self, seq: Sequence) -> NewTokens:
+        num_known = seq.num_tokens - seq.num_pending_tokens
+        token = seq.token_ids[num_known - 1]
+        logprobs = None
+        if seq.sampling.logprobs is not None:
+            last = seq.logprobs[-1]
+            logprobs = [(last.token_id, last.logprob, last.top or [])]
+        return NewTokens(self.request_ids[seq.seq_id], [token], seq.finish_reason,
+                         seq.num_cached_tokens or 0, logprobs)
+
+    def close(self) -> None:
+        for request_id in list(self.seqs):
+            self.to_client.put(RequestFailed(request_id=request_id, error="engine_dead",
+                                             message="the TE is shutting down"))
+        if self.ring is not None:
+            try:
+                self.ring.put(self.encoder.encode(StepBatch(SHUTDOWN_STEP_ID, [])), timeout=1)
+            except TimeoutError:
+                pass
+            self.ring.close()
+            self.ring.unlink()
+        for sock in ("requests", "steps", "to_tokenizer", "to_client"):
+            if hasattr(self, sock):
+                getattr(self, sock).close()
+        self.ctx.term()

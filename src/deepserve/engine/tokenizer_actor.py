@@ -1,0 +1,131 @@
+"""The TE's tokenizer / detokenizer process: no text work on the master's loop.
+
+    client ──SubmitRequest/AbortRequest──> [PULL] ──AddRequest/FinishRequest──> master
+    master ──StepTokens──────────────────> [PULL] ──RequestDelta──> client (streaming shortcut)
+
+A request is validated here, before it reaches the batch; a bad one is
+answered with RequestFailed and never reaches the master. Stop strings are
+found here (on text), so this process also tells the master to stop them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import zmq
+
+from deepserve.actor import ActorLife
+from deepserve.config import EngineConfig
+from deepserve.engine.output_processor import RequestState
+from deepserve.engine.request_checks import check_prompt_ids
+from deepserve.engine.tokenizer import Tokenizer
+from deepserve.errors import InvalidRequestError, PromptTooLongError
+from deepserve.ipc.sockets import PullSocket, PushSocket
+from deepserve.messages.engine import (AbortRequest, AddRequest, FinishRequest, GetStats,
+                                       NewTokens, RequestDelta, RequestFailed, StepTokens,
+                                       SubmitRequest, ToTokenizer)
+from deepserve.model.config import load_model_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    config: EngineConfig  # resolved
+    listen_address: str
+    master_address: str
+    client_address: str
+
+
+def tokenizer_main(spec: TokenizerSpec, death_pipe: Connection, ready_pipe: Connection) -> None:
+    life = ActorLife("tokenizer", death_pipe)
+    ctx = zmq.Context()
+    sockets = []
+    try:
+        actor = TokenizerActor(spec, ctx)
+        sockets = [actor.inbox, actor.to_master, actor.to_client]
+        ready_pipe.send(("ready", None))
+        while not life.should_stop():
+            try:
+                actor.handle(actor.inbox.get(timeout=0.2))
+            except TimeoutError:
+                continue
+    except Exception as e:
+        log.exception("tokenizer failed")
+        ready_pipe.send(("error", f"{type(e).__name__}: {e}"))
+        raise SystemExit(1)
+    finally:
+        for sock in sockets:
+            sock.close()
+        ctx.term()
+
+
+class TokenizerActor:
+    def __init__(self, spec: TokenizerSpec, ctx: zmq.Context):
+        self.config = spec.config
+        self.tokenizer = Tokenizer(spec.config.model)
+        self.vocab_size = load_model_config(spec.config.model).vocab_size
+        self.inbox = PullSocket(ctx, spec.listen_address, bind=True, type=ToTokenizer)
+        self.to_master = PushSocket(ctx, spec.master_address, bind=False)
+        self.to_client = PushSocket(ctx, spec.client_address, bind=False)
+        self.states: dict[str, RequestState] = {}
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, SubmitRequest):
+            self._submit(msg)
+        elif isinstance(msg, AbortRequest):
+            if self.states.pop(msg.request_id, None) is not None:
+                self.to_master.put(FinishRequest(request_id=msg.request_id, reason="abort"))
+                self.to_client.put(RequestDelta(request_id=msg.request_id, text="",
+                                                token_ids=[], finish_reason="abort"))
+        elif isinstance(msg, StepTokens):
+            for item in msg.items:
+                self._tokens(item)
+        elif isinstance(msg, GetStats):
+            self.to_master.put(msg)  # behind every request sent before it
+
+    def _submit(self, msg: SubmitRequest) -> None:
+        try:
+            prompt, ids = self._prompt_ids(msg)
+            msg.sampling.validate(self.vocab_size)
+            check_prompt_ids(ids, self.vocab_size, self.config.max_model_len)
+            if msg.request_id in self.states:
+                raise InvalidRequestError(f"request id {msg.request_id!r} is in use", "request_id")
+        except InvalidRequestError as e:
+            error = "prompt_too_long" if isinstance(e, PromptTooLongError) else "invalid_request"
+            self.to_client.put(RequestFailed(request_id=msg.request_id, error=error,
+                                             message=str(e), param=e.param))
+            return
+        self.states[msg.request_id] = RequestState(msg.request_id, prompt, ids, msg.sampling,
+                                                   self.tokenizer)
+        self.to_master.put(AddRequest(request_id=msg.request_id, prompt_token_ids=ids,
+                                      sampling=msg.sampling, salt=msg.salt))
+
+    def _prompt_ids(self, msg: SubmitRequest) -> tuple[str | None, list[int]]:
+        if msg.messages is not None:
+            text = self.tokenizer.apply_chat_template(msg.messages)
+            return text, self.tokenizer.encode(text, add_special_tokens=False)
+        if msg.prompt_token_ids is not None:
+            return None, msg.prompt_token_ids
+        if not msg.prompt:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        return msg.prompt, self.tokenizer.encode(msg.prompt)
+
+    def _tokens(self, item: NewTokens) -> None:
+        state = self.states.get(item.request_id)
+        if state is None:
+            return  # aborted, or stopped by a stop string a step ago
+        is_first = not state.token_ids
+        delta = state.add_tokens(item.token_ids, item.finish_reason)
+        if state.finish_reason == "stop" and item.finish_reason is None:
+            self.to_master.put(FinishRequest(request_id=item.request_id, reason="stop"))
+        self.to_client.put(RequestDelta(
+            request_id=item.request_id, text=delta, token_ids=item.token_ids,
+            finish_reason=state.finish_reason, cached_tokens=item.cached_tokens,
+            prompt=state.prompt if is_first else None,
+            prompt_token_ids=state.prompt_token_ids if is_first else None,
+            logprobs=item.logprobs))
+        if state.is_finished:
+            del self.states[item.request_id]

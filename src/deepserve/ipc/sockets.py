@@ -1,0 +1,117 @@
+"""Typed ZeroMQ sockets: msgspec msgpack on the wire, one decoder per channel.
+
+A channel's message type is usually a tagged union of msgspec Structs (see
+`deepserve.messages`), so one `msgspec.msgpack.Decoder(type)` decodes every
+message the channel carries. Every socket sets linger 0, every receive takes
+a timeout, and `.socket` is exposed for `zmq.Poller`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+MAX_IPC_PATH_LEN = 100  # sun_path holds 107 bytes on Linux (103 on macOS)
+
+
+def ipc_address(run_dir: str | Path, name: str) -> str:
+    """`ipc://{run_dir}/{name}.sock`; ValueError if the path is too long."""
+    path = f"{run_dir}/{name}.sock"
+    if len(path.encode()) >= MAX_IPC_PATH_LEN:
+        raise ValueError(f"ipc socket path {path!r} has {len(path.encode())} bytes; "
+                         f"it must be shorter than {MAX_IPC_PATH_LEN} (use a shorter run_dir)")
+    return f"ipc://{path}"
+
+
+def _open(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if bind:
+            sock.bind(addr)
+        else:
+            sock.connect(addr)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def _to_ms(timeout: float) -> int:
+    return max(0, math.ceil(timeout * 1000))
+
+
+class _Sender:
+    def __init__(self, ctx: zmq.Context, kind: int, addr: str, bind: bool):
+        self.socket = _open(ctx, kind, addr, bind)
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def put(self, obj: Any, timeout: float | None = None) -> None:
+        """Send `obj`; with a timeout, TimeoutError if it cannot be queued in time."""
+        data = self._encoder.encode(obj)
+        if timeout is None:
+            self.socket.send(data, copy=False)
+            return
+        try:
+            if self.socket.poll(_to_ms(timeout), zmq.POLLOUT):
+                self.socket.send(data, flags=zmq.NOBLOCK, copy=False)
+                return
+        except zmq.Again:
+            pass
+        raise TimeoutError(f"put: no peer ready on {self.socket.last_endpoint!r}")
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class _Receiver:
+    def __init__(self, ctx: zmq.Context, kind: int, addr: str, bind: bool, type: Any):
+        self.socket = _open(ctx, kind, addr, bind)
+        self._decoder = msgspec.msgpack.Decoder(type)
+
+    def poll(self, timeout: float | None) -> bool:
+        """True if a message is ready within `timeout` s (None: wait forever)."""
+        timeout_ms = None if timeout is None else _to_ms(timeout)
+        return bool(self.socket.poll(timeout_ms, zmq.POLLIN))
+
+    def get(self, timeout: float | None) -> Any:
+        """The next message, decoded; TimeoutError after `timeout` s (None: wait)."""
+        if not self.poll(timeout):
+            raise TimeoutError(f"get: nothing received within {timeout} s")
+        return self._decoder.decode(self.socket.recv(flags=zmq.NOBLOCK))
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class PushSocket(_Sender):
+    """PUSH end of a stream; `put` blocks while no PULL peer is connected."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool):
+        super().__init__(ctx, zmq.PUSH, addr, bind)
+
+
+class PullSocket(_Receiver):
+    """PULL end of a stream, decoding every message as `type`."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool, type: Any):
+        super().__init__(ctx, zmq.PULL, addr, bind, type)
+
+
+class PubSocket(_Sender):
+    """PUB end of a broadcast; drops messages nobody has subscribed to yet."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool = True):
+        super().__init__(ctx, zmq.PUB, addr, bind)
+
+
+class SubSocket(_Receiver):
+    """SUB end of a broadcast, subscribed to everything, decoding as `type`."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool, type: Any):
+        super().__init__(ctx, zmq.SUB, addr, bind, type)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")

@@ -1,0 +1,138 @@
+"""One device worker process of a TE (SPMD: every rank runs this program).
+
+    master ══ StepBatch (shared-memory broadcast ring) ══> worker r (reader r)
+    worker 0 ──StepDone (PUSH)──> master      every rank: WorkerReady / WorkerFailed
+    ranks <── torch.distributed (gloo on CPU) ──> ranks      two all-reduces a layer
+
+The KV pool lives in a named shared-memory segment (owner-only, unlinked on
+every exit path by this process, its creator; the launcher sweeps the run's
+names once more if the process was killed). Sampled ids stay here: a step's
+PLACEHOLDER inputs are the ids this worker sampled in its previous step.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import msgspec
+import torch
+import zmq
+
+from deepserve.actor import ActorLife
+from deepserve.config import EngineConfig
+from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
+from deepserve.ipc.shm_ring import BroadcastRing
+from deepserve.ipc.sockets import PushSocket
+from deepserve.messages.engine import StepDone, WorkerFailed, WorkerReady
+from deepserve.messages.step import StepBatch
+from deepserve.model.loader import load_model
+from deepserve.model.parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
+from deepserve.worker.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+SHUTDOWN_STEP_ID = -1  # a StepBatch with this id tells the workers to exit
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    run_id: str
+    rank: int
+    config: EngineConfig  # resolved: num_kv_blocks and max_model_len are set
+    ring_name: str
+    ring_overflow: str
+    step_done_address: str
+    dist_init_method: str
+
+
+def worker_main(spec: WorkerSpec, death_pipe: Connection, ready_pipe: Connection) -> None:
+    life = ActorLife(f"worker{spec.rank}", death_pipe)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.config.tp))
+    worker = _Worker(spec, life)
+    try:
+        worker.start()
+        ready_pipe.send(("ready", os.getpid()))
+        worker.loop()
+    except Exception as e:  # report, then exit non-zero: the TE fails loudly
+        log.error("worker %d failed: %s", spec.rank, traceback.format_exc())
+        worker.report_failure(f"{type(e).__name__}: {e}")
+        ready_pipe.send(("error", traceback.format_exc()))
+        raise SystemExit(1)
+    finally:
+        worker.close()
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, life: ActorLife):
+        self.spec, self.life = spec, life
+        self.tp = TensorParallel(spec.rank, spec.config.tp)
+        self.ctx = zmq.Context()
+        self.kv_name = segment_name(spec.run_id, f"kv-r{spec.rank}")
+        self.kv_segment = self.runner = self.ring = self.out = None
+        self.decoder = msgspec.msgpack.Decoder(StepBatch)
+
+    def start(self) -> None:
+        cfg = self.spec.config
+        self.out = PushSocket(self.ctx, self.spec.step_done_address, bind=False)
+        if self.tp.is_parallel:
+            init_tensor_parallel(self.tp.rank, self.tp.size, self.spec.dist_init_method)
+        model = load_model(cfg.model, cfg.dtype, tp=self.tp)
+        shape = ModelRunner.kv_pool_shape(model, cfg.num_kv_blocks, cfg.block_size)
+        nbytes = model.config.dtype.itemsize * int(torch.Size(shape).numel())
+        self.kv_segment = create_segment(self.kv_name, nbytes)
+        pool = torch.frombuffer(self.kv_segment.buf, dtype=model.config.dtype).view(shape)
+        self.runner = ModelRunner(model, cfg.num_kv_blocks, cfg.block_size, cfg.seed, pool)
+        self.ring = self._attach_ring(time.monotonic() + cfg.startup_timeout_s)
+        self.out.put(WorkerReady(rank=self.tp.rank, pid=os.getpid(), kv_segment=self.kv_name))
+
+    def _attach_ring(self, deadline: float) -> BroadcastRing:
+        """The master creates the ring; it may not exist yet when we get here."""
+        while True:
+            try:
+                return BroadcastRing.attach(self.spec.ring_name, self.spec.rank,
+                                            overflow_address=self.spec.ring_overflow)
+            except FileNotFoundError:
+                if time.monotonic() > deadline or self.life.should_stop():
+                    raise
+                time.sleep(0.05)
+
+    def loop(self) -> None:
+        while not self.life.should_stop():
+            try:
+                data = self.ring.get(timeout=0.2)
+            except TimeoutError:
+                continue
+            batch = self.decoder.decode(data)
+            if batch.step_id == SHUTDOWN_STEP_ID:
+                return
+            start = time.monotonic()
+            output = self.runner.execute(batch)
+            end = time.monotonic()
+            if self.tp.rank == 0:
+                self.out.put(StepDone(output=output, forward_start=start, forward_end=end))
+
+    def report_failure(self, message: str) -> None:
+        if self.out is not None:
+            self.out.put(WorkerFailed(rank=self.tp.rank, message=message))
+
+    def close(self) -> None:
+        """Release in reverse order; the pool's tensors must die before its segment."""
+        self.runner = None
+        gc.collect()
+        if self.ring is not None:
+            self.ring.close()
+        if self.kv_segment is not None:
+            try:
+                self.kv_segment.close()
+            finally:
+                unlink_segment(self.kv_name)
+        if self.out is not None:
+            self.out.close()
+        self.ctx.term()
+        if self.tp.is_parallel:
+            destroy_tensor_parallel()

@@ -1,0 +1,1 @@
+"""Tests of deepserve.ipc: segments, the shared-memory ring, typed sockets."""
