@@ -1,10 +1,11 @@
 # Sourced by bin/ scripts: make sure .venv exists and holds the project.
-# Usage: . bin/_venv.sh [EXTRA]   -> sets $ROOT and $PY
+# Usage: DEEPSERVE_EXTRA=test . bin/_venv.sh   -> sets $ROOT and $PY
+# (a variable, not an argument: a sourced script sees the caller's "$@")
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
-_extra="${1:-}"
+_extra="${DEEPSERVE_EXTRA:-}"
 if [ ! -x "$PY" ]; then
     echo "deepserve: creating $VENV" >&2
     python3.11 -m venv "$VENV" 2>/dev/null || python3 -m venv "$VENV"

@@ -85,12 +85,14 @@ def run_llm(llm, prompts, gen_len) -> dict:
     return summary
 
 
-def busy_fraction(llm, window: tuple[float, float]) -> float:
-    """Time the workers spent in forward / wall time, inside the window."""
+def busy_stats(llm, window: tuple[float, float]) -> tuple[float, float]:
+    """Inside the window: time the workers spent in forward / wall time, and
+    the median idle gap between two forwards (the host-side turnaround)."""
     lo, hi = window
-    spans = llm.client.stats().forward_spans
-    busy = sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in spans)
-    return busy / (hi - lo)
+    spans = [(s, e) for s, e in llm.client.stats().forward_spans if e > lo and s < hi]
+    busy = sum(min(e, hi) - max(s, lo) for s, e in spans)
+    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
+    return busy / (hi - lo), statistics.median(gaps) if gaps else 0.0
 
 
 def run_hf(model, prompts, gen_len) -> dict:
@@ -189,7 +191,8 @@ def _bench(llms, model, sizes, prompt_len, gen_len, dtype, skip_hf, json_out) ->
             run_llm(llm, [p[:32] for p in prompts[:1]], 4)  # warm-up
             results[name] = run_llm(llm, prompts, gen_len)
             if llm.client is not None:
-                results[name]["busy"] = busy_fraction(llm, results[name]["decode_window"])
+                results[name]["busy"], results[name]["gap_s"] = busy_stats(
+                    llm, results[name]["decode_window"])
         if hf is not None:
             results["hf"] = run_hf(hf, prompts, gen_len)
         rows.append(_row(batch, prompt_len, gen_len, results, machine, nums))
@@ -214,7 +217,7 @@ def _row(batch, prompt_len, gen_len, results, machine, nums) -> dict:
 
 
 def _cells(r: dict, m: dict) -> list[str]:
-    busy = f"{m['busy']:.2f}" if "busy" in m else "-"
+    busy = f"{m['busy']:.3f} / {m['gap_s'] * 1e3:.2f}" if "busy" in m else "-"
     return [f"{r['prompt_tokens'] / m['prefill_s']:.0f}", f"{r['batch'] / m['decode_step_s']:.1f}",
             f"{m['prefill_s']:.2f}", f"{m['ttft_s'] * 1e3:.0f}", f"{m['tpot_s'] * 1e3:.1f}",
             f"{m['decode_step_s'] * 1e3:.1f}", busy,
@@ -224,7 +227,7 @@ def _cells(r: dict, m: dict) -> list[str]:
 
 def _print_table(rows: list[dict]) -> None:
     print(" | ".join(["batch", "who", "prefill tok/s", "decode tok/s", "batch prefill s",
-                      "TTFT p50 ms", "TPOT p50 ms", "decode step ms", "busy",
+                      "TTFT p50 ms", "TPOT p50 ms", "decode step ms", "busy / gap ms",
                       "decode step / roofline", "batch prefill / roofline"]))
     for r in rows:
         base = r["results"]["in-process"]
