@@ -19,9 +19,14 @@ from multiprocessing.connection import Connection
 
 
 class ActorLife:
-    def __init__(self, name: str, death_pipe: Connection | None = None):
+    """death_pipe: for children started by multiprocessing; parent_pid: for
+    children started as commands (they stop once reparented)."""
+
+    def __init__(self, name: str, death_pipe: Connection | None = None,
+                 parent_pid: int | None = None):
         self.name = name
         self._death_pipe = death_pipe
+        self._parent_pid = parent_pid
         self._stop_requested = False
         logging.basicConfig(level=os.environ.get("DEEPSERVE_LOG_LEVEL", "WARNING"),
                             format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s")
@@ -36,6 +41,8 @@ class ActorLife:
 
     @property
     def is_parent_alive(self) -> bool:
+        if self._parent_pid is not None and os.getppid() != self._parent_pid:
+            return False
         if self._death_pipe is None:
             return True
         try:

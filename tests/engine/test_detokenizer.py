@@ -1,5 +1,5 @@
 from deepserve.engine.detokenizer import IncrementalDetokenizer
-from deepserve.engine.tokenizer import Tokenizer
+from deepserve.tokenizer import Tokenizer
 
 TEXT = "naïve café → 世界 🙂 done"
 

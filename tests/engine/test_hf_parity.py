@@ -29,7 +29,7 @@ def _prompts(llm: LLM) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hf_reference(model_dirs, hf_models):
     """arch -> the oracle's greedy continuation of each prompt."""
-    from deepserve.engine.tokenizer import Tokenizer
+    from deepserve.tokenizer import Tokenizer
 
     out = {}
     for arch in ARCHS:

@@ -30,11 +30,12 @@ class _SeqBlocks:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 record_events: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.tree = RadixTree(block_size)
+        self.tree = RadixTree(block_size, record_events)
         self._free: deque[int] = deque(range(num_blocks))
         self._seqs: dict[int, _SeqBlocks] = {}
 

@@ -21,14 +21,18 @@ import heapq
 import itertools
 from typing import Hashable, Iterator, Sequence
 
+from deepserve.cache.block_hash import chain_hash, root_hash
+
 Key = tuple[int, ...]
 
 
 class RadixNode:
-    __slots__ = ("key", "block_id", "parent", "children", "ref_count", "last_access")
+    __slots__ = ("key", "block_id", "parent", "children", "ref_count", "last_access",
+                 "block_hash")
 
-    def __init__(self, key: Key, block_id: int, parent: "RadixNode | None"):
+    def __init__(self, key: Key, block_id: int, parent: "RadixNode | None", block_hash: int):
         self.key = key
+        self.block_hash = block_hash  # chains the parent's: see cache/block_hash.py
         self.block_id = block_id
         self.parent = parent
         self.children: dict[Key, RadixNode] = {}
@@ -45,8 +49,14 @@ class RadixNode:
 
 
 class RadixTree:
-    def __init__(self, block_size: int):
+    """record_events: keep the hashes of inserted / evicted nodes until
+    pop_events() (a TE reports them to the cluster manager)."""
+
+    def __init__(self, block_size: int, record_events: bool = False):
         self.block_size = block_size
+        self.record_events = record_events
+        self._inserted: list[int] = []
+        self._evicted: list[int] = []
         self._roots: dict[Hashable, RadixNode] = {}
         self._clock = itertools.count(1)
         self.num_nodes = 0
@@ -55,7 +65,7 @@ class RadixTree:
     def root(self, salt: Hashable = None) -> RadixNode:
         node = self._roots.get(salt)
         if node is None:
-            node = self._roots[salt] = RadixNode((), -1, None)
+            node = self._roots[salt] = RadixNode((), -1, None, root_hash(salt))
         return node
 
     def match(self, token_ids: Sequence[int], salt: Hashable = None,
@@ -78,8 +88,10 @@ class RadixTree:
     def insert(self, parent: RadixNode, key: Key, block_id: int) -> RadixNode:
         """Add a node under parent (the key must be new); it starts unreferenced."""
         assert len(key) == self.block_size and key not in parent.children
-        node = RadixNode(key, block_id, parent)
+        node = RadixNode(key, block_id, parent, chain_hash(parent.block_hash, key))
         node.last_access = next(self._clock)
+        if self.record_events:
+            self._inserted.append(node.block_hash)
         parent.children[key] = node
         self.num_nodes += 1
         self.num_unreferenced += 1
@@ -115,9 +127,17 @@ class RadixTree:
             self.num_nodes -= 1
             self.num_unreferenced -= 1
             freed.append(node.block_id)
+            if self.record_events:
+                self._evicted.append(node.block_hash)
             if parent.is_evictable_leaf:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
+
+    def pop_events(self) -> tuple[list[int], list[int]]:
+        """(inserted, evicted) block hashes since the last call."""
+        events = self._inserted, self._evicted
+        self._inserted, self._evicted = [], []
+        return events
 
     def clear(self) -> list[int]:
         """Drop every unreferenced node (cache state is soft); return freed blocks."""

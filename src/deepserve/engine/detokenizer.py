@@ -9,7 +9,7 @@ tail at the end).
 
 from __future__ import annotations
 
-from deepserve.engine.tokenizer import Tokenizer
+from deepserve.tokenizer import Tokenizer
 
 _CONTEXT_TOKENS = 5  # prompt tokens kept for tokenizers whose decode depends on a left context
 

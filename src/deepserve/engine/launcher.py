@@ -53,7 +53,11 @@ def _free_port() -> int:
 
 
 class TELauncher:
-    def __init__(self, config: EngineConfig):
+    """te_id / inbox_address / report_address: set when the TE serves a node
+    (its tokenizer listens at inbox_address; its master reports to the CM)."""
+
+    def __init__(self, config: EngineConfig, te_id: str = "te", inbox_address: str | None = None,
+                 report_address: str | None = None):
         model_config = load_model_config(config.model, config.dtype)
         self.config = config.resolve(
             model_config.max_position_embeddings,
@@ -62,6 +66,9 @@ class TELauncher:
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"ds-{self.run_id}-"))
         self.address = {name: ipc_address(self.run_dir, name)
                         for name in ("client", "tokenizer", "master", "steps", "ring")}
+        if inbox_address is not None:
+            self.address["tokenizer"] = inbox_address
+        self.te_id, self.report_address = te_id, report_address
         self.children: list[_Child] = []
         self._mp = mp.get_context("spawn")
 
@@ -142,7 +149,8 @@ class TELauncher:
     def _master_spec(self) -> MasterSpec:
         a = self.address
         return MasterSpec(self.config, segment_name(self.run_id, "steps"), a["ring"],
-                          a["master"], a["steps"], a["tokenizer"], a["client"])
+                          a["master"], a["steps"], a["tokenizer"], a["client"], self.te_id,
+                          self.report_address)
 
     def _worker_spec(self, rank: int, init_method: str) -> WorkerSpec:
         return WorkerSpec(self.run_id, rank, self.config, segment_name(self.run_id, "steps"),

@@ -20,7 +20,7 @@ from deepserve.config import EngineConfig
 from deepserve.engine.client import EngineClient
 from deepserve.engine.llm_engine import LLMEngine
 from deepserve.engine.outputs import RequestOutput, TokenLogprob
-from deepserve.engine.tokenizer import Tokenizer
+from deepserve.tokenizer import Tokenizer
 from deepserve.errors import (EngineDeadError, InvalidRequestError, PromptTooLongError)
 from deepserve.messages.engine import RequestDelta, RequestFailed, SubmitRequest
 from deepserve.messages.sampling import SamplingParams

@@ -20,7 +20,7 @@ from deepserve.engine.outputs import RequestOutput, TokenLogprob
 from deepserve.engine.request_checks import check_prompt_ids
 from deepserve.engine.scheduler import Scheduler
 from deepserve.engine.sequence import Sequence
-from deepserve.engine.tokenizer import Tokenizer
+from deepserve.tokenizer import Tokenizer
 from deepserve.errors import InvalidRequestError
 from deepserve.messages.sampling import SamplingParams
 from deepserve.model.loader import load_model

@@ -36,6 +36,7 @@ from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.engine import (AddRequest, EngineStats, FinishRequest, FromWorker,
                                        GetStats, NewTokens, RequestFailed, Shutdown, StepDone,
                                        StepTokens, ToMaster, WorkerFailed, WorkerReady)
+from deepserve.messages.control import TEReport
 from deepserve.messages.step import StepBatch
 from deepserve.model.config import load_model_config
 
@@ -52,6 +53,9 @@ class MasterSpec:
     steps_address: str
     tokenizer_address: str
     client_address: str
+    te_id: str = "te"
+    report_address: str | None = None  # the cluster manager's inbox, if any
+    report_interval_s: float = 0.5
 
 
 def master_main(spec: MasterSpec, death_pipe: Connection, ready_pipe: Connection) -> None:
@@ -70,11 +74,21 @@ def master_main(spec: MasterSpec, death_pipe: Connection, ready_pipe: Connection
         master.close()
 
 
+def _remaining_tokens(seq: Sequence) -> int:
+    """Load a sequence still puts on the TE: tokens to compute + tokens to generate."""
+    return (seq.num_uncomputed_tokens
+            + max(0, seq.sampling.max_tokens - seq.num_output_tokens))
+
+
 class Master:
     def __init__(self, spec: MasterSpec, life: ActorLife):
         self.spec, self.life, cfg = spec, life, spec.config
         self.model_config = load_model_config(cfg.model, cfg.dtype)
-        self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                 record_events=spec.report_address is not None)
+        self.num_prompt_tokens = self.num_cached_tokens = 0  # of finished requests
+        self.finished_ids: list[str] = []
+        self.last_report = 0.0
         self.scheduler = Scheduler(self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                    cfg.max_model_len)
         self.depth = 2 if cfg.async_scheduling else 1
@@ -96,6 +110,9 @@ class Master:
         self.to_client = PushSocket(self.ctx, s.client_address, bind=False)
         self.ring = BroadcastRing.create(s.ring_name, num_readers=s.config.tp,
                                          overflow_address=s.ring_overflow)
+        self.to_cm = None
+        if s.report_address is not None:
+            self.to_cm = PushSocket(self.ctx, s.report_address, bind=False)
         self.poller = zmq.Poller()
         self.poller.register(self.requests.socket, zmq.POLLIN)
         self.poller.register(self.steps.socket, zmq.POLLIN)
@@ -124,6 +141,22 @@ class Master:
                 self._recv_requests()
             if self.steps.socket in events:
                 self._collect()
+            self._maybe_report()
+
+    def _maybe_report(self) -> None:
+        now = time.monotonic()
+        if self.to_cm is None or now - self.last_report < self.spec.report_interval_s:
+            return
+        self.last_report = now
+        inserted, evicted = self.kv.tree.pop_events()
+        finished, self.finished_ids = self.finished_ids, []
+        waiting, running = self.scheduler.waiting, self.scheduler.running
+        self.to_cm.put(TEReport(
+            te_id=self.spec.te_id, num_waiting=len(waiting), num_running=len(running),
+            load_tokens=sum(map(_remaining_tokens, waiting)) + sum(map(_remaining_tokens, running)),
+            kv_usage=self.kv.usage, num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens, inserted=inserted, evicted=evicted,
+            finished=finished))
 
     def _fill_pipeline(self) -> None:
         while len(self.in_flight) < self.depth:
@@ -172,6 +205,9 @@ class Master:
     def _release(self, seq: Sequence) -> None:
         request_id = self.request_ids.pop(seq.seq_id)
         del self.seqs[request_id]
+        self.finished_ids.append(request_id)
+        self.num_prompt_tokens += seq.num_prompt_tokens
+        self.num_cached_tokens += seq.num_cached_tokens or 0
         if seq.is_known_to_workers:
             self.released.append(seq.seq_id)
 
@@ -219,7 +255,7 @@ class Master:
                 pass
             self.ring.close()
             self.ring.unlink()
-        for sock in ("requests", "steps", "to_tokenizer", "to_client"):
-            if hasattr(self, sock):
+        for sock in ("requests", "steps", "to_tokenizer", "to_client", "to_cm"):
+            if getattr(self, sock, None) is not None:
                 getattr(self, sock).close()
         self.ctx.term()

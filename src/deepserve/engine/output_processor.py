@@ -10,7 +10,7 @@ increments never reaches the caller.
 from __future__ import annotations
 
 from deepserve.engine.detokenizer import IncrementalDetokenizer
-from deepserve.engine.tokenizer import Tokenizer
+from deepserve.tokenizer import Tokenizer
 from deepserve.messages.sampling import SamplingParams
 
 

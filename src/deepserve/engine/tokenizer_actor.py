@@ -20,7 +20,7 @@ from deepserve.actor import ActorLife
 from deepserve.config import EngineConfig
 from deepserve.engine.output_processor import RequestState
 from deepserve.engine.request_checks import check_prompt_ids
-from deepserve.engine.tokenizer import Tokenizer
+from deepserve.tokenizer import Tokenizer
 from deepserve.errors import InvalidRequestError, PromptTooLongError
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.engine import (AbortRequest, AddRequest, FinishRequest, GetStats,
@@ -42,10 +42,9 @@ class TokenizerSpec:
 def tokenizer_main(spec: TokenizerSpec, death_pipe: Connection, ready_pipe: Connection) -> None:
     life = ActorLife("tokenizer", death_pipe)
     ctx = zmq.Context()
-    sockets = []
+    actor = None
     try:
         actor = TokenizerActor(spec, ctx)
-        sockets = [actor.inbox, actor.to_master, actor.to_client]
         ready_pipe.send(("ready", None))
         while not life.should_stop():
             try:
@@ -57,8 +56,8 @@ def tokenizer_main(spec: TokenizerSpec, death_pipe: Connection, ready_pipe: Conn
         ready_pipe.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1)
     finally:
-        for sock in sockets:
-            sock.close()
+        if actor is not None:
+            actor.close()
         ctx.term()
 
 
@@ -69,8 +68,21 @@ class TokenizerActor:
         self.vocab_size = load_model_config(spec.config.model).vocab_size
         self.inbox = PullSocket(ctx, spec.listen_address, bind=True, type=ToTokenizer)
         self.to_master = PushSocket(ctx, spec.master_address, bind=False)
-        self.to_client = PushSocket(ctx, spec.client_address, bind=False)
+        self.ctx, self.client_address = ctx, spec.client_address
+        self.replies = {spec.client_address: PushSocket(ctx, spec.client_address, bind=False)}
+        self.reply_to: dict[str, str] = {}  # request id -> its caller's address
         self.states: dict[str, RequestState] = {}
+
+    def close(self) -> None:
+        for sock in [self.inbox, self.to_master, *self.replies.values()]:
+            sock.close()
+
+    def _reply(self, request_id: str, msg) -> None:
+        """Send to the caller that submitted request_id (one socket per caller)."""
+        address = self.reply_to.get(request_id, self.client_address)
+        if address not in self.replies:
+            self.replies[address] = PushSocket(self.ctx, address, bind=False)
+        self.replies[address].put(msg)
 
     def handle(self, msg) -> None:
         if isinstance(msg, SubmitRequest):
@@ -78,8 +90,9 @@ class TokenizerActor:
         elif isinstance(msg, AbortRequest):
             if self.states.pop(msg.request_id, None) is not None:
                 self.to_master.put(FinishRequest(request_id=msg.request_id, reason="abort"))
-                self.to_client.put(RequestDelta(request_id=msg.request_id, text="",
-                                                token_ids=[], finish_reason="abort"))
+                self._reply(msg.request_id, RequestDelta(request_id=msg.request_id, text="",
+                                                         token_ids=[], finish_reason="abort"))
+                self.reply_to.pop(msg.request_id, None)
         elif isinstance(msg, StepTokens):
             for item in msg.items:
                 self._tokens(item)
@@ -87,6 +100,8 @@ class TokenizerActor:
             self.to_master.put(msg)  # behind every request sent before it
 
     def _submit(self, msg: SubmitRequest) -> None:
+        if msg.reply_to is not None:
+            self.reply_to[msg.request_id] = msg.reply_to
         try:
             prompt, ids = self._prompt_ids(msg)
             msg.sampling.validate(self.vocab_size)
@@ -95,8 +110,9 @@ class TokenizerActor:
                 raise InvalidRequestError(f"request id {msg.request_id!r} is in use", "request_id")
         except InvalidRequestError as e:
             error = "prompt_too_long" if isinstance(e, PromptTooLongError) else "invalid_request"
-            self.to_client.put(RequestFailed(request_id=msg.request_id, error=error,
-                                             message=str(e), param=e.param))
+            self._reply(msg.request_id, RequestFailed(request_id=msg.request_id, error=error,
+                                                      message=str(e), param=e.param))
+            self.reply_to.pop(msg.request_id, None)
             return
         self.states[msg.request_id] = RequestState(msg.request_id, prompt, ids, msg.sampling,
                                                    self.tokenizer)
@@ -121,7 +137,7 @@ class TokenizerActor:
         delta = state.add_tokens(item.token_ids, item.finish_reason)
         if state.finish_reason == "stop" and item.finish_reason is None:
             self.to_master.put(FinishRequest(request_id=item.request_id, reason="stop"))
-        self.to_client.put(RequestDelta(
+        self._reply(item.request_id, RequestDelta(
             request_id=item.request_id, text=delta, token_ids=item.token_ids,
             finish_reason=state.finish_reason, cached_tokens=item.cached_tokens,
             prompt=state.prompt if is_first else None,
@@ -129,3 +145,4 @@ class TokenizerActor:
             logprobs=item.logprobs))
         if state.is_finished:
             del self.states[item.request_id]
+            self.reply_to.pop(item.request_id, None)

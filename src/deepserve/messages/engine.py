@@ -21,7 +21,9 @@ _STRUCT = dict(tag_field="kind", omit_defaults=True, kw_only=True)
 
 # -- client -> tokenizer ----------------------------------------------------
 class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
-    """prompt: text, or token ids already; chat: messages to render first."""
+    """prompt: text, or token ids already; chat: messages to render first.
+    salt: the tenant's prefix-cache salt (set by the gateway, never a client);
+    reply_to: where this request's deltas go (default: the TE's own client)."""
 
     request_id: str
     prompt: str | None = None
@@ -29,6 +31,7 @@ class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     messages: list[dict] | None = None
     sampling: SamplingParams
     salt: str | None = None
+    reply_to: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_STRUCT):

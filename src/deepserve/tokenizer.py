@@ -1,6 +1,10 @@
 """Tokenizer: `tokenizer.json` through the `tokenizers` library, and the chat
 template from `tokenizer_config.json` rendered with jinja2 (sandboxed, with
-the helpers Hugging Face templates expect)."""
+the helpers Hugging Face templates expect).
+
+It lives on the bottom floor, beside config.py, because the TE's tokenizer
+process and the job executor (which tokenizes to route by cache locality)
+both need it, and neither may import the other's room. No torch here."""
 
 from __future__ import annotations
 

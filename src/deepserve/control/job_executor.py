@@ -1,0 +1,173 @@
+"""Job executor: request -> job -> task(s), routed to a TE, tracked to its end.
+
+    gateways ──SubmitRequest/AbortRequest──> [inbox PULL]
+                                                 │ tokenize, route (control/router.py)
+                                                 ▼
+                              TE tokenizer inboxes (one PUSH per TE)
+    CM ──TEList / TEReport (SUB)──> router: TE set, loads, cached blocks, finished tasks
+    JE ──RequestFailed──> the request's reply_to (no TE, bad input, its TE went down)
+
+A chat or completion request is a job of one `colocated` task (the
+disaggregated issue adds prefill + decode). The task's output streams from
+the TE straight to the gateway; the JE only learns that it ended (TEReport
+.finished), or that its TE left the list, which fails it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+
+import zmq
+
+from deepserve.actor import ActorLife
+from deepserve.control.router import NoTEAvailable, Router
+from deepserve.errors import InvalidRequestError
+from deepserve.ipc.sockets import PullSocket, PushSocket, SubSocket
+from deepserve.messages.control import FromClusterManager, TEList, TEReport
+from deepserve.messages.engine import AbortRequest, RequestFailed, SubmitRequest
+from deepserve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+_IN = SubmitRequest | AbortRequest
+
+
+@dataclass
+class Task:
+    request_id: str
+    te_id: str
+    reply_to: str | None
+
+
+class JobExecutor:
+    def __init__(self, ctx: zmq.Context, inbox: str, cm_pub: str, model: str, router: Router):
+        self.ctx = ctx
+        self.inbox = PullSocket(ctx, inbox, bind=True, type=_IN)
+        self.cm = SubSocket(ctx, cm_pub, bind=False, type=FromClusterManager)
+        self.tokenizer = Tokenizer(model)
+        self.router = router
+        self.te_sockets: dict[str, PushSocket] = {}
+        self.te_addresses: dict[str, str] = {}
+        self.replies: dict[str, PushSocket] = {}
+        self.tasks: dict[str, Task] = {}
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox.socket, zmq.POLLIN)
+        self.poller.register(self.cm.socket, zmq.POLLIN)
+
+    def step(self, timeout_ms: int = 200) -> None:
+        events = dict(self.poller.poll(timeout_ms))
+        if self.cm.socket in events:
+            for msg in _drain(self.cm):
+                self._on_cm(msg)
+        if self.inbox.socket in events:
+            for msg in _drain(self.inbox):
+                self._submit(msg) if isinstance(msg, SubmitRequest) else self._abort(msg)
+
+    # -- requests ----------------------------------------------------------------
+    def _submit(self, msg: SubmitRequest) -> None:
+        try:
+            ids = self._prompt_ids(msg)
+            te_id = self.router.route(ids, msg.salt)
+        except InvalidRequestError as e:
+            return self._fail(msg, "invalid_request", str(e), e.param)
+        except NoTEAvailable as e:
+            return self._fail(msg, "engine_dead", f"no TE can take the request: {e}")
+        task = SubmitRequest(request_id=msg.request_id, prompt_token_ids=ids,
+                             sampling=msg.sampling, salt=msg.salt, reply_to=msg.reply_to)
+        self.tasks[msg.request_id] = Task(msg.request_id, te_id, msg.reply_to)
+        self.te_sockets[te_id].put(task)
+
+    def _prompt_ids(self, msg: SubmitRequest) -> list[int]:
+        if msg.messages is not None:
+            text = self.tokenizer.apply_chat_template(msg.messages)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if msg.prompt_token_ids is not None:
+            return msg.prompt_token_ids
+        if not msg.prompt:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        return self.tokenizer.encode(msg.prompt)
+
+    def _abort(self, msg: AbortRequest) -> None:
+        task = self.tasks.get(msg.request_id)
+        if task is not None and task.te_id in self.te_sockets:
+            self.te_sockets[task.te_id].put(msg)
+
+    def _fail(self, msg: SubmitRequest, error: str, text: str, param: str | None = None) -> None:
+        self._reply(msg.reply_to, RequestFailed(request_id=msg.request_id, error=error,
+                                                message=text, param=param))
+
+    def _reply(self, address: str | None, msg) -> None:
+        if address is None:
+            return
+        if address not in self.replies:
+            self.replies[address] = PushSocket(self.ctx, address, bind=False)
+        self.replies[address].put(msg)
+
+    # -- cluster state ------------------------------------------------------------
+    def _on_cm(self, msg) -> None:
+        if isinstance(msg, TEReport):
+            self.router.on_report(msg)
+            for request_id in msg.finished:
+                self.tasks.pop(request_id, None)
+        elif isinstance(msg, TEList):
+            self._update_tes(msg)
+
+    def _update_tes(self, msg: TEList) -> None:
+        live = {te.te_id: te for te in msg.tes}
+        for te_id in set(self.te_sockets) - set(live):
+            self.te_sockets.pop(te_id).close()
+            self.te_addresses.pop(te_id, None)
+            self._fail_tasks_of(te_id)
+        for te_id, te in live.items():
+            if self.te_addresses.get(te_id) != te.address:
+                if te_id in self.te_sockets:
+                    self.te_sockets.pop(te_id).close()
+                self.te_sockets[te_id] = PushSocket(self.ctx, te.address, bind=False)
+                self.te_addresses[te_id] = te.address
+        self.router.update_tes(msg.tes)
+
+    def _fail_tasks_of(self, te_id: str) -> None:
+        for task in [t for t in self.tasks.values() if t.te_id == te_id]:
+            del self.tasks[task.request_id]
+            self._reply(task.reply_to, RequestFailed(
+                request_id=task.request_id, error="engine_dead",
+                message=f"TE {te_id} went down while serving the request"))
+
+    def close(self) -> None:
+        for sock in [self.inbox, self.cm, *self.te_sockets.values(), *self.replies.values()]:
+            sock.close()
+
+
+def _drain(sock):
+    out = []
+    try:
+        while True:
+            out.append(sock.get(timeout=0))
+    except TimeoutError:
+        return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="DeepServe job executor")
+    ap.add_argument("--inbox", required=True)
+    ap.add_argument("--cm-pub", required=True)
+    ap.add_argument("--model", required=True, help="model directory (its tokenizer)")
+    ap.add_argument("--policy", default="combined")
+    ap.add_argument("--balance-threshold", type=float, default=None)
+    ap.add_argument("--parent-pid", type=int, default=None)
+    args = ap.parse_args(argv)
+    life = ActorLife("job-executor", parent_pid=args.parent_pid)
+    options = {} if args.balance_threshold is None else {"balance_threshold": args.balance_threshold}
+    ctx = zmq.Context()
+    je = JobExecutor(ctx, args.inbox, args.cm_pub, args.model, Router(args.policy, **options))
+    try:
+        while not life.should_stop():
+            je.step()
+    finally:
+        je.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    main()

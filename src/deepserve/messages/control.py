@@ -1,0 +1,72 @@
+"""Control-plane channels of a node: TEs -> cluster manager -> job executors
+and gateways.
+
+    TE master ──TEReport (PUSH, every report_interval_s)──> CM
+    TE host   ──TEUp / TEDown (PUSH)──────────────────────> CM
+    CM ──TEList (on every change) / TEReport (relayed) (PUB)──> JEs, gateways
+    gateway ──SubmitRequest / AbortRequest (PUSH)──> JE ──(chosen TE)──> TE tokenizer
+    TE tokenizer ──RequestDelta (PUSH to reply_to)──> gateway   (streaming shortcut)
+    JE ──RequestFailed (PUSH to reply_to)──> gateway           (no TE, TE died, ...)
+
+Cache locality travels as *block hashes*: the hash of a full KV block chains
+the hash of the block before it (see cache/block_hash.py), so a set of hashes
+per TE answers "how many leading blocks of this prompt does that TE hold".
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+_STRUCT = dict(tag_field="kind", omit_defaults=True, kw_only=True)
+
+
+class TEInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """te_type: "colocated", "prefill" or "decode"; address: its tokenizer's inbox."""
+
+    te_id: str
+    te_type: str = "colocated"
+    model: str
+    address: str
+    num_devices: int = 1
+    block_size: int = 16
+
+
+class TEUp(msgspec.Struct, tag="te_up", **_STRUCT):
+    info: TEInfo
+
+
+class TEDown(msgspec.Struct, tag="te_down", **_STRUCT):
+    te_id: str
+    reason: str
+
+
+class TEReport(msgspec.Struct, tag="te_report", **_STRUCT):
+    """Load and cache changes since the previous report of one TE.
+
+    load = tokens waiting + tokens running (still to compute or generate).
+    inserted / evicted: block hashes that entered / left its prefix cache.
+    finished: request ids that ended on it (any reason).
+    """
+
+    te_id: str
+    num_waiting: int
+    num_running: int
+    load_tokens: int
+    kv_usage: float
+    num_prompt_tokens: int = 0  # cumulative
+    num_cached_tokens: int = 0  # cumulative: prefix-cache hits
+    inserted: list[int] = []
+    evicted: list[int] = []
+    finished: list[str] = []
+
+
+ToClusterManager = TEUp | TEDown | TEReport
+
+
+class TEList(msgspec.Struct, tag="te_list", **_STRUCT):
+    """Every TE the cluster manager considers available, after a change."""
+
+    tes: list[TEInfo]
+
+
+FromClusterManager = TEList | TEReport

@@ -1,0 +1,1 @@
+"""Per-node process management: start, watch and stop every process of a node."""

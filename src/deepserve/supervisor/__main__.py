@@ -1,0 +1,64 @@
+"""`python -m deepserve.supervisor --conf conf/node.toml [--host H] [--port P]`:
+start a node, print how to call it, serve until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import click
+
+from deepserve.supervisor.node import Node
+from deepserve.supervisor.node_config import load_node_config, with_port
+
+_VITAL = ("gateway", "job-executor", "cluster-manager")
+
+
+def _usage(node: Node) -> str:
+    model = node.config.served_model
+    return f"""DeepServe is up at {node.url}  ({len(node.config.tes)} TEs, model {model!r})
+
+  curl {node.url}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}'
+
+  from openai import OpenAI
+  client = OpenAI(base_url="{node.url}/v1", api_key="unused")
+  print(client.chat.completions.create(model="{model}", max_tokens=32,
+        messages=[{{"role": "user", "content": "Hello"}}]).choices[0].message.content)
+
+Ctrl-C stops every process."""
+
+
+@click.command()
+@click.option("--conf", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--host", default=None)
+@click.option("--port", default=None, type=int)
+def main(conf: str, host: str | None, port: int | None) -> None:
+    stop = {"requested": False}
+
+    def request_stop(signum, frame):
+        stop["requested"] = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    node = Node(with_port(load_node_config(conf), host, port))
+    node.start()
+    click.echo(_usage(node), err=False)
+    sys.stdout.flush()
+    status = 0
+    try:
+        while not stop["requested"]:
+            dead = [d for d in node.dead() if d.split(" ")[0] in _VITAL]
+            if dead:
+                click.echo(f"node: {', '.join(dead)} died; stopping", err=True)
+                status = 1
+                break
+            time.sleep(0.3)
+    finally:
+        node.stop()
+    raise SystemExit(status)
+
+
+if __name__ == "__main__":
+    main()

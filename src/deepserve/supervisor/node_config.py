@@ -1,0 +1,100 @@
+"""NodeConfig: one node of the platform, read from a TOML file in conf/.
+
+    [node]      host, port, model, served_model, startup_timeout_s
+    [gateway]   api_keys, max_open_requests, request_timeout_s
+    [router]    policy, balance_threshold
+    [[te]]      count, type, and any EngineConfig option (processes is implied)
+
+Unknown sections or keys are errors naming them. Relative paths are relative
+to the repository root (the folder above conf/).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from deepserve.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class TESpec:
+    te_id: str
+    te_type: str
+    options: dict
+    """EngineConfig options for this TE (model is the node's)."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    model: str
+    """Model directory every TE serves (and the JE tokenizes with)."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model: str = ""
+    """Name clients put in `model`; default: the model directory's name."""
+    startup_timeout_s: float = 180.0
+    """Seconds for every process to come up and the gateway to report healthy."""
+    api_keys: dict = field(default_factory=dict)
+    """API key -> tenant; empty: no authentication, one tenant."""
+    max_open_requests: int = 256
+    """Open requests at the gateway past which it answers 429."""
+    request_timeout_s: float = 600.0
+    """Deadline of one request, end to end."""
+    policy: str = "combined"
+    """Routing: combined, locality, load or round_robin."""
+    balance_threshold: float | None = None
+    """Load difference under which locality decides (router default if None)."""
+    te_timeout_s: float = 10.0
+    """A TE with no report for this long leaves the TE list."""
+    tes: tuple[TESpec, ...] = ()
+
+    def __post_init__(self):
+        if not self.tes:
+            raise ValueError("a node needs at least one [[te]]")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        for te in self.tes:  # fail now, not in a child process
+            EngineConfig.from_options(self.model, **te.options)
+
+
+_SECTIONS = {"node": {"host", "port", "model", "served_model", "startup_timeout_s", "te_timeout_s"},
+             "gateway": {"api_keys", "max_open_requests", "request_timeout_s"},
+             "router": {"policy", "balance_threshold"}}
+
+
+def load_node_config(path: str | Path, overrides: dict | None = None) -> NodeConfig:
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    unknown = sorted(set(raw) - set(_SECTIONS) - {"te"})
+    if unknown:
+        raise ValueError(f"{path}: unknown section(s) {unknown}")
+    flat: dict = {}
+    for section, keys in _SECTIONS.items():
+        bad = sorted(set(raw.get(section, {})) - keys)
+        if bad:
+            raise ValueError(f"{path}: unknown key(s) {bad} in [{section}]")
+        flat.update(raw.get(section, {}))
+    flat.update(overrides or {})
+    root = Path(path).resolve().parent.parent
+    model = Path(flat.pop("model"))
+    flat["model"] = str(model if model.is_absolute() else root / model)
+    flat.setdefault("served_model", Path(flat["model"]).name)
+    return NodeConfig(tes=tuple(_te_specs(raw.get("te", []))), **flat)
+
+
+def _te_specs(tables: list[dict]) -> list[TESpec]:
+    specs: list[TESpec] = []
+    for table in tables:
+        options = dict(table)
+        count, te_type = int(options.pop("count", 1)), options.pop("type", "colocated")
+        options.pop("processes", None)
+        for _ in range(count):
+            specs.append(TESpec(f"te{len(specs)}", te_type, options))
+    return specs
+
+
+def with_port(config: NodeConfig, host: str | None, port: int | None) -> NodeConfig:
+    return replace(config, host=host or config.host, port=port or config.port)
+
