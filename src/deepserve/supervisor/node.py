@@ -70,7 +70,9 @@ class Node:
                             "--te-id", te.te_id, "--inbox", f"ipc://{self.run_dir}/{te.te_id}.sock",
                             "--cm", a["cm"], "--te-type", te.te_type,
                             "--served-model", c.served_model, "--options", json.dumps(te.options))
-            self._spawn("gateway", "deepserve.gateway", *self._gateway_args())
+            keys = ",".join(f"{k}:{t}" for k, t in c.api_keys.items())  # env, not argv (ps)
+            self._spawn("gateway", "deepserve.gateway", *self._gateway_args(),
+                        env={**os.environ, "DEEPSERVE_API_KEYS": keys})
             self._wait_healthy()
         except BaseException:
             self.stop()
@@ -78,17 +80,14 @@ class Node:
 
     def _gateway_args(self) -> list[str]:
         c, a = self.config, self.address
-        args = ["--host", c.host, "--port", str(c.port), "--je", a["je"], "--cm", a["cm-pub"],
-                "--reply", a["gw-reply"], "--served-model", c.served_model,
+        return ["--host", c.host, "--port", str(c.port), "--je", a["je"], "--cm", a["cm-pub"],
+                "--reply", a["gw-reply"], "--model", c.served_model,
                 "--max-open-requests", str(c.max_open_requests),
-                "--request-timeout", str(c.request_timeout_s)]
-        if c.api_keys:
-            args += ["--api-keys", ",".join(f"{k}:{t}" for k, t in c.api_keys.items())]
-        return args
+                "--request-timeout", str(c.request_timeout_s), "--log-level", "warning"]
 
-    def _spawn(self, name: str, module: str, *args: str) -> None:
+    def _spawn(self, name: str, module: str, *args: str, env: dict | None = None) -> None:
         cmd = [sys.executable, "-m", module, *args, "--parent-pid", str(os.getpid())]
-        self.procs.append(_Proc(name, subprocess.Popen(cmd)))
+        self.procs.append(_Proc(name, subprocess.Popen(cmd, env=env)))
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s

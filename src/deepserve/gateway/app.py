@@ -1,0 +1,147 @@
+"""The gateway's HTTP app (OpenAI API) and its uvicorn server.
+
+    POST /v1/chat/completions, /v1/completions   auth -> validate -> generation.generate
+    GET  /v1/models, /v1/models/{model}           the one served model
+    GET  /health                                  200 while the CM lists >= 1 TE, else 503
+    GET  /metrics                                 Prometheus text of the gateway's registry
+
+The JobClient (ZeroMQ sockets, two receiver tasks) starts and stops with the
+app's lifespan, on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import signal
+import threading
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from starlette.responses import Response
+
+from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.errors import APIError, error_response, install_error_handlers
+from deepserve.gateway.generation import GatewayState, generate
+from deepserve.gateway.job_client import JobClient
+from deepserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics, RequestCounter
+from deepserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TENANT = "default"
+GRACEFUL_SHUTDOWN_S = 5
+"""Seconds uvicorn lets open connections finish after SIGTERM before cancelling them."""
+
+router = APIRouter()
+
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+def tenant_of(request: Request) -> str:
+    """The caller's tenant from `Authorization: Bearer KEY`; 401 if keys are
+    configured and the key is missing or unknown. The tenant is the salt."""
+    keys = _state(request).config.api_keys
+    if not keys:
+        return DEFAULT_TENANT
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    key = key.strip().encode()
+    if scheme.lower() != "bearer" or not key:
+        raise APIError.unauthorized("Missing API key: send 'Authorization: Bearer KEY'.")
+    tenant = None
+    for known, name in keys.items():  # compare with every key, in constant time each
+        if hmac.compare_digest(known.encode(), key):
+            tenant = name
+    if tenant is None:
+        raise APIError.unauthorized()
+    return tenant
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           tenant: str = Depends(tenant_of)) -> Response:
+    return await generate(request, _state(request), body, tenant)
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request,
+                      tenant: str = Depends(tenant_of)) -> Response:
+    return await generate(request, _state(request), body, tenant)
+
+
+@router.get("/v1/models", dependencies=[Depends(tenant_of)])
+async def list_models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_card(request)]}
+
+
+@router.get("/v1/models/{model:path}", dependencies=[Depends(tenant_of)])
+async def get_model(model: str, request: Request) -> dict:
+    if model != _state(request).config.served_model:
+        raise APIError.model_not_found(model)
+    return _model_card(request)
+
+
+def _model_card(request: Request) -> dict:
+    return {"id": _state(request).config.served_model, "object": "model",
+            "created": request.app.state.created, "owned_by": "deepserve"}
+
+
+@router.get("/health", response_model=None)
+async def health(request: Request) -> Response | dict:
+    num_tes = len(_state(request).client.te_ids)
+    if num_tes == 0:
+        return error_response(APIError.unavailable("No engine is available."))
+    return {"status": "ok", "num_tes": num_tes}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    client = state.client
+    state.metrics.refresh(client.num_running, client.num_waiting, client.te_ids, client.reports)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """The gateway app; its lifespan opens and closes the ZeroMQ side."""
+    gateway_metrics = GatewayMetrics()
+    client = JobClient(config, gateway_metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await client.start()
+        logger.info("gateway up: JE %s, CM %s, replies on %s", config.je_address,
+                    config.cm_address, config.reply_address)
+        try:
+            yield
+        finally:
+            await client.close()
+
+    app = FastAPI(title="DeepServe gateway", lifespan=lifespan)
+    app.state.gateway = GatewayState(config, client, gateway_metrics)
+    app.state.created = int(time.time())
+    install_error_handlers(app)
+    app.add_middleware(RequestCounter, metrics=gateway_metrics)
+    app.include_router(router)
+    return app
+
+
+def serve(config: GatewayConfig, log_level: str = "info") -> None:
+    """Run the gateway until SIGTERM / SIGINT; returns after a clean shutdown."""
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(config), host=config.host, port=config.port, log_level=log_level,
+        lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn catches SIGTERM while it runs and raises it again once it has
+        # shut down; with this flag-only handler in place that second delivery
+        # is a no-op, so the process exits 0 instead of dying by the signal.
+        signal.signal(signal.SIGTERM, _note_sigterm)
+    server.run()
+
+
+def _note_sigterm(signum, frame) -> None:
+    logger.info("SIGTERM: gateway stopped")

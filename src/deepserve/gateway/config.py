@@ -1,0 +1,86 @@
+"""GatewayConfig: what one gateway process needs, frozen after construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Mapping
+
+API_KEYS_ENV = "DEEPSERVE_API_KEYS"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    je_address: str
+    """ZeroMQ address the job executor PULLs SubmitRequest / AbortRequest on
+    (the gateway connects a PUSH socket to it)."""
+    cm_address: str
+    """ZeroMQ address of the cluster manager's PUB socket (TEList, TEReport);
+    the gateway connects a SUB socket to it."""
+    reply_address: str
+    """ZeroMQ address the gateway binds its one PULL socket on; every
+    SubmitRequest names it as reply_to (RequestDelta / RequestFailed)."""
+    host: str = "127.0.0.1"
+    """Interface the HTTP server listens on."""
+    port: int = 8000
+    """TCP port of the HTTP server (0: any free port)."""
+    served_model: str = "deepserve"
+    """Model name shown by /v1/models and the only one accepted in `model`."""
+    api_keys: Mapping[str, str] = field(default_factory=dict)
+    """API key -> tenant name. Empty: no authentication, every caller is the
+    tenant "default". The tenant name is the prefix-cache salt."""
+    max_open_requests: int = 256
+    """Sub-requests (n counts n) open at once at most; past it: 429."""
+    request_timeout_s: float = 600.0
+    """Seconds from admission to the last token; past it the request is
+    aborted and answered with an error (504, or an error event mid-stream)."""
+    max_prompt_chars: int = 1_000_000
+    """Characters (or token ids) of prompt / messages content at most; past
+    it: 400 context_length_exceeded, before anything is sent to a TE."""
+    default_max_tokens: int = 16
+    """max_tokens when a request gives neither max_tokens nor max_completion_tokens."""
+
+    def __post_init__(self):
+        for name in ("je_address", "cm_address", "reply_address", "served_model", "host"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_open_requests", "max_prompt_chars", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        for key, tenant in self.api_keys.items():
+            if not key or not tenant or not isinstance(key, str) or not isinstance(tenant, str):
+                raise ValueError("api_keys must map non-empty key strings to tenant names")
+        object.__setattr__(self, "api_keys", MappingProxyType(dict(self.api_keys)))
+
+    @property
+    def has_auth(self) -> bool:
+        return bool(self.api_keys)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **kwargs) -> "GatewayConfig":
+        """Build from keyword arguments; `api_keys` also takes DEEPSERVE_API_KEYS
+        ("key1:tenantA,key2:tenantB") when it is set (keys given here win)."""
+        environ = os.environ if environ is None else environ
+        keys = parse_api_keys(environ.get(API_KEYS_ENV, ""))
+        keys.update(kwargs.pop("api_keys", None) or {})
+        known = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise ValueError(f"unknown GatewayConfig fields: {sorted(unknown)}")
+        return cls(api_keys=keys, **kwargs)
+
+
+def parse_api_keys(text: str) -> dict[str, str]:
+    """"key1:tenantA,key2:tenantB" -> {"key1": "tenantA", "key2": "tenantB"}."""
+    keys: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, tenant = item.rpartition(":")
+        if not sep or not key or not tenant:
+            raise ValueError(f"{API_KEYS_ENV}: expected KEY:TENANT, got {item!r}")
+        keys[key] = tenant
+    return keys

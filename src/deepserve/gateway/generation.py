@@ -1,0 +1,128 @@
+"""One generation request, from a validated body to a response or an event stream.
+
+    body ──check model, sampling, prompt──> JobClient.submit (n sub-requests)
+         ──wait for every sub-request's first reply──> (errors still become a JSON 4xx/5xx)
+         ├─ stream=false: collect every delta ──> one response object
+         └─ stream=true:  200 + SSE: opening chunks, delta chunks, [usage chunk], [DONE]
+
+The reply stream is closed on every exit path (success, error, deadline,
+client gone, cancellation): closing aborts whatever has not finished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.errors import APIError, from_exception
+from deepserve.gateway.job_client import JobClient
+from deepserve.gateway.reply_stream import ReplyStream
+from deepserve.gateway.metrics import GatewayMetrics
+from deepserve.gateway.responses import ChatRenderer, Choice, CompletionRenderer, Renderer, Usage
+from deepserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class GatewayState:
+    """What every handler shares; lives in `app.state.gateway`."""
+
+    config: GatewayConfig
+    client: JobClient
+    metrics: GatewayMetrics
+
+
+async def generate(request: Request, state: GatewayState,
+                   body: ChatCompletionRequest | CompletionRequest, tenant: str) -> Response:
+    config = state.config
+    if body.model != config.served_model:
+        raise APIError.model_not_found(body.model)
+    samplings = body.sampling_per_choice(config.default_max_tokens)
+    if isinstance(body, ChatCompletionRequest):
+        inputs = {"messages": body.wire_messages(config.max_prompt_chars)}
+        renderer: Renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", config.served_model,
+                                           bool(body.logprobs), body.include_usage)
+    else:
+        prompt, prompt_token_ids = body.wire_prompt(config.max_prompt_chars)
+        inputs = {"prompt": prompt, "prompt_token_ids": prompt_token_ids}
+        renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", config.served_model,
+                                      body.logprobs is not None, body.include_usage)
+    stream = state.client.submit(renderer.response_id, samplings, salt=tenant,
+                                 is_disconnected=request.is_disconnected, **inputs)
+    try:
+        await stream.wait_started()
+    except BaseException:
+        stream.close()
+        raise
+    if body.stream:
+        # From here Starlette's own disconnect listener owns `receive`.
+        stream.is_disconnected = None
+        return ClosingStreamingResponse(_events(stream, renderer, len(samplings)),
+                                        on_close=stream.close, headers=SSE_HEADERS,
+                                        media_type="text/event-stream")
+    try:
+        return JSONResponse(await _collect(stream, renderer, len(samplings)))
+    finally:
+        stream.close()
+
+
+async def _collect(stream: ReplyStream, renderer: Renderer, num_choices: int) -> dict:
+    choices = [Choice(i) for i in range(num_choices)]
+    usage = Usage(num_choices)
+    async for index, delta in stream:
+        choices[index].add(delta)
+        usage.add(index, delta)
+    return renderer.response(choices, usage)
+
+
+async def _events(stream: ReplyStream, renderer: Renderer,
+                  num_choices: int) -> AsyncIterator[bytes]:
+    """Server-sent events; an error after the 200 becomes an error event."""
+    usage = Usage(num_choices)
+    try:
+        for chunk in renderer.opening_chunks(num_choices):
+            yield _sse(chunk)
+        async for index, delta in stream:
+            usage.add(index, delta)
+            for chunk in renderer.delta_chunks(index, delta):
+                yield _sse(chunk)
+        if renderer.include_usage:
+            yield _sse(renderer.usage_chunk(usage))
+    except Exception as exc:  # noqa: BLE001 - the stream must end with an error event
+        err = from_exception(exc)
+        if not isinstance(exc, APIError):
+            logger.error("stream %s failed", renderer.response_id, exc_info=exc)
+        yield _sse(err.body())
+    finally:
+        stream.close()
+    yield b"data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that calls `on_close` however it ends: a client
+    that disconnects cancels the body iterator, which may not get to run its
+    own `finally` before it is garbage collected."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

@@ -1,0 +1,131 @@
+"""Prometheus metrics of one gateway, in their own CollectorRegistry.
+
+Request counts are taken by an ASGI middleware (every answer, errors
+included); latencies by the reply streams when a sub-request ends; gauges of
+open requests and of each TE (from the CM's TEReports) are refreshed when
+/metrics is scraped, so a TE that left the TE list leaves the output too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import generate_latest
+
+from deepserve.messages.control import TEReport
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0, 600.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                 0.75, 1.0, 2.5)
+
+
+@dataclass
+class RequestTiming:
+    """time.monotonic() stamps of one sub-request (None: not reached)."""
+
+    submitted_at: float
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    num_tokens: int = 0
+
+
+class GatewayMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("deepserve_gateway_requests", "HTTP requests answered",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("deepserve_gateway_time_to_first_token_seconds",
+                              "Seconds from submission to the first output token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("deepserve_gateway_time_per_output_token_seconds",
+                              "Seconds per output token after the first",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("deepserve_gateway_e2e_request_latency_seconds",
+                             "Seconds from submission to the last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("deepserve_gateway_requests_running",
+                             "Sub-requests that have received their first reply", registry=r)
+        self.waiting = Gauge("deepserve_gateway_requests_waiting",
+                             "Sub-requests submitted and still without a reply", registry=r)
+        self.num_tes = Gauge("deepserve_gateway_tes", "TEs in the cluster manager's TE list",
+                             registry=r)
+        self.te_kv_usage = Gauge("deepserve_te_kv_usage", "Fraction of KV blocks in use",
+                                 ["te_id"], registry=r)
+        self.te_prefix_hit_rate = Gauge(
+            "deepserve_te_prefix_cache_hit_rate",
+            "Cached prompt tokens / prompt tokens, cumulative", ["te_id"], registry=r)
+        self.te_running = Gauge("deepserve_te_requests_running", "Requests running on the TE",
+                                ["te_id"], registry=r)
+        self.te_waiting = Gauge("deepserve_te_requests_waiting", "Requests queued on the TE",
+                                ["te_id"], registry=r)
+
+    def count_request(self, path: str, status: int) -> None:
+        endpoint = path if path in ENDPOINTS else "other"
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def observe_request(self, timing: RequestTiming) -> None:
+        """One finished sub-request; an aborted one without tokens counts only e2e."""
+        if timing.finished_at is None:
+            return
+        self.e2e.observe(timing.finished_at - timing.submitted_at)
+        if timing.first_token_at is None:
+            return
+        self.ttft.observe(timing.first_token_at - timing.submitted_at)
+        if timing.num_tokens > 1:
+            self.tpot.observe((timing.finished_at - timing.first_token_at)
+                              / (timing.num_tokens - 1))
+
+    def refresh(self, num_running: int, num_waiting: int, te_ids: Iterable[str],
+                reports: Mapping[str, TEReport]) -> None:
+        """Set the gauges from the job client's current view."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        te_ids = list(te_ids)
+        self.num_tes.set(len(te_ids))
+        for gauge in (self.te_kv_usage, self.te_prefix_hit_rate, self.te_running,
+                      self.te_waiting):
+            gauge.clear()
+        for te_id in te_ids:
+            report = reports.get(te_id)
+            if report is None:
+                continue
+            self.te_kv_usage.labels(te_id=te_id).set(report.kv_usage)
+            hit_rate = report.num_cached_tokens / max(1, report.num_prompt_tokens)
+            self.te_prefix_hit_rate.labels(te_id=te_id).set(hit_rate)
+            self.te_running.labels(te_id=te_id).set(report.num_running)
+            self.te_waiting.labels(te_id=te_id).set(report.num_waiting)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestCounter:
+    """ASGI middleware: count every HTTP answer by endpoint and status code."""
+
+    def __init__(self, app, metrics: GatewayMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # if the app raises before starting a response
+
+        async def send_and_note(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.count_request(scope.get("path", ""), status)

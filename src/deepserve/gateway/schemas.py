@@ -1,0 +1,160 @@
+"""Request bodies of the OpenAI endpoints, and their conversion to SamplingParams.
+
+Models are strict (no "5" -> 5, no true -> 1) and ignore unknown fields like
+OpenAI does. Everything a TE would reject for a reason the gateway can see
+(ranges, empty or oversized prompts, several prompts) is a 400 here, before
+any message is sent.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field
+
+from deepserve.gateway.errors import APIError
+from deepserve.messages.sampling import SamplingParams
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TOKEN_ID = 2**31 - 1
+MAX_NUM_STOP = 16
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+TokenCount = Annotated[int, Field(ge=1, le=2**31 - 1)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Stop = str | Annotated[list[str], Field(max_length=MAX_NUM_STOP)]
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool | None = None
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class _GenerationRequest(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = _STRICT
+    model: str
+    max_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
+    n: Annotated[int, Field(ge=1, le=8)] | None = None
+    user: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None,
+                  default_max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        kwargs = dict(max_tokens=max_tokens or default_max_tokens, stop=stop, seed=self.seed,
+                      logprobs=logprobs)
+        if self.temperature is not None:
+            kwargs["temperature"] = self.temperature
+        if self.top_p is not None:
+            kwargs["top_p"] = self.top_p
+        return SamplingParams(**kwargs).validate()
+
+    def sampling_per_choice(self, default_max_tokens: int) -> list[SamplingParams]:
+        """One SamplingParams per choice; with a seed, choice i gets seed + i."""
+        base = self.sampling(default_max_tokens)
+        if base.seed is None:
+            return [base] * self.num_choices
+        return [msgspec.structs.replace(base, seed=_wrap_int64(base.seed + i))
+                for i in range(self.num_choices)]
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        raise NotImplementedError
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: TokenCount | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError.bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(self.max_completion_tokens or self.max_tokens, logprobs,
+                              default_max_tokens)
+
+    def wire_messages(self, max_chars: int) -> list[dict]:
+        """messages as the TE's chat template takes them; 400 when too long."""
+        wire = [{"role": m.role, "content": m.text()} for m in self.messages]
+        num_chars = sum(len(m["content"]) for m in wire)
+        if num_chars > max_chars:
+            raise APIError.prompt_too_long(
+                f"messages have {num_chars} characters; at most {max_chars} are accepted",
+                "messages")
+        return wire
+
+
+Prompt = (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+          | Annotated[list[list[int]], Field(min_length=1)])
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Prompt
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        return self._sampling(self.max_tokens, self.logprobs, default_max_tokens)
+
+    def wire_prompt(self, max_chars: int) -> tuple[str | None, list[int] | None]:
+        """(prompt text, prompt token ids), exactly one set; 400 when unusable."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError.bad_request(
+                    f"only one prompt per request is supported, got {len(prompt)}", "prompt")
+            prompt = prompt[0]
+        if len(prompt) == 0:
+            raise APIError.bad_request("prompt must not be empty", "prompt")
+        if len(prompt) > max_chars:
+            raise APIError.prompt_too_long(
+                f"prompt has {len(prompt)} characters or tokens; at most {max_chars} are "
+                "accepted", "prompt")
+        if isinstance(prompt, str):
+            return prompt, None
+        if any(not 0 <= t <= MAX_TOKEN_ID for t in prompt):
+            raise APIError.bad_request(f"prompt token ids must be in [0, {MAX_TOKEN_ID}]",
+                                       "prompt")
+        return None, list(prompt)
+
+
+def _wrap_int64(value: int) -> int:
+    return (value - INT64_MIN) % 2**64 + INT64_MIN

@@ -1,0 +1,261 @@
+"""A fake job executor + TE + cluster manager for gateway tests: one thread
+that owns its own sockets.
+
+    gateway PUSH ──SubmitRequest / AbortRequest──> PULL (je_address) ─┐
+    gateway PULL <──RequestDelta / RequestFailed── PUSH (to reply_to) ├─ FakeBackend thread
+    gateway SUB  <──TEList + TEReport, every publish_interval_s── PUB ─┘ (cm_address)
+
+Scripted generation: one word (= one token) per delta, words drawn from a
+PRNG seeded by the request's seed (deterministic) or by a counter; the first
+delta carries the prompt's token ids (UTF-8 bytes of the prompt, or the
+given ids) and cached_tokens = 8 when the same salt + prompt came before.
+Stop strings are cut like the TE does (text before the stop string, held
+back while it could still be the start of one; finish "stop"); max_tokens
+ends with "length". Magic words in the prompt steer one request:
+"[slow]" (0.2 s per delta), "[hang]" (nothing after the first delta),
+"[mute]" (no reply at all), "[invalid]" / "[dead]" (RequestFailed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
+from deepserve.messages.control import TEInfo, TEList, TEReport
+from deepserve.messages.engine import AbortRequest, RequestDelta, RequestFailed, SubmitRequest
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
+         "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
+         "zulu").split()
+TOKEN_BASE = 1000
+CACHED_TOKENS = 8
+SLOW_DELAY_S = 0.2
+
+
+def prompt_ids_of(submit: SubmitRequest) -> list[int]:
+    if submit.prompt_token_ids is not None:
+        return list(submit.prompt_token_ids)
+    if submit.messages is not None:
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in submit.messages)
+        return list(text.encode())
+    return list((submit.prompt or "").encode())
+
+
+@dataclass
+class _Job:
+    submit: SubmitRequest
+    prompt_ids: list[int]
+    rng: random.Random
+    delay_s: float
+    next_at: float
+    is_hanging: bool = False
+    text: str = ""
+    num_sent_chars: int = 0
+    num_tokens: int = 0
+    is_first: bool = True
+
+
+@dataclass
+class FakeBackend:
+    je_address: str
+    cm_address: str
+    max_prompt_tokens: int = 4000
+    delay_s: float = 0.0
+    """Seconds between deltas of every request (tests may change it live)."""
+    publish_interval_s: float = 0.1
+    te_ids: list[str] = field(default_factory=lambda: ["te-0"])
+    """TEs the fake CM lists; assign a new list to change what it publishes."""
+    submits: list[SubmitRequest] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._jobs: dict[str, _Job] = {}
+        self._seen: set[tuple[str | None, tuple[int, ...]]] = set()
+        self._num_prompt_tokens = 0
+        self._num_cached_tokens = 0
+        self._unseeded = itertools.count(12345)
+        self._thread = threading.Thread(target=self._run, name="fake-backend", daemon=True)
+
+    # -- control from the test thread -------------------------------------------
+    def start(self, timeout_s: float = 5.0) -> "FakeBackend":
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError("fake backend did not bind its sockets in time")
+        if self._error is not None:
+            raise RuntimeError("fake backend failed to start") from self._error
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "fake backend thread did not stop"
+        if self._error is not None:
+            raise RuntimeError("fake backend failed") from self._error
+
+    def wait_for(self, predicate, timeout_s: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(0.01)
+        return predicate()
+
+    def submits_for(self, request_id_prefix: str) -> list[SubmitRequest]:
+        return [s for s in list(self.submits) if s.request_id.startswith(request_id_prefix)]
+
+    # -- the thread --------------------------------------------------------------
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        socks = []
+        try:
+            self._inbox = PullSocket(ctx, self.je_address, bind=True,
+                                     type=SubmitRequest | AbortRequest)
+            self._pub = PubSocket(ctx, self.cm_address)
+            self._outboxes: dict[str, PushSocket] = {}
+            socks = [self._inbox, self._pub]
+            self._ready.set()
+            self._loop(ctx)
+        except BaseException as exc:  # noqa: BLE001 - reported by start()/stop()
+            self._error = exc
+            self._ready.set()
+        finally:
+            for sock in socks + list(getattr(self, "_outboxes", {}).values()):
+                sock.close()
+            ctx.term()
+
+    def _loop(self, ctx: zmq.Context) -> None:
+        next_publish = 0.0
+        while not self._stop.is_set():
+            if self._inbox.poll(0.005):
+                self._handle(ctx, self._inbox.get(0))
+            self._emit_due()
+            if time.monotonic() >= next_publish:
+                self._publish()
+                next_publish = time.monotonic() + self.publish_interval_s
+
+    def _handle(self, ctx: zmq.Context, msg: SubmitRequest | AbortRequest) -> None:
+        if isinstance(msg, AbortRequest):
+            self.aborts.append(msg.request_id)
+            self._jobs.pop(msg.request_id, None)
+            return
+        self.submits.append(msg)
+        if msg.reply_to not in self._outboxes:
+            self._outboxes[msg.reply_to] = PushSocket(ctx, msg.reply_to, bind=False)
+        prompt_ids = prompt_ids_of(msg)
+        failure = self._failure(msg, prompt_ids)
+        if failure is not None:
+            self._reply(msg, failure)
+            return
+        text = _magic_text(msg)
+        if "[mute]" in text:
+            return
+        seed = msg.sampling.seed if msg.sampling.seed is not None else next(self._unseeded)
+        delay_s = SLOW_DELAY_S if "[slow]" in text else self.delay_s
+        self._jobs[msg.request_id] = _Job(msg, prompt_ids, random.Random(seed), delay_s,
+                                          time.monotonic() + delay_s, "[hang]" in text)
+
+    def _failure(self, msg: SubmitRequest, prompt_ids: list[int]) -> RequestFailed | None:
+        text = _magic_text(msg)
+        if len(prompt_ids) > self.max_prompt_tokens:
+            return RequestFailed(request_id=msg.request_id, error="prompt_too_long",
+                                 message=f"prompt has {len(prompt_ids)} tokens, more than "
+                                         f"{self.max_prompt_tokens}", param="prompt")
+        if "[invalid]" in text:
+            return RequestFailed(request_id=msg.request_id, error="invalid_request",
+                                 message="the TE rejected it", param="stop")
+        if "[dead]" in text:
+            return RequestFailed(request_id=msg.request_id, error="engine_dead",
+                                 message="TE te-0 died")
+        return None
+
+    def _emit_due(self) -> None:
+        now = time.monotonic()
+        for request_id, job in list(self._jobs.items()):
+            if job.next_at > now:
+                continue
+            delta = self._step(job)
+            self._reply(job.submit, delta)
+            job.next_at = now + job.delay_s
+            if delta.finish_reason is not None:
+                del self._jobs[request_id]
+            elif job.is_hanging:
+                job.next_at = float("inf")
+
+    def _step(self, job: _Job) -> RequestDelta:
+        """Generate one token; cut at a stop string like the TE's detokenizer."""
+        sampling = job.submit.sampling
+        index = job.rng.randrange(len(WORDS))
+        token_id = TOKEN_BASE + index
+        job.text += ("" if job.num_tokens == 0 else " ") + WORDS[index]
+        job.num_tokens += 1
+        finish, visible = None, len(job.text)
+        cut = min((i for i in (job.text.find(s) for s in sampling.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            finish, visible = "stop", cut
+        elif job.num_tokens >= sampling.max_tokens:
+            finish = "length"
+        else:
+            visible -= _held_back(job.text, sampling.stop)
+        delta = RequestDelta(request_id=job.submit.request_id,
+                             text=job.text[job.num_sent_chars:visible], token_ids=[token_id],
+                             finish_reason=finish, logprobs=_logprobs(token_id, sampling))
+        job.num_sent_chars = max(job.num_sent_chars, visible)
+        if job.is_first:
+            job.is_first = False
+            self._first_delta_fields(job, delta)
+        return delta
+
+    def _first_delta_fields(self, job: _Job, delta: RequestDelta) -> None:
+        key = (job.submit.salt, tuple(job.prompt_ids))
+        delta.prompt_token_ids = job.prompt_ids
+        delta.cached_tokens = min(CACHED_TOKENS, len(job.prompt_ids)) if key in self._seen else 0
+        self._seen.add(key)
+        self._num_prompt_tokens += len(job.prompt_ids)
+        self._num_cached_tokens += delta.cached_tokens
+
+    def _reply(self, submit: SubmitRequest, msg) -> None:
+        try:
+            self._outboxes[submit.reply_to].put(msg, timeout=1.0)
+        except TimeoutError:
+            pass  # the gateway is gone
+
+    def _publish(self) -> None:
+        te_ids = list(self.te_ids)
+        self._pub.put(TEList(tes=[TEInfo(te_id=t, model="tiny", address=self.je_address)
+                                  for t in te_ids]))
+        for te_id in te_ids:
+            self._pub.put(TEReport(te_id=te_id, num_waiting=0, num_running=len(self._jobs),
+                                   load_tokens=0, kv_usage=0.25,
+                                   num_prompt_tokens=self._num_prompt_tokens,
+                                   num_cached_tokens=self._num_cached_tokens))
+
+
+def _magic_text(msg: SubmitRequest) -> str:
+    return msg.prompt or str(msg.messages or "")
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that starts some stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+def _logprobs(token_id: int, sampling) -> list | None:
+    if sampling.logprobs is None:
+        return None
+    top = [(token_id, -0.25)] + [(TOKEN_BASE + j, -1.0 - j) for j in range(sampling.logprobs)]
+    return [(token_id, -0.25, top[:sampling.logprobs])]

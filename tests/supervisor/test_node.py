@@ -1,0 +1,124 @@
+"""A real one-node cluster on loopback (gateway, JE, CM, two TEs on the tiny
+model), driven with the `openai` client."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from deepserve.supervisor.node import Node
+from deepserve.supervisor.node_config import NodeConfig, TESpec
+
+LONG = "def handler(request):\n    headers = request.headers\n    return headers\n" * 12
+TE_OPTIONS = {"max_num_batched_tokens": 256, "num_kv_blocks": 256}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model):
+    config = NodeConfig(model=str(tiny_model), served_model="tiny", port=_free_port(),
+                        api_keys={"key-a": "tenant-a", "key-b": "tenant-b"},
+                        startup_timeout_s=120, te_timeout_s=5,
+                        tes=tuple(TESpec(f"te{i}", "colocated", TE_OPTIONS) for i in range(2)))
+    node = Node(config)
+    node.start()
+    yield node
+    procs = list(node.procs)
+    node.stop()
+    assert all(p.popen.poll() is not None for p in procs) and not node.run_dir.exists()
+
+
+def _client(node, key="key-a") -> OpenAI:
+    return OpenAI(base_url=f"{node.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _metrics(node) -> dict:
+    with urllib.request.urlopen(f"{node.url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_chat_and_completion_streaming_and_not(node):
+    client = _client(node)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=8,
+        temperature=0)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert 1 <= chat.usage.completion_tokens <= 8 and chat.usage.prompt_tokens > 3
+    done = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=8,
+                                     temperature=0)
+    streamed = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=8,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
+
+
+def test_repeated_prefix_is_routed_back_and_hits_the_cache(node):
+    client = _client(node)
+    first = client.completions.create(model="tiny", prompt=LONG + "x = 1", max_tokens=4)
+    time.sleep(1.5)  # the TE reports its new blocks to the CM, which relays them to the JE
+    hits = [client.completions.create(model="tiny", prompt=LONG + f"y = {i}", max_tokens=4)
+            .usage.prompt_tokens_details.cached_tokens for i in range(4)]
+    assert first.usage.prompt_tokens > 64
+    assert all(h >= 64 for h in hits), hits  # every repeat went to the TE holding the prefix
+
+
+def test_tenants_never_share_cached_tokens(node):
+    a, b = _client(node, "key-a"), _client(node, "key-b")
+    prompt = LONG + "tenant check"
+    a.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    time.sleep(1.5)
+    again = a.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    other = b.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_disconnect_mid_stream_frees_the_kv_blocks(node):
+    client = _client(node)
+    stream = client.completions.create(model="tiny", prompt=LONG, max_tokens=1500, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    stream.close()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        m = _metrics(node)
+        running = [v for (name, _), v in m.items() if name == "deepserve_te_requests_running"]
+        usage = [v for (name, _), v in m.items() if name == "deepserve_te_kv_usage"]
+        if running and usage and max(running) == 0 and max(usage) == 0:
+            return
+        time.sleep(0.3)
+    pytest.fail(f"KV still in use after the client left: {running} {usage}")
+
+
+def test_health_goes_503_when_no_te_is_up(node, request):
+    with urllib.request.urlopen(f"{node.url}/health", timeout=5) as r:
+        assert r.status == 200
+    for p in node.procs:  # last test of the module: take every TE down
+        if p.name.startswith("te"):
+            p.popen.terminate()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"{node.url}/health", timeout=5)
+        except urllib.error.HTTPError as e:
+            assert e.code == 503
+            break
+        time.sleep(0.3)
+    else:
+        pytest.fail("/health stayed 200 with no TE")
+    with pytest.raises(Exception) as info:
+        _client(node).completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert getattr(info.value, "status_code", None) == 503
