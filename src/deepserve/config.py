@@ -42,6 +42,8 @@ class EngineConfig:
     """Tensor-parallel degree: worker processes sharing one model (processes only)."""
     async_scheduling: bool = True
     """Build step N+1 while step N runs (processes only); False: synchronous."""
+    num_threads: int | None = None
+    """torch threads per worker process; None: the machine's cores / tp."""
     startup_timeout_s: float = 120.0
     """Seconds the TE's processes have to load and report ready."""
 
@@ -49,7 +51,7 @@ class EngineConfig:
         for name in ("block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
                      "tp"):
             _positive(name, getattr(self, name))
-        for name in ("num_kv_blocks", "max_model_len"):
+        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.dtype not in (None, "float32", "bfloat16", "float16"):

@@ -52,7 +52,8 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, death_pipe: Connection, ready_pipe: Connection) -> None:
     life = ActorLife(f"worker{spec.rank}", death_pipe)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.config.tp))
+    torch.set_num_threads(spec.config.num_threads
+                          or max(1, (os.cpu_count() or 1) // spec.config.tp))
     worker = _Worker(spec, life)
     try:
         worker.start()
