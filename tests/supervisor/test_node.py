@@ -7,6 +7,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
@@ -31,12 +32,18 @@ def node(tiny_model):
                         api_keys={"key-a": "tenant-a", "key-b": "tenant-b"},
                         startup_timeout_s=120, te_timeout_s=5,
                         tes=tuple(TESpec(f"te{i}", "colocated", TE_OPTIONS) for i in range(2)))
+    before = _shm()
     node = Node(config)
     node.start()
     yield node
     procs = list(node.procs)
     node.stop()
     assert all(p.popen.poll() is not None for p in procs) and not node.run_dir.exists()
+    assert _shm() - before == set()  # every TE's segments were unlinked
+
+
+def _shm() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("deepserve-")}
 
 
 def _client(node, key="key-a") -> OpenAI:
