@@ -58,10 +58,10 @@ class JobExecutor:
     def step(self, timeout_ms: int = 200) -> None:
         events = dict(self.poller.poll(timeout_ms))
         if self.cm.socket in events:
-            for msg in _drain(self.cm):
+            for msg in self.cm.drain():
                 self._on_cm(msg)
         if self.inbox.socket in events:
-            for msg in _drain(self.inbox):
+            for msg in self.inbox.drain():
                 self._submit(msg) if isinstance(msg, SubmitRequest) else self._abort(msg)
 
     # -- requests ----------------------------------------------------------------
@@ -137,15 +137,6 @@ class JobExecutor:
     def close(self) -> None:
         for sock in [self.inbox, self.cm, *self.te_sockets.values(), *self.replies.values()]:
             sock.close()
-
-
-def _drain(sock):
-    out = []
-    try:
-        while True:
-            out.append(sock.get(timeout=0))
-    except TimeoutError:
-        return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -171,11 +171,7 @@ class Master:
             self.in_flight.append((step_id, scheduled))
 
     def _recv_requests(self) -> None:
-        while True:
-            try:
-                msg = self.requests.get(timeout=0)
-            except TimeoutError:
-                return
+        for msg in self.requests.drain():
             if isinstance(msg, AddRequest):
                 self._add(msg)
             elif isinstance(msg, FinishRequest):
@@ -212,11 +208,7 @@ class Master:
             self.released.append(seq.seq_id)
 
     def _collect(self) -> None:
-        while True:
-            try:
-                msg = self.steps.get(timeout=0)
-            except TimeoutError:
-                return
+        for msg in self.steps.drain():
             if isinstance(msg, WorkerFailed):
                 raise RuntimeError(f"worker {msg.rank} failed: {msg.message}")
             if isinstance(msg, StepDone):

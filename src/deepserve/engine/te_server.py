@@ -46,7 +46,7 @@ def serve(config: EngineConfig, te_id: str, inbox: str, cm_address: str, te_type
                 log.error("TE %s lost a process: %s", te_id, launcher.dead())
                 status = 1
                 break
-            _drain(sink)
+            sink.drain()  # failures the master sends its own caller: the JE hears of them via the CM
             time.sleep(0.2)
     finally:
         reason = "shutdown" if status == 0 else f"process died: {launcher.dead()}"
@@ -57,15 +57,6 @@ def serve(config: EngineConfig, te_id: str, inbox: str, cm_address: str, te_type
         to_cm.close()
         ctx.term()
     return status
-
-
-def _drain(sink: PullSocket) -> None:
-    """Failures the master sends to its own caller: the JE learns them from the CM."""
-    try:
-        while True:
-            sink.get(timeout=0)
-    except TimeoutError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> None:

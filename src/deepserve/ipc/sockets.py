@@ -84,6 +84,13 @@ class _Receiver:
             raise TimeoutError(f"get: nothing received within {timeout} s")
         return self._decoder.decode(self.socket.recv(flags=zmq.NOBLOCK))
 
+    def drain(self) -> list[Any]:
+        """Every message already waiting, decoded, without blocking."""
+        out = []
+        while self.socket.poll(0, zmq.POLLIN):
+            out.append(self._decoder.decode(self.socket.recv(flags=zmq.NOBLOCK)))
+        return out
+
     def close(self) -> None:
         self.socket.close(linger=0)
 
