@@ -51,6 +51,23 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def request_ids(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                    messages: list[dict] | None = None) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a request given as chat messages,
+        token ids or text; InvalidRequestError when there is nothing usable."""
+        if messages is not None:
+            text = self.apply_chat_template(messages)
+            return text, self.encode(text, add_special_tokens=False)
+        if prompt_token_ids is not None:
+            return None, list(prompt_token_ids)
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                "prompt")
+        if not prompt:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        return prompt, self.encode(prompt)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template", "messages")

@@ -67,7 +67,7 @@ class JobExecutor:
     # -- requests ----------------------------------------------------------------
     def _submit(self, msg: SubmitRequest) -> None:
         try:
-            ids = self._prompt_ids(msg)
+            _, ids = self.tokenizer.request_ids(msg.prompt, msg.prompt_token_ids, msg.messages)
             te_id = self.router.route(ids, msg.salt)
         except InvalidRequestError as e:
             return self._fail(msg, "invalid_request", str(e), e.param)
@@ -77,16 +77,6 @@ class JobExecutor:
                              sampling=msg.sampling, salt=msg.salt, reply_to=msg.reply_to)
         self.tasks[msg.request_id] = Task(msg.request_id, te_id, msg.reply_to)
         self.te_sockets[te_id].put(task)
-
-    def _prompt_ids(self, msg: SubmitRequest) -> list[int]:
-        if msg.messages is not None:
-            text = self.tokenizer.apply_chat_template(msg.messages)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        if msg.prompt_token_ids is not None:
-            return msg.prompt_token_ids
-        if not msg.prompt:
-            raise InvalidRequestError("prompt is empty", "prompt")
-        return self.tokenizer.encode(msg.prompt)
 
     def _abort(self, msg: AbortRequest) -> None:
         task = self.tasks.get(msg.request_id)

@@ -37,10 +37,6 @@ class EngineClient:
             self._close_sockets()
             raise
 
-    @property
-    def is_alive(self) -> bool:
-        return self.failure is None
-
     def submit(self, msg: SubmitRequest) -> None:
         """Send a request; on a dead TE it fails at the next poll()."""
         self.open_requests.add(msg.request_id)

@@ -66,7 +66,9 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        prompt_text, ids = self._prompt_ids(prompt)
+        is_ids = isinstance(prompt, (list, tuple))
+        prompt_text, ids = self.tokenizer.request_ids(None if is_ids else prompt,
+                                                      prompt if is_ids else None)
         check_prompt_ids(ids, self.model_config.vocab_size, self.config.max_model_len)
         stops = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
@@ -76,17 +78,6 @@ class LLMEngine:
         self._requests[request_id] = self._by_seq[seq.seq_id] = req
         self.scheduler.add(seq)
         return request_id
-
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty", "prompt")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise InvalidRequestError(
-            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
-            "prompt")
 
     def abort_request(self, request_id: str) -> None:
         req = self._requests.get(request_id)

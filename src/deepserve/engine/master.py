@@ -34,14 +34,13 @@ from deepserve.engine.sequence import Sequence
 from deepserve.ipc.shm_ring import BroadcastRing
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.engine import (AddRequest, EngineStats, FinishRequest, FromWorker,
-                                       GetStats, NewTokens, RequestFailed, Shutdown, StepDone,
+                                       GetStats, NewTokens, RequestFailed, StepDone,
                                        StepTokens, ToMaster, WorkerFailed, WorkerReady)
 from deepserve.messages.control import TEReport
-from deepserve.messages.step import StepBatch
+from deepserve.messages.step import SHUTDOWN_STEP_ID, StepBatch
 from deepserve.model.config import load_model_config
 
 log = logging.getLogger(__name__)
-SHUTDOWN_STEP_ID = -1
 
 
 @dataclass(frozen=True)
@@ -176,8 +175,6 @@ class Master:
                 self._add(msg)
             elif isinstance(msg, FinishRequest):
                 self._finish(msg.request_id, msg.reason)
-            elif isinstance(msg, Shutdown):
-                self.life.request_stop()
             elif isinstance(msg, GetStats):
                 self.to_client.put(EngineStats(forward_spans=list(self.forward_spans),
                                                num_preemptions=self.scheduler.num_preemptions))

@@ -40,10 +40,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.scheduled.values())
-
     def to_step_batch(self, step_id: int, kv: KVCacheManager, released: list[int]) -> StepBatch:
         """The wire form for the workers; marks new sequences as known to them."""
         seqs, new = [], []

@@ -103,7 +103,8 @@ class TokenizerActor:
         if msg.reply_to is not None:
             self.reply_to[msg.request_id] = msg.reply_to
         try:
-            prompt, ids = self._prompt_ids(msg)
+            prompt, ids = self.tokenizer.request_ids(msg.prompt, msg.prompt_token_ids,
+                                                     msg.messages)
             msg.sampling.validate(self.vocab_size)
             check_prompt_ids(ids, self.vocab_size, self.config.max_model_len)
             if msg.request_id in self.states:
@@ -118,16 +119,6 @@ class TokenizerActor:
                                                    self.tokenizer)
         self.to_master.put(AddRequest(request_id=msg.request_id, prompt_token_ids=ids,
                                       sampling=msg.sampling, salt=msg.salt))
-
-    def _prompt_ids(self, msg: SubmitRequest) -> tuple[str | None, list[int]]:
-        if msg.messages is not None:
-            text = self.tokenizer.apply_chat_template(msg.messages)
-            return text, self.tokenizer.encode(text, add_special_tokens=False)
-        if msg.prompt_token_ids is not None:
-            return None, msg.prompt_token_ids
-        if not msg.prompt:
-            raise InvalidRequestError("prompt is empty", "prompt")
-        return msg.prompt, self.tokenizer.encode(msg.prompt)
 
     def _tokens(self, item: NewTokens) -> None:
         state = self.states.get(item.request_id)

@@ -178,16 +178,11 @@ class JobClient:
 
     # -- receivers -------------------------------------------------------------
     async def _recv_replies(self) -> None:
-        decoder = msgspec.msgpack.Decoder(ToClient)
-        while True:
-            data = await self._pull.recv()
-            try:
-                msg = decoder.decode(data)
-            except msgspec.DecodeError as exc:
-                logger.warning("undecodable reply dropped: %s", exc)
-                continue
-            if isinstance(msg, (RequestDelta, RequestFailed)):
-                self._route_reply(msg)  # no await: a reply is routed whole or not at all
+        await _recv_forever(self._pull, ToClient, self._on_reply, "reply")
+
+    def _on_reply(self, msg) -> None:
+        if isinstance(msg, (RequestDelta, RequestFailed)):
+            self._route_reply(msg)  # no await: a reply is routed whole or not at all
 
     def _route_reply(self, msg: RequestDelta | RequestFailed) -> None:
         route = self._routes.get(msg.request_id)
@@ -207,20 +202,29 @@ class JobClient:
                 self.metrics.observe_request(route.timing)
 
     async def _recv_cluster(self) -> None:
-        decoder = msgspec.msgpack.Decoder(FromClusterManager)
-        while True:
-            data = await self._sub.recv()
-            try:
-                msg = decoder.decode(data)
-            except msgspec.DecodeError as exc:
-                logger.warning("undecodable cluster message dropped: %s", exc)
-                continue
-            if isinstance(msg, TEList):
-                self._tes = {te.te_id: te for te in msg.tes}
-                self._has_te_list = True
-                for te_id in set(self._reports) - set(self._tes):
-                    del self._reports[te_id]
-                    self._report_times.pop(te_id, None)
-            else:
-                self._reports[msg.te_id] = msg
-                self._report_times[msg.te_id] = time.monotonic()
+        await _recv_forever(self._sub, FromClusterManager, self._on_cluster, "cluster")
+
+    def _on_cluster(self, msg) -> None:
+        if isinstance(msg, TEList):
+            self._tes = {te.te_id: te for te in msg.tes}
+            self._has_te_list = True
+            for te_id in set(self._reports) - set(self._tes):
+                del self._reports[te_id]
+                self._report_times.pop(te_id, None)
+        else:
+            self._reports[msg.te_id] = msg
+            self._report_times[msg.te_id] = time.monotonic()
+
+
+async def _recv_forever(sock, message_type, handle, what: str) -> None:
+    """Decode and hand on every message of an asyncio ZeroMQ socket; a
+    message that does not decode is logged and dropped, never fatal."""
+    decoder = msgspec.msgpack.Decoder(message_type)
+    while True:
+        data = await sock.recv()
+        try:
+            msg = decoder.decode(data)
+        except msgspec.DecodeError as exc:
+            logger.warning("undecodable %s message dropped: %s", what, exc)
+            continue
+        handle(msg)

@@ -54,15 +54,11 @@ class FinishRequest(msgspec.Struct, tag="finish", **_STRUCT):
     reason: str
 
 
-class Shutdown(msgspec.Struct, tag="shutdown", **_STRUCT):
-    pass
-
-
 class GetStats(msgspec.Struct, tag="get_stats", **_STRUCT):
     """Ask the master for its EngineStats (answered to the client)."""
 
 
-ToMaster = AddRequest | FinishRequest | Shutdown | GetStats
+ToMaster = AddRequest | FinishRequest | GetStats
 
 
 # -- master -> tokenizer ----------------------------------------------------

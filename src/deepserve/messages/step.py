@@ -11,6 +11,7 @@ import msgspec
 
 from deepserve.messages.sampling import SamplingParams
 
+SHUTDOWN_STEP_ID = -1  # a StepBatch with this id tells the workers to exit
 PLACEHOLDER = -1  # an input token the workers fill in: the one they sampled last for the seq
 
 
@@ -43,10 +44,6 @@ class StepBatch(msgspec.Struct, array_like=True, gc=False):
     seqs: list[ScheduledSeq]
     new_seqs: list[NewSeq] = []
     finished_seq_ids: list[int] = []  # drop their sampling state
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
 
 
 class SampledToken(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

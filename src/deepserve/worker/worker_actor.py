@@ -30,13 +30,12 @@ from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
 from deepserve.ipc.shm_ring import BroadcastRing
 from deepserve.ipc.sockets import PushSocket
 from deepserve.messages.engine import StepDone, WorkerFailed, WorkerReady
-from deepserve.messages.step import StepBatch
+from deepserve.messages.step import SHUTDOWN_STEP_ID, StepBatch
 from deepserve.model.loader import load_model
 from deepserve.model.parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from deepserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
-SHUTDOWN_STEP_ID = -1  # a StepBatch with this id tells the workers to exit
 
 
 @dataclass(frozen=True)
