@@ -154,3 +154,4 @@ class KVCacheManager:
         nodes = list(self.tree.nodes())
         assert all(refs[id(n)] == n.ref_count for n in nodes), "ref_count != holders"
         assert self.tree.num_unreferenced == sum(n.ref_count == 0 for n in nodes)
+        assert self.tree.evictable_leaf_ids() == {id(n) for n in nodes if n.is_evictable_leaf}

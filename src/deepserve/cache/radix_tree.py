@@ -59,6 +59,9 @@ class RadixTree:
         self._evicted: list[int] = []
         self._roots: dict[Hashable, RadixNode] = {}
         self._clock = itertools.count(1)
+        # Evictable leaves (unreferenced, childless), kept current on every
+        # change so that evict() never walks the whole tree.
+        self._leaves: dict[int, RadixNode] = {}
         self.num_nodes = 0
         self.num_unreferenced = 0  # nodes with ref_count 0: all evictable, leaf-first
 
@@ -93,6 +96,8 @@ class RadixTree:
         if self.record_events:
             self._inserted.append(node.block_hash)
         parent.children[key] = node
+        self._leaves.pop(id(parent), None)
+        self._leaves[id(node)] = node
         self.num_nodes += 1
         self.num_unreferenced += 1
         return node
@@ -102,6 +107,7 @@ class RadixTree:
         for node in nodes:
             if node.ref_count == 0:
                 self.num_unreferenced -= 1
+                self._leaves.pop(id(node), None)
             node.ref_count += 1
             node.last_access = now
 
@@ -113,25 +119,33 @@ class RadixTree:
             node.last_access = now
             if node.ref_count == 0:
                 self.num_unreferenced += 1
+                if node.is_evictable_leaf:
+                    self._leaves[id(node)] = node
 
     def evict(self, num_blocks: int) -> list[int]:
         """Remove up to num_blocks unreferenced nodes, least recently used
         leaves first; return their block ids."""
-        heap = [(n.last_access, id(n), n) for n in self.nodes() if n.is_evictable_leaf]
+        heap = [(n.last_access, id(n), n) for n in self._leaves.values()]
         heapq.heapify(heap)
         freed: list[int] = []
         while heap and len(freed) < num_blocks:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             del parent.children[node.key]
+            del self._leaves[id(node)]
             self.num_nodes -= 1
             self.num_unreferenced -= 1
             freed.append(node.block_id)
             if self.record_events:
                 self._evicted.append(node.block_hash)
             if parent.is_evictable_leaf:
+                self._leaves[id(parent)] = parent
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
+
+    def evictable_leaf_ids(self) -> set[int]:
+        """For integrity checks: the leaves evict() would choose from."""
+        return set(self._leaves)
 
     def pop_events(self) -> tuple[list[int], list[int]]:
         """(inserted, evicted) block hashes since the last call."""
