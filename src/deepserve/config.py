@@ -46,6 +46,16 @@ class EngineConfig:
     """torch threads per worker process; None: the machine's cores / tp."""
     startup_timeout_s: float = 120.0
     """Seconds the TE's processes have to load and report ready."""
+    kv_transfer_backend: str = "shm"
+    """How a prefill TE sends KV to a decode TE (DistFlow): "shm" straight into
+    its shared-memory pool, "ring" through a staging ring, "tcp" over ZeroMQ.
+    A TE whose peers send with ring/tcp starts a receiver for them."""
+    kv_transfer_layerwise: bool = False
+    """Send each layer's KV as soon as that layer is computed (overlaps the
+    transfer with the rest of the forward) instead of after the forward."""
+    kv_transfer_timeout_s: float = 30.0
+    """A prefill TE frees KV it sent when no acknowledgement comes in this
+    time; a decode TE fails a request whose KV has not come in this time."""
 
     def __post_init__(self):
         for name in ("block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
@@ -56,6 +66,11 @@ class EngineConfig:
                 _positive(name, getattr(self, name))
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_transfer_backend not in ("shm", "ring", "tcp"):
+            raise ValueError(f"kv_transfer_backend must be shm, ring or tcp, "
+                             f"got {self.kv_transfer_backend!r}")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if self.tp > 1 and not self.processes:
             raise ValueError("tp > 1 needs processes=True (one worker process per rank)")
 

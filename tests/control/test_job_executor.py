@@ -100,3 +100,55 @@ def test_tasks_of_a_te_that_leaves_fail(rig):
     _publish(rig, [])
     failed = _pump(rig, lambda: _recv(rig["gw"]))
     assert failed.request_id == "r4" and failed.error == "engine_dead" and "te0" in failed.message
+
+
+def test_pd_aware_routing_follows_the_heatmap(tiny_model):
+    """Algorithm 1: a long prompt with a short output goes to the prefill/decode
+    pair (the decode TE gets it with prefill_from = the prefill TE's inbox), a
+    short prompt with a long output to the colocated TE; when the prefill TE
+    leaves, the job's request fails and its decode task is aborted."""
+    from deepserve.control.pd_policy import DecodeLengthPredictor, Heatmap, PDPolicy
+    tok = Tokenizer(tiny_model)
+    long_prompt = "def handler(request):\n    return request.headers\n" * 60
+    short_prompt = "Tell me a story"
+    pairs = [(tok.encode(long_prompt + str(i)), 20) for i in range(20)]
+    pairs += [(tok.encode(short_prompt + " " * i), 700) for i in range(20)]
+    predictor = DecodeLengthPredictor.train(pairs, num_buckets=8, epochs=100)
+    heatmap = Heatmap(prompt_len_edges=[0, 256, 100000], ratio_edges=[0, 0.5, 1000],
+                      values=[[-0.2, -0.3], [0.5, -0.1]])
+    d = tempfile.mkdtemp(prefix="dspd")
+    ctx = zmq.Context()
+    addr = {n: f"ipc://{d}/{n}.sock" for n in ("je", "cm", "gw", "c0", "p0", "d0")}
+    cm = PubSocket(ctx, addr["cm"], bind=True)
+    je = JobExecutor(ctx, addr["je"], addr["cm"], str(tiny_model), Router("combined"),
+                     PDPolicy("heatmap", heatmap, predictor))
+    tes = {t: PullSocket(ctx, addr[t], bind=True, type=_TE_IN) for t in ("c0", "p0", "d0")}
+    rig = {"je": je, "to_je": PushSocket(ctx, addr["je"], bind=False), "addr": addr,
+           "gw": PullSocket(ctx, addr["gw"], bind=True, type=ToClient)}
+    types = {"c0": "colocated", "p0": "prefill", "d0": "decode"}
+
+    def publish(names):
+        cm.put(TEList(tes=[TEInfo(te_id=t, te_type=types[t], model="m", address=addr[t])
+                           for t in names]))
+    try:
+        _pump(rig, lambda: publish(types) or (len(je.te_sockets) == 3 or None))
+        _submit(rig, "long", long_prompt)
+        task = _pump(rig, lambda: _recv(tes["d0"]))
+        assert task.request_id == "long" and task.prefill_from == addr["p0"]
+        _submit(rig, "short", short_prompt)
+        task = _pump(rig, lambda: _recv(tes["c0"]))
+        assert task.request_id == "short" and task.prefill_from is None
+        publish(["c0", "d0"])  # the prefill TE leaves while "long" runs
+        failed = _pump(rig, lambda: _recv(rig["gw"]))
+        assert failed.request_id == "long" and failed.error == "engine_dead"
+        abort = _pump(rig, lambda: _recv(tes["d0"]))
+        assert isinstance(abort, AbortRequest) and abort.request_id == "long"
+        # With no prefill TE left, the long prompt goes to the colocated TE.
+        _submit(rig, "long2", long_prompt)
+        assert _pump(rig, lambda: _recv(tes["c0"])).request_id == "long2"
+    finally:
+        je.close()
+        for sock in [cm, rig["to_je"], rig["gw"], *tes.values()]:
+            sock.close()
+        ctx.term()
+        shutil.rmtree(d, ignore_errors=True)

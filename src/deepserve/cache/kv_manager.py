@@ -58,6 +58,10 @@ class KVCacheManager:
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
+    def num_shared_blocks(self, seq_id: int) -> int:
+        """Leading blocks of the sequence that come from the prefix cache (tree)."""
+        return len(self._seqs[seq_id].nodes)
+
     def match(self, token_ids: Sequence[int], salt: Hashable = None) -> list[RadixNode]:
         """Cached leading blocks, leaving at least one token to compute."""
         if not self.enable_prefix_caching:

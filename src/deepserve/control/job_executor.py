@@ -7,21 +7,27 @@
     CM ──TEList / TEReport (SUB)──> router: TE set, loads, cached blocks, finished tasks
     JE ──RequestFailed──> the request's reply_to (no TE, bad input, its TE went down)
 
-A chat or completion request is a job of one `colocated` task (the
-disaggregated issue adds prefill + decode). The task's output streams from
-the TE straight to the gateway; the JE only learns that it ended (TEReport
-.finished), or that its TE left the list, which fails it.
+A chat or completion request is a job of one `colocated` task, or, when the
+PD policy (control/pd_policy.py: DeepServe Algorithm 1, step 1) says the
+request's shape is served better disaggregated, of a `prefill` and a
+`decode` task: the decode TE gets the request with prefill_from = the chosen
+prefill TE and orders the KV from it itself (messages/pd.py). Either way the
+output streams from one TE straight to the gateway; the JE only learns that
+the job ended (TEReport.finished of that TE), or that one of its TEs left
+the list, which fails it (and aborts the other task).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import dataclass
 
 import zmq
 
 from deepserve.actor import ActorLife
+from deepserve.control.pd_policy import PDPolicy
 from deepserve.control.router import NoTEAvailable, Router
 from deepserve.errors import InvalidRequestError
 from deepserve.ipc.sockets import PullSocket, PushSocket, SubSocket
@@ -36,17 +42,20 @@ _IN = SubmitRequest | AbortRequest
 @dataclass
 class Task:
     request_id: str
-    te_id: str
+    te_id: str  # the TE that streams to the caller (colocated or decode)
     reply_to: str | None
+    prefill_te: str | None = None  # disaggregated: where its KV is computed
 
 
 class JobExecutor:
-    def __init__(self, ctx: zmq.Context, inbox: str, cm_pub: str, model: str, router: Router):
+    def __init__(self, ctx: zmq.Context, inbox: str, cm_pub: str, model: str, router: Router,
+                 pd_policy=None):
         self.ctx = ctx
         self.inbox = PullSocket(ctx, inbox, bind=True, type=_IN)
         self.cm = SubSocket(ctx, cm_pub, bind=False, type=FromClusterManager)
         self.tokenizer = Tokenizer(model)
         self.router = router
+        self.pd_policy = pd_policy  # None: colocated unless only PD pairs exist
         self.te_sockets: dict[str, PushSocket] = {}
         self.te_addresses: dict[str, str] = {}
         self.replies: dict[str, PushSocket] = {}
@@ -66,17 +75,34 @@ class JobExecutor:
 
     # -- requests ----------------------------------------------------------------
     def _submit(self, msg: SubmitRequest) -> None:
+        prefill_te = prefill_from = None
         try:
             _, ids = self.tokenizer.request_ids(msg.prompt, msg.prompt_token_ids, msg.messages)
-            te_id = self.router.route(ids, msg.salt)
+            if self._job_layout(ids) == "disaggregated":
+                prefill_te = self.router.route(ids, msg.salt, te_type="prefill")
+                prefill_from = self.te_addresses[prefill_te]
+                te_id = self.router.route(ids, msg.salt, te_type="decode")
+            else:
+                te_id = self.router.route(ids, msg.salt)
         except InvalidRequestError as e:
             return self._fail(msg, "invalid_request", str(e), e.param)
         except NoTEAvailable as e:
             return self._fail(msg, "engine_dead", f"no TE can take the request: {e}")
         task = SubmitRequest(request_id=msg.request_id, prompt_token_ids=ids,
-                             sampling=msg.sampling, salt=msg.salt, reply_to=msg.reply_to)
-        self.tasks[msg.request_id] = Task(msg.request_id, te_id, msg.reply_to)
+                             sampling=msg.sampling, salt=msg.salt, reply_to=msg.reply_to,
+                             prefill_from=prefill_from)
+        self.tasks[msg.request_id] = Task(msg.request_id, te_id, msg.reply_to, prefill_te)
         self.te_sockets[te_id].put(task)
+
+    def _job_layout(self, ids: list[int]) -> str:
+        """colocated or disaggregated: the policy's choice among what exists."""
+        types = {te.te_type for te in self.router.tes.values()}
+        has_pair = {"prefill", "decode"} <= types
+        if not has_pair:
+            return "colocated"
+        if "colocated" not in types:
+            return "disaggregated"
+        return "colocated" if self.pd_policy is None else self.pd_policy.choose(ids)
 
     def _abort(self, msg: AbortRequest) -> None:
         task = self.tasks.get(msg.request_id)
@@ -99,7 +125,9 @@ class JobExecutor:
         if isinstance(msg, TEReport):
             self.router.on_report(msg)
             for request_id in msg.finished:
-                self.tasks.pop(request_id, None)
+                task = self.tasks.get(request_id)
+                if task is not None and task.te_id == msg.te_id:
+                    del self.tasks[request_id]
         elif isinstance(msg, TEList):
             self._update_tes(msg)
 
@@ -118,8 +146,10 @@ class JobExecutor:
         self.router.update_tes(msg.tes)
 
     def _fail_tasks_of(self, te_id: str) -> None:
-        for task in [t for t in self.tasks.values() if t.te_id == te_id]:
+        for task in [t for t in self.tasks.values() if te_id in (t.te_id, t.prefill_te)]:
             del self.tasks[task.request_id]
+            if task.te_id != te_id and task.te_id in self.te_sockets:
+                self.te_sockets[task.te_id].put(AbortRequest(request_id=task.request_id))
             self._reply(task.reply_to, RequestFailed(
                 request_id=task.request_id, error="engine_dead",
                 message=f"TE {te_id} went down while serving the request"))
@@ -136,12 +166,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", required=True, help="model directory (its tokenizer)")
     ap.add_argument("--policy", default="combined")
     ap.add_argument("--balance-threshold", type=float, default=None)
+    ap.add_argument("--pd-policy", default=None,
+                    help="heatmap, threshold, colocated or disaggregated (Algorithm 1, step 1)")
+    ap.add_argument("--pd-options", default="{}", help="PDPolicy thresholds as JSON")
+    ap.add_argument("--pd-heatmap", default=None)
+    ap.add_argument("--pd-predictor", default=None)
     ap.add_argument("--parent-pid", type=int, default=None)
     args = ap.parse_args(argv)
     life = ActorLife("job-executor", parent_pid=args.parent_pid)
     options = {} if args.balance_threshold is None else {"balance_threshold": args.balance_threshold}
+    pd_policy = None
+    if args.pd_policy is not None:
+        pd_policy = PDPolicy.from_files(args.pd_policy, args.pd_heatmap, args.pd_predictor,
+                                        **json.loads(args.pd_options))
     ctx = zmq.Context()
-    je = JobExecutor(ctx, args.inbox, args.cm_pub, args.model, Router(args.policy, **options))
+    je = JobExecutor(ctx, args.inbox, args.cm_pub, args.model, Router(args.policy, **options),
+                     pd_policy)
     try:
         while not life.should_stop():
             je.step()

@@ -29,6 +29,7 @@ import zmq
 from deepserve.actor import ActorLife
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.config import EngineConfig
+from deepserve.engine.pd import PDCoordinator
 from deepserve.engine.scheduler import Scheduler, SchedulerOutput
 from deepserve.engine.sequence import Sequence
 from deepserve.ipc.shm_ring import BroadcastRing
@@ -36,6 +37,7 @@ from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.engine import (AddRequest, EngineStats, FinishRequest, FromWorker,
                                        GetStats, NewTokens, RequestFailed, StepDone,
                                        StepTokens, ToMaster, WorkerFailed, WorkerReady)
+from deepserve.messages.pd import KVAck, KVReady, KVSent, PrefillOrder
 from deepserve.messages.control import TEReport
 from deepserve.messages.step import SHUTDOWN_STEP_ID, StepBatch
 from deepserve.model.config import load_model_config
@@ -99,7 +101,7 @@ class Master:
         self.seq_ids, self.step_ids = itertools.count(), itertools.count()
         self.ctx = zmq.Context()
         self.encoder = msgspec.msgpack.Encoder()
-        self.ring = None
+        self.ring = self.pd = None
 
     def start(self) -> None:
         s = self.spec
@@ -117,7 +119,7 @@ class Master:
         self.poller.register(self.steps.socket, zmq.POLLIN)
 
     def wait_for_workers(self) -> None:
-        ready, deadline = set(), time.monotonic() + self.spec.config.startup_timeout_s
+        ready, deadline = {}, time.monotonic() + self.spec.config.startup_timeout_s
         while len(ready) < self.spec.config.tp:
             if self.life.should_stop() or time.monotonic() > deadline:
                 raise TimeoutError(f"{len(ready)} of {self.spec.config.tp} workers ready")
@@ -128,7 +130,8 @@ class Master:
             if isinstance(msg, WorkerFailed):
                 raise RuntimeError(f"worker {msg.rank} failed to start: {msg.message}")
             if isinstance(msg, WorkerReady):
-                ready.add(msg.rank)
+                ready[msg.rank] = msg.kv_endpoint
+        self.pd = PDCoordinator(self, [ready[r] for r in range(self.spec.config.tp)])
 
     # -- the loop ------------------------------------------------------------
     def loop(self) -> None:
@@ -140,6 +143,7 @@ class Master:
                 self._recv_requests()
             if self.steps.socket in events:
                 self._collect()
+            self.pd.poll(time.monotonic())
             self._maybe_report()
 
     def _maybe_report(self) -> None:
@@ -149,13 +153,15 @@ class Master:
         self.last_report = now
         inserted, evicted = self.kv.tree.pop_events()
         finished, self.finished_ids = self.finished_ids, []
+        transfer_bytes, transfer_seconds = self.pd.pop_transfer_stats()
         waiting, running = self.scheduler.waiting, self.scheduler.running
         self.to_cm.put(TEReport(
             te_id=self.spec.te_id, num_waiting=len(waiting), num_running=len(running),
             load_tokens=sum(map(_remaining_tokens, waiting)) + sum(map(_remaining_tokens, running)),
             kv_usage=self.kv.usage, num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens, inserted=inserted, evicted=evicted,
-            finished=finished))
+            finished=finished, kv_transfer_bytes=transfer_bytes,
+            kv_transfer_seconds=transfer_seconds))
 
     def _fill_pipeline(self) -> None:
         while len(self.in_flight) < self.depth:
@@ -164,6 +170,7 @@ class Master:
                 return
             step_id = next(self.step_ids)
             batch = scheduled.to_step_batch(step_id, self.kv, self.released)
+            self.pd.attach_transfers(batch)
             self.released = []
             self.ring.put(self.encoder.encode(batch), timeout=30)
             self.scheduler.on_dispatched(scheduled)
@@ -174,7 +181,13 @@ class Master:
             if isinstance(msg, AddRequest):
                 self._add(msg)
             elif isinstance(msg, FinishRequest):
-                self._finish(msg.request_id, msg.reason)
+                self.finish(msg.request_id, msg.reason)
+            elif isinstance(msg, PrefillOrder):
+                self._add_prefill(msg)
+            elif isinstance(msg, KVReady):
+                self.pd.on_kv_ready(msg)
+            elif isinstance(msg, KVAck):
+                self.pd.on_kv_ack(msg)
             elif isinstance(msg, GetStats):
                 self.to_client.put(EngineStats(forward_spans=list(self.forward_spans),
                                                num_preemptions=self.scheduler.num_preemptions))
@@ -187,18 +200,31 @@ class Master:
                        frozenset(stops), msg.salt)
         self.seqs[msg.request_id] = seq
         self.request_ids[seq.seq_id] = msg.request_id
-        self.scheduler.add(seq)
+        if msg.prefill_from is not None:
+            self.pd.add_decode(seq, msg.request_id, msg)
+        else:
+            self.scheduler.add(seq)
 
-    def _finish(self, request_id: str, reason: str) -> None:
+    def _add_prefill(self, order: PrefillOrder) -> None:
+        seq = self.pd.add_prefill(order, next(self.seq_ids))
+        if seq is not None:
+            self.seqs[order.request_id] = seq
+            self.request_ids[seq.seq_id] = order.request_id
+            self.scheduler.add(seq)
+
+    def finish(self, request_id: str, reason: str) -> None:
+        if self.pd.drop_decode(request_id):
+            return
         seq = self.seqs.get(request_id)
         if seq is not None:
             self.scheduler.finish(seq, reason)
-            self._release(seq)
+            self.release(seq)
 
-    def _release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
         request_id = self.request_ids.pop(seq.seq_id)
         del self.seqs[request_id]
-        self.finished_ids.append(request_id)
+        if not seq.keep_kv:  # a prefill task ends on the decode TE, which reports it
+            self.finished_ids.append(request_id)
         self.num_prompt_tokens += seq.num_prompt_tokens
         self.num_cached_tokens += seq.num_cached_tokens or 0
         if seq.is_known_to_workers:
@@ -210,6 +236,8 @@ class Master:
                 raise RuntimeError(f"worker {msg.rank} failed: {msg.message}")
             if isinstance(msg, StepDone):
                 self._on_step_done(msg)
+            elif isinstance(msg, KVSent):
+                self.pd.on_kv_sent(msg)
 
     def _on_step_done(self, done: StepDone) -> None:
         step_id, scheduled = self.in_flight.popleft()
@@ -217,13 +245,14 @@ class Master:
         assert done.output.step_id == step_id, (done.output.step_id, step_id)
         items = []
         for seq in self.scheduler.on_sampled(scheduled, done.output.sampled):
-            items.append(self._new_tokens(seq))
+            if not self.pd.on_first_token(seq):
+                items.append(self.new_tokens(seq))
             if seq.is_finished:
-                self._release(seq)
+                self.release(seq)
         if items:
             self.to_tokenizer.put(StepTokens(items=items))
 
-    def _new_tokens(self, seq: Sequence) -> NewTokens:
+    def new_tokens(self, seq: Sequence) -> NewTokens:
         num_known = seq.num_tokens - seq.num_pending_tokens
         token = seq.token_ids[num_known - 1]
         logprobs = None
@@ -237,6 +266,8 @@ class Master:
         for request_id in list(self.seqs):
             self.to_client.put(RequestFailed(request_id=request_id, error="engine_dead",
                                              message="the TE is shutting down"))
+        if self.pd is not None:
+            self.pd.close()
         if self.ring is not None:
             try:
                 self.ring.put(self.encoder.encode(StepBatch(SHUTDOWN_STEP_ID, [])), timeout=1)

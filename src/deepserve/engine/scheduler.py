@@ -84,9 +84,16 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        if self.kv.has_seq(seq.seq_id):
+        if self.kv.has_seq(seq.seq_id) and not seq.keep_kv:
             self.kv.free(seq.seq_id)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def adopt(self, seq: Sequence) -> None:
+        """Run a sequence whose blocks the caller allocated and whose KV is in
+        the pool already (a decode task whose prompt KV came from a prefill TE)."""
+        assert self.kv.has_seq(seq.seq_id) and seq.status is SequenceStatus.WAITING
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     # -- schedule ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -174,7 +181,7 @@ class Scheduler:
             seq.num_pending_tokens -= 1
             if seq.sampling.logprobs is not None:
                 seq.logprobs.append(token)
-            self._check_stop(seq, token.token_id)
+            self.check_stop(seq, token.token_id)
             advanced.append(seq)
         for seq_id in out.scheduled:
             seq = out.seqs[seq_id]
@@ -183,7 +190,7 @@ class Scheduler:
                 self.kv.commit(seq_id, seq.token_ids, min(seq.num_computed_tokens, num_known))
         return advanced
 
-    def _check_stop(self, seq: Sequence, token_id: int) -> None:
+    def check_stop(self, seq: Sequence, token_id: int) -> None:
         num_known = seq.num_tokens - seq.num_pending_tokens
         if token_id in seq.stop_token_ids:
             self.finish(seq, "stop")

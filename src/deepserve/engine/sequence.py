@@ -33,6 +33,7 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.num_preemptions = 0
         self.is_known_to_workers = False
+        self.keep_kv = False  # a prefill task's KV outlives it until the decode TE has it
         self.finish_reason: str | None = None
         self.logprobs: list = []
 

@@ -26,6 +26,7 @@ from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.engine import (AbortRequest, AddRequest, FinishRequest, GetStats,
                                        NewTokens, RequestDelta, RequestFailed, StepTokens,
                                        SubmitRequest, ToTokenizer)
+from deepserve.messages.pd import FailRequest, KVAck, KVReady, PrefillOrder
 from deepserve.model.config import load_model_config
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,13 @@ class TokenizerActor:
         elif isinstance(msg, StepTokens):
             for item in msg.items:
                 self._tokens(item)
-        elif isinstance(msg, GetStats):
-            self.to_master.put(msg)  # behind every request sent before it
+        elif isinstance(msg, (GetStats, PrefillOrder, KVReady, KVAck)):
+            self.to_master.put(msg)  # GetStats: behind every request sent before it
+        elif isinstance(msg, FailRequest):
+            if self.states.pop(msg.request_id, None) is not None:
+                self._reply(msg.request_id, RequestFailed(request_id=msg.request_id,
+                                                          error=msg.error, message=msg.message))
+                self.reply_to.pop(msg.request_id, None)
 
     def _submit(self, msg: SubmitRequest) -> None:
         if msg.reply_to is not None:
@@ -118,7 +124,8 @@ class TokenizerActor:
         self.states[msg.request_id] = RequestState(msg.request_id, prompt, ids, msg.sampling,
                                                    self.tokenizer)
         self.to_master.put(AddRequest(request_id=msg.request_id, prompt_token_ids=ids,
-                                      sampling=msg.sampling, salt=msg.salt))
+                                      sampling=msg.sampling, salt=msg.salt,
+                                      prefill_from=msg.prefill_from))
 
     def _tokens(self, item: NewTokens) -> None:
         state = self.states.get(item.request_id)

@@ -214,6 +214,8 @@ class JobClient:
         else:
             self._reports[msg.te_id] = msg
             self._report_times[msg.te_id] = time.monotonic()
+            if self.metrics is not None:
+                self.metrics.observe_te_report(msg)
 
 
 async def _recv_forever(sock, message_type, handle, what: str) -> None:

@@ -65,6 +65,12 @@ class GatewayMetrics:
                                 ["te_id"], registry=r)
         self.te_waiting = Gauge("deepserve_te_requests_waiting", "Requests queued on the TE",
                                 ["te_id"], registry=r)
+        self.kv_transfer_bytes = Counter(
+            "deepserve_kv_transfer_bytes", "KV bytes prefill TEs sent to decode TEs (DistFlow)",
+            ["te_id"], registry=r)
+        self.kv_transfer_seconds = Histogram(
+            "deepserve_kv_transfer_seconds", "Seconds to send one request's KV to its decode TE",
+            buckets=_TPOT_BUCKETS + (5.0, 10.0, 30.0), registry=r)
 
     def count_request(self, path: str, status: int) -> None:
         endpoint = path if path in ENDPOINTS else "other"
@@ -81,6 +87,13 @@ class GatewayMetrics:
         if timing.num_tokens > 1:
             self.tpot.observe((timing.finished_at - timing.first_token_at)
                               / (timing.num_tokens - 1))
+
+    def observe_te_report(self, report: TEReport) -> None:
+        """Counters a TEReport carries as increments since the previous one."""
+        if report.kv_transfer_bytes:
+            self.kv_transfer_bytes.labels(te_id=report.te_id).inc(report.kv_transfer_bytes)
+        for seconds in report.kv_transfer_seconds:
+            self.kv_transfer_seconds.observe(seconds)
 
     def refresh(self, num_running: int, num_waiting: int, te_ids: Iterable[str],
                 reports: Mapping[str, TEReport]) -> None:

@@ -58,6 +58,8 @@ class TEReport(msgspec.Struct, tag="te_report", **_STRUCT):
     inserted: list[int] = []
     evicted: list[int] = []
     finished: list[str] = []
+    kv_transfer_bytes: int = 0  # KV this TE sent to decode TEs since the last report
+    kv_transfer_seconds: list[float] = []  # one per request sent
 
 
 ToClusterManager = TEUp | TEDown | TEReport

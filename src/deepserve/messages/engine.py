@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
+from deepserve.messages.pd import FailRequest, KVAck, KVEndpoint, KVReady, KVSent, PrefillOrder
 from deepserve.messages.sampling import SamplingParams
 from deepserve.messages.step import StepOutput
 
@@ -23,7 +24,9 @@ _STRUCT = dict(tag_field="kind", omit_defaults=True, kw_only=True)
 class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     """prompt: text, or token ids already; chat: messages to render first.
     salt: the tenant's prefix-cache salt (set by the gateway, never a client);
-    reply_to: where this request's deltas go (default: the TE's own client)."""
+    reply_to: where this request's deltas go (default: the TE's own client);
+    prefill_from: set on the decode task of a disaggregated job, the prefill
+    TE's inbox (see messages/pd.py)."""
 
     request_id: str
     prompt: str | None = None
@@ -32,6 +35,7 @@ class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     sampling: SamplingParams
     salt: str | None = None
     reply_to: str | None = None
+    prefill_from: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_STRUCT):
@@ -45,6 +49,7 @@ class AddRequest(msgspec.Struct, tag="add", **_STRUCT):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     salt: str | None = None
+    prefill_from: str | None = None
 
 
 class FinishRequest(msgspec.Struct, tag="finish", **_STRUCT):
@@ -58,7 +63,7 @@ class GetStats(msgspec.Struct, tag="get_stats", **_STRUCT):
     """Ask the master for its EngineStats (answered to the client)."""
 
 
-ToMaster = AddRequest | FinishRequest | GetStats
+ToMaster = AddRequest | FinishRequest | GetStats | PrefillOrder | KVReady | KVAck
 
 
 # -- master -> tokenizer ----------------------------------------------------
@@ -76,8 +81,10 @@ class StepTokens(msgspec.Struct, tag="tokens", **_STRUCT):
     items: list[NewTokens]
 
 
-# The tokenizer process binds one PULL socket: clients and the master push to it.
-ToTokenizer = SubmitRequest | AbortRequest | StepTokens | GetStats
+# The tokenizer process binds one PULL socket: clients, its master and other
+# TEs' masters (PD messages, passed on to the master) push to it.
+ToTokenizer = (SubmitRequest | AbortRequest | StepTokens | GetStats | FailRequest
+               | PrefillOrder | KVReady | KVAck)
 
 
 # -- tokenizer / master / launcher -> client ----------------------------------
@@ -128,6 +135,7 @@ class WorkerReady(msgspec.Struct, tag="ready", **_STRUCT):
     rank: int
     pid: int
     kv_segment: str
+    kv_endpoint: KVEndpoint | None = None
 
 
 class WorkerFailed(msgspec.Struct, tag="worker_failed", **_STRUCT):
@@ -135,4 +143,4 @@ class WorkerFailed(msgspec.Struct, tag="worker_failed", **_STRUCT):
     message: str
 
 
-FromWorker = StepDone | WorkerReady | WorkerFailed
+FromWorker = StepDone | WorkerReady | WorkerFailed | KVSent

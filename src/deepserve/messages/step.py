@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from deepserve.messages.pd import KVTransferOrder
 from deepserve.messages.sampling import SamplingParams
 
 SHUTDOWN_STEP_ID = -1  # a StepBatch with this id tells the workers to exit
@@ -44,6 +45,7 @@ class StepBatch(msgspec.Struct, array_like=True, gc=False):
     seqs: list[ScheduledSeq]
     new_seqs: list[NewSeq] = []
     finished_seq_ids: list[int] = []  # drop their sampling state
+    transfers: list[KVTransferOrder] = []  # KV to send to decode TEs (messages/pd.py)
 
 
 class SampledToken(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

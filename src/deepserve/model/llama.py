@@ -13,6 +13,8 @@ down_proj are RowParallelLinear: one all-reduce each, bias added once after.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -145,10 +147,15 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """after_layer(i), if given, runs once layer i's KV is in the pool
+        (layer-wise KV transfer starts there while layer i+1 computes)."""
         x = self.embed_tokens(input_ids)  # (T, E)
-        for layer, kv in zip(self.layers, kv_caches):
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, positions, meta, kv)
+            if after_layer is not None:
+                after_layer(i)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -64,6 +64,12 @@ class Node:
                        "--policy", c.policy]
             if c.balance_threshold is not None:
                 je_args += ["--balance-threshold", str(c.balance_threshold)]
+            if c.pd_policy is not None:
+                je_args += ["--pd-policy", c.pd_policy, "--pd-options", json.dumps(c.pd_options)]
+                for flag, path in (("--pd-heatmap", c.pd_heatmap),
+                                   ("--pd-predictor", c.pd_predictor)):
+                    if path is not None:
+                        je_args += [flag, path]
             self._spawn("job-executor", "deepserve.control.job_executor", *je_args)
             for te in c.tes:
                 self._spawn(te.te_id, "deepserve.engine.te_server", "--model", c.model,

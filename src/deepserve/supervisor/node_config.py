@@ -2,7 +2,7 @@
 
     [node]      host, port, model, served_model, startup_timeout_s
     [gateway]   api_keys, max_open_requests, request_timeout_s
-    [router]    policy, balance_threshold
+    [router]    policy, balance_threshold, pd_policy, pd_heatmap, pd_predictor, pd_options
     [[te]]      count, type, and any EngineConfig option (processes is implied)
 
 Unknown sections or keys are errors naming them. Relative paths are relative
@@ -46,6 +46,15 @@ class NodeConfig:
     """Routing: combined, locality, load or round_robin."""
     balance_threshold: float | None = None
     """Load difference under which locality decides (router default if None)."""
+    pd_policy: str | None = None
+    """Colocated or disaggregated per request (control/pd_policy.py): heatmap,
+    threshold, colocated, disaggregated; None: colocated while a colocated TE exists."""
+    pd_heatmap: str | None = None
+    """JSON heatmap written by tools/profile_pd.py."""
+    pd_predictor: str | None = None
+    """JSON decode-length predictor written by tools/train_predictor.py."""
+    pd_options: dict = field(default_factory=dict)
+    """PDPolicy thresholds: margin, min_prompt_len, max_decode_len."""
     te_timeout_s: float = 10.0
     """A TE with no report for this long leaves the TE list."""
     tes: tuple[TESpec, ...] = ()
@@ -61,7 +70,8 @@ class NodeConfig:
 
 _SECTIONS = {"node": {"host", "port", "model", "served_model", "startup_timeout_s", "te_timeout_s"},
              "gateway": {"api_keys", "max_open_requests", "request_timeout_s"},
-             "router": {"policy", "balance_threshold"}}
+             "router": {"policy", "balance_threshold", "pd_policy", "pd_heatmap", "pd_predictor",
+                        "pd_options"}}
 
 
 def load_node_config(path: str | Path, overrides: dict | None = None) -> NodeConfig:
@@ -81,6 +91,9 @@ def load_node_config(path: str | Path, overrides: dict | None = None) -> NodeCon
     model = Path(flat.pop("model"))
     flat["model"] = str(model if model.is_absolute() else root / model)
     flat.setdefault("served_model", Path(flat["model"]).name)
+    for key in ("pd_heatmap", "pd_predictor"):
+        if flat.get(key) is not None and not Path(flat[key]).is_absolute():
+            flat[key] = str(root / flat[key])
     return NodeConfig(tes=tuple(_te_specs(raw.get("te", []))), **flat)
 
 

@@ -59,11 +59,12 @@ class ModelRunner:
         local_kv_heads = TensorParallel(0, tp_size).shard(c.num_kv_heads, "num_kv_heads")
         return 2 * c.num_layers * block_size * local_kv_heads * c.head_dim * c.dtype.itemsize
 
-    def execute(self, batch: StepBatch) -> StepOutput:
+    def execute(self, batch: StepBatch, after_layer=None) -> StepOutput:
+        """after_layer: see CausalLM.forward (layer-wise KV transfer)."""
         self._update_states(batch)
         self._resolve_placeholders(batch)
         input_ids, positions, meta = self._prepare(batch.seqs)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)  # (T, E)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches, after_layer)  # (T, E)
         sampling_seqs = [s for s in batch.seqs if s.do_sample]
         if not sampling_seqs:
             return StepOutput(batch.step_id, [])

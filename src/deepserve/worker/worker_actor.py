@@ -3,6 +3,8 @@
     master ══ StepBatch (shared-memory broadcast ring) ══> worker r (reader r)
     worker 0 ──StepDone (PUSH)──> master      every rank: WorkerReady / WorkerFailed
     ranks <── torch.distributed (gloo on CPU) ──> ranks      two all-reduces a layer
+    worker r ══ DistFlow (KVTransferOrder of a step) ══> rank r of a decode TE
+    worker r ──KVSent──> master
 
 The KV pool lives in a named shared-memory segment (owner-only, unlinked on
 every exit path by this process, its creator; the launcher sweeps the run's
@@ -30,6 +32,7 @@ from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
 from deepserve.ipc.shm_ring import BroadcastRing
 from deepserve.ipc.sockets import PushSocket
 from deepserve.messages.engine import StepDone, WorkerFailed, WorkerReady
+from deepserve.worker.kv_sender import KVSender
 from deepserve.messages.step import SHUTDOWN_STEP_ID, StepBatch
 from deepserve.model.loader import load_model
 from deepserve.model.parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
@@ -73,7 +76,7 @@ class _Worker:
         self.tp = TensorParallel(spec.rank, spec.config.tp)
         self.ctx = zmq.Context()
         self.kv_name = segment_name(spec.run_id, f"kv-r{spec.rank}")
-        self.kv_segment = self.runner = self.ring = self.out = None
+        self.kv_segment = self.runner = self.ring = self.out = self.kv_sender = None
         self.decoder = msgspec.msgpack.Decoder(StepBatch)
 
     def start(self) -> None:
@@ -88,7 +91,9 @@ class _Worker:
         pool = torch.frombuffer(self.kv_segment.buf, dtype=model.config.dtype).view(shape)
         self.runner = ModelRunner(model, cfg.num_kv_blocks, cfg.block_size, cfg.seed, pool)
         self.ring = self._attach_ring(time.monotonic() + cfg.startup_timeout_s)
-        self.out.put(WorkerReady(rank=self.tp.rank, pid=os.getpid(), kv_segment=self.kv_name))
+        self.kv_sender = KVSender(pool, self.kv_name, self.tp.rank, cfg, self.ctx)
+        self.out.put(WorkerReady(rank=self.tp.rank, pid=os.getpid(), kv_segment=self.kv_name,
+                                 kv_endpoint=self.kv_sender.endpoint))
 
     def _attach_ring(self, deadline: float) -> BroadcastRing:
         """The master creates the ring; it may not exist yet when we get here."""
@@ -111,7 +116,12 @@ class _Worker:
             if batch.step_id == SHUTDOWN_STEP_ID:
                 return
             start = time.monotonic()
-            output = self.runner.execute(batch)
+            if batch.transfers:
+                output, sent = self.kv_sender.execute(self.runner, batch)
+                for msg in sent:
+                    self.out.put(msg)
+            else:
+                output = self.runner.execute(batch)
             end = time.monotonic()
             if self.tp.rank == 0:
                 self.out.put(StepDone(output=output, forward_start=start, forward_end=end))
@@ -123,6 +133,9 @@ class _Worker:
     def close(self) -> None:
         """Release in reverse order; the pool's tensors must die before its segment."""
         self.runner = None
+        if self.kv_sender is not None:
+            self.kv_sender.close()
+            self.kv_sender = None
         gc.collect()
         if self.ring is not None:
             self.ring.close()

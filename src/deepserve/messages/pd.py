@@ -1,0 +1,99 @@
+"""Prefill/decode disaggregation: the messages of one disaggregated job.
+
+    JE ──SubmitRequest(prefill_from=P's inbox)──> D tokenizer ──AddRequest──> D master
+    D master: allocate blocks for the prompt (its own prefix-cache hits stay)
+    D master ──PrefillOrder──> P tokenizer ──> P master: prefill (max_tokens 1)
+    P workers ══ DistFlow: P's blocks -> D's pool (after the forward, or layer by layer) ══
+    P workers ──KVSent (each rank)──> P master
+    P master ──KVReady(first token | error)──> D tokenizer ──> D master: adopt, decode
+    D master ──KVAck──> P tokenizer ──> P master: free its copy
+
+The prefill TE also frees its copy when no KVAck comes within the transfer
+timeout (the decode TE died), so no KV stays pinned. The caller's stream
+comes from the decode TE alone.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from deepserve.messages.sampling import SamplingParams
+
+_STRUCT = dict(tag_field="kind", omit_defaults=True, kw_only=True)
+
+
+class KVEndpoint(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """Where one rank's KV pool can be reached: its shared-memory segment
+    (same node) and/or a DistFlow receiver's address (tcp, ring)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    shm: str | None = None
+    tcp: str | None = None
+
+
+class PrefillOrder(msgspec.Struct, tag="prefill_order", **_STRUCT):
+    """Decode TE -> prefill TE: compute this prompt's KV and write blocks
+    skip_blocks.. of it into dst_block_ids of my pool (one endpoint per rank)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    salt: str | None = None
+    skip_blocks: int
+    dst_block_ids: list[int]
+    dst_te: str
+    dst_endpoints: list[KVEndpoint]
+    reply_to: str  # the decode TE's inbox
+
+
+class KVReady(msgspec.Struct, tag="kv_ready", **_STRUCT):
+    """Prefill TE -> decode TE: the blocks are in your pool, and the first
+    token is this one; or the prefill or the transfer failed (error set)."""
+
+    request_id: str
+    token_id: int = -1
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+    cached_tokens: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    reply_to: str = ""  # the prefill TE's inbox, for the KVAck
+
+
+class KVAck(msgspec.Struct, tag="kv_ack", **_STRUCT):
+    """Decode TE -> prefill TE: done with your copy (adopted, or not wanted)."""
+
+    request_id: str
+
+
+class FailRequest(msgspec.Struct, tag="fail_request", **_STRUCT):
+    """Master -> its tokenizer: end this request with an error the caller sees."""
+
+    request_id: str
+    error: str
+    message: str
+
+
+class KVTransferOrder(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Master -> workers, inside a StepBatch: after (or, layerwise, during)
+    this step's forward, send blocks src_block_ids of seq_id to dst_block_ids
+    of peer dst_te (rank r uses dst_endpoints[r])."""
+
+    seq_id: int
+    dst_te: str
+    dst_endpoints: list[KVEndpoint]
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    layerwise: bool = False
+
+
+class KVSent(msgspec.Struct, tag="kv_sent", **_STRUCT):
+    """Worker -> master: one rank's part of a KVTransferOrder is done (or failed)."""
+
+    rank: int
+    seq_id: int
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None

@@ -1,0 +1,98 @@
+"""A worker's side of PD disaggregation: send a step's KV over DistFlow.
+
+    StepBatch.transfers ──> KVSender ──DistFlow.transfer──> decode TE's rank r pool
+                                     └──KVSent(rank, nbytes, seconds | error)──> master
+
+By request, the blocks go after the step's forward, all layers at once.
+Layer-wise, layer i's blocks go as soon as layer i is computed, on DistFlow's
+thread, while this thread computes layer i+1; the step ends when the last
+layer is in. Either way the step reports only once its transfers are done,
+so the master never tells the decode TE about KV that is not there yet.
+
+A TE whose peers send with the ring or tcp backend runs a DistFlowReceiver
+(it writes what arrives into this worker's pool); with shm the sender writes
+into the pool's segment directly and no receiver is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import zmq
+
+from deepserve.config import EngineConfig
+from deepserve.messages.pd import KVEndpoint, KVSent, KVTransferOrder
+from deepserve.messages.step import StepBatch, StepOutput
+from deepserve.transfer import (DistFlow, DistFlowReceiver, PeerEndpoint, PoolRegion,
+                                TransferError)
+
+log = logging.getLogger(__name__)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class KVSender:
+    def __init__(self, pool: torch.Tensor, segment: str, rank: int, config: EngineConfig,
+                 ctx: zmq.Context):
+        self.rank, self.backend = rank, config.kv_transfer_backend
+        self.timeout_s = config.kv_transfer_timeout_s
+        self.distflow = DistFlow(pool, timeout_s=self.timeout_s, ctx=ctx)
+        self.receiver = None
+        endpoint = KVEndpoint(shape=tuple(pool.shape), dtype=_dtype_name(pool.dtype), shm=segment)
+        if self.backend in ("ring", "tcp"):
+            self.receiver = DistFlowReceiver(pool, ctx=ctx)
+            e = self.receiver.endpoint(shm_name=segment)
+            endpoint = KVEndpoint(shape=endpoint.shape, dtype=endpoint.dtype, shm=segment,
+                                  tcp=e.tcp)
+        self.endpoint = endpoint
+        self._linked: set[str] = set()
+
+    def execute(self, runner, batch: StepBatch) -> tuple[StepOutput, list[KVSent]]:
+        handles: dict[int, list] = {t.seq_id: [] for t in batch.transfers}
+        errors: dict[int, str] = {}
+        started = time.monotonic()
+        layerwise = [t for t in batch.transfers if t.layerwise]
+
+        def after_layer(i: int) -> None:
+            for t in layerwise:
+                self._send(t, (i, i + 1), handles, errors)
+
+        output = runner.execute(batch, after_layer if layerwise else None)
+        for t in batch.transfers:
+            if not t.layerwise:
+                self._send(t, None, handles, errors)
+        sent = []
+        for t in batch.transfers:
+            nbytes = 0
+            for handle in handles[t.seq_id]:
+                try:
+                    nbytes += handle.wait(self.timeout_s).nbytes
+                except TransferError as e:
+                    errors.setdefault(t.seq_id, str(e))
+            sent.append(KVSent(rank=self.rank, seq_id=t.seq_id, nbytes=nbytes,
+                               seconds=time.monotonic() - started, error=errors.get(t.seq_id)))
+        return output, sent
+
+    def _send(self, t: KVTransferOrder, layers, handles, errors) -> None:
+        if t.seq_id in errors:
+            return
+        e = t.dst_endpoints[self.rank]
+        peer = f"{t.dst_te}/{e.shm or e.tcp}"
+        try:
+            if peer not in self._linked:
+                self.distflow.link(peer, PeerEndpoint(shape=tuple(e.shape), dtype=e.dtype,
+                                                      shm=e.shm, tcp=e.tcp), self.backend)
+                self._linked.add(peer)
+            handles[t.seq_id].append(self.distflow.transfer(
+                peer, PoolRegion(t.src_block_ids, layers), PoolRegion(t.dst_block_ids, layers)))
+        except TransferError as err:
+            errors[t.seq_id] = str(err)
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+        self.distflow.close()
