@@ -36,9 +36,9 @@ def node(tiny_model):
     node = Node(config)
     node.start()
     yield node
-    procs = list(node.procs)
+    procs = list(node.procs.values())
     node.stop()
-    assert all(p.popen.poll() is not None for p in procs) and not node.run_dir.exists()
+    assert all(p.poll() is not None for p in procs) and not node.run_dir.exists()
     assert _shm() - before == set()  # every TE's segments were unlinked
 
 
@@ -113,9 +113,11 @@ def test_disconnect_mid_stream_frees_the_kv_blocks(node):
 def test_health_goes_503_when_no_te_is_up(node, request):
     with urllib.request.urlopen(f"{node.url}/health", timeout=5) as r:
         assert r.status == 200
-    for p in node.procs:  # last test of the module: take every TE down
-        if p.name.startswith("te"):
-            p.popen.terminate()
+    node.supervisor.stop()  # last test of the module: take every TE down, for good
+    node.supervisor = None
+    for name, p in node.procs.items():
+        if name.startswith("te"):
+            p.terminate()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:

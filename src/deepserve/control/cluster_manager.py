@@ -19,6 +19,7 @@ import zmq
 
 from deepserve.actor import ActorLife
 from deepserve.ipc.sockets import PubSocket, PullSocket
+from deepserve.supervisor.heartbeat import HeartbeatSender
 from deepserve.messages.control import TEDown, TEInfo, TEList, TEReport, TEUp, ToClusterManager
 
 log = logging.getLogger(__name__)
@@ -85,12 +86,17 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     life = ActorLife("cluster-manager", parent_pid=args.parent_pid)
     ctx = zmq.Context()
+    heartbeat = HeartbeatSender.from_env(ctx, "cluster-manager")
     cm = ClusterManager(ctx, args.inbox, args.pub, args.te_timeout)
     try:
         while not life.should_stop():
+            if heartbeat is not None:
+                heartbeat.beat({"tes": len(cm.tes)}, False)
             cm.step()
     finally:
         cm.close()
+        if heartbeat is not None:
+            heartbeat.close()
         ctx.term()
 
 

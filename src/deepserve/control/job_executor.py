@@ -33,6 +33,7 @@ from deepserve.errors import InvalidRequestError
 from deepserve.ipc.sockets import PullSocket, PushSocket, SubSocket
 from deepserve.messages.control import FromClusterManager, TEList, TEReport
 from deepserve.messages.engine import AbortRequest, RequestFailed, SubmitRequest
+from deepserve.supervisor.heartbeat import HeartbeatSender
 from deepserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -45,17 +46,21 @@ class Task:
     te_id: str  # the TE that streams to the caller (colocated or decode)
     reply_to: str | None
     prefill_te: str | None = None  # disaggregated: where its KV is computed
+    attempt: int = 0
 
 
 class JobExecutor:
     def __init__(self, ctx: zmq.Context, inbox: str, cm_pub: str, model: str, router: Router,
-                 pd_policy=None):
+                 pd_policy=None, max_attempts: int = 3, events=None):
         self.ctx = ctx
         self.inbox = PullSocket(ctx, inbox, bind=True, type=_IN)
         self.cm = SubSocket(ctx, cm_pub, bind=False, type=FromClusterManager)
         self.tokenizer = Tokenizer(model)
         self.router = router
         self.pd_policy = pd_policy  # None: colocated unless only PD pairs exist
+        self.max_attempts = max_attempts  # a request runs on at most this many TEs
+        self.events = events  # HeartbeatSender (health events to the supervisor), or None
+        self.num_migrated = 0
         self.te_sockets: dict[str, PushSocket] = {}
         self.te_addresses: dict[str, str] = {}
         self.replies: dict[str, PushSocket] = {}
@@ -75,6 +80,9 @@ class JobExecutor:
 
     # -- requests ----------------------------------------------------------------
     def _submit(self, msg: SubmitRequest) -> None:
+        if msg.attempt >= self.max_attempts:
+            return self._fail(msg, "engine_dead", f"the request's TE failed {msg.attempt} times; "
+                              f"giving up after {self.max_attempts} attempts")
         prefill_te = prefill_from = None
         try:
             _, ids = self.tokenizer.request_ids(msg.prompt, msg.prompt_token_ids, msg.messages)
@@ -90,9 +98,17 @@ class JobExecutor:
             return self._fail(msg, "engine_dead", f"no TE can take the request: {e}")
         task = SubmitRequest(request_id=msg.request_id, prompt_token_ids=ids,
                              sampling=msg.sampling, salt=msg.salt, reply_to=msg.reply_to,
-                             prefill_from=prefill_from)
-        self.tasks[msg.request_id] = Task(msg.request_id, te_id, msg.reply_to, prefill_te)
+                             prefill_from=prefill_from, attempt=msg.attempt)
+        self.tasks[msg.request_id] = Task(msg.request_id, te_id, msg.reply_to, prefill_te,
+                                          msg.attempt)
         self.te_sockets[te_id].put(task)
+        if msg.attempt:
+            self.num_migrated += 1
+            log.warning("request %s resumed on %s (attempt %d, %d tokens of context)",
+                        msg.request_id, te_id, msg.attempt, len(ids))
+            if self.events is not None:
+                self.events.event("request_migrated", request_id=msg.request_id, te_id=te_id,
+                                  attempt=msg.attempt, prompt_tokens=len(ids))
 
     def _job_layout(self, ids: list[int]) -> str:
         """colocated or disaggregated: the policy's choice among what exists."""
@@ -150,9 +166,11 @@ class JobExecutor:
             del self.tasks[task.request_id]
             if task.te_id != te_id and task.te_id in self.te_sockets:
                 self.te_sockets[task.te_id].put(AbortRequest(request_id=task.request_id))
+            retry = task.attempt + 1 < self.max_attempts
             self._reply(task.reply_to, RequestFailed(
-                request_id=task.request_id, error="engine_dead",
-                message=f"TE {te_id} went down while serving the request"))
+                request_id=task.request_id, error="te_lost" if retry else "engine_dead",
+                message=f"TE {te_id} went down while serving the request"
+                        + ("" if retry else f" (attempt {task.attempt + 1} of {self.max_attempts})")))
 
     def close(self) -> None:
         for sock in [self.inbox, self.cm, *self.te_sockets.values(), *self.replies.values()]:
@@ -171,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pd-options", default="{}", help="PDPolicy thresholds as JSON")
     ap.add_argument("--pd-heatmap", default=None)
     ap.add_argument("--pd-predictor", default=None)
+    ap.add_argument("--max-attempts", type=int, default=3,
+                    help="TEs a request may run on before it fails (resumes after a TE is lost)")
     ap.add_argument("--parent-pid", type=int, default=None)
     args = ap.parse_args(argv)
     life = ActorLife("job-executor", parent_pid=args.parent_pid)
@@ -180,13 +200,18 @@ def main(argv: list[str] | None = None) -> None:
         pd_policy = PDPolicy.from_files(args.pd_policy, args.pd_heatmap, args.pd_predictor,
                                         **json.loads(args.pd_options))
     ctx = zmq.Context()
+    heartbeat = HeartbeatSender.from_env(ctx, "job-executor")
     je = JobExecutor(ctx, args.inbox, args.cm_pub, args.model, Router(args.policy, **options),
-                     pd_policy)
+                     pd_policy, args.max_attempts, heartbeat)
     try:
         while not life.should_stop():
+            if heartbeat is not None:
+                heartbeat.beat({"tasks": len(je.tasks), "migrated": je.num_migrated}, False)
             je.step()
     finally:
         je.close()
+        if heartbeat is not None:
+            heartbeat.close()
         ctx.term()
 
 

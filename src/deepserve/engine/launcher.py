@@ -57,12 +57,12 @@ class TELauncher:
     (its tokenizer listens at inbox_address; its master reports to the CM)."""
 
     def __init__(self, config: EngineConfig, te_id: str = "te", inbox_address: str | None = None,
-                 report_address: str | None = None):
+                 report_address: str | None = None, run_id: str | None = None):
         model_config = load_model_config(config.model, config.dtype)
         self.config = config.resolve(
             model_config.max_position_embeddings,
             ModelRunner.kv_bytes_per_block(model_config, config.block_size, config.tp))
-        self.run_id = uuid.uuid4().hex[:12]
+        self.run_id = run_id or uuid.uuid4().hex[:12]
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"ds-{self.run_id}-"))
         self.address = {name: ipc_address(self.run_dir, name)
                         for name in ("client", "tokenizer", "master", "steps", "ring")}
@@ -144,7 +144,7 @@ class TELauncher:
     # -- specs -----------------------------------------------------------------
     def _tokenizer_spec(self) -> TokenizerSpec:
         a = self.address
-        return TokenizerSpec(self.config, a["tokenizer"], a["master"], a["client"])
+        return TokenizerSpec(self.config, a["tokenizer"], a["master"], a["client"], self.te_id)
 
     def _master_spec(self) -> MasterSpec:
         a = self.address
@@ -154,4 +154,4 @@ class TELauncher:
 
     def _worker_spec(self, rank: int, init_method: str) -> WorkerSpec:
         return WorkerSpec(self.run_id, rank, self.config, segment_name(self.run_id, "steps"),
-                          self.address["ring"], self.address["steps"], init_method)
+                          self.address["ring"], self.address["steps"], init_method, self.te_id)

@@ -40,7 +40,9 @@ from deepserve.messages.engine import (AddRequest, EngineStats, FinishRequest, F
 from deepserve.messages.pd import KVAck, KVReady, KVSent, PrefillOrder
 from deepserve.messages.control import TEReport
 from deepserve.messages.step import SHUTDOWN_STEP_ID, StepBatch
+from deepserve.drill.hooks import FaultHooks
 from deepserve.model.config import load_model_config
+from deepserve.supervisor.heartbeat import HeartbeatSender
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,9 @@ class Master:
         self.ctx = zmq.Context()
         self.encoder = msgspec.msgpack.Encoder()
         self.ring = self.pd = None
+        self.heartbeat = HeartbeatSender.from_env(self.ctx, f"{spec.te_id}/master")
+        self.hooks = FaultHooks.from_env(f"{spec.te_id}/master")
+        self.num_steps = self.num_tokens = 0
 
     def start(self) -> None:
         s = self.spec
@@ -135,7 +140,15 @@ class Master:
 
     # -- the loop ------------------------------------------------------------
     def loop(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.ready()
         while not self.life.should_stop():
+            if self.heartbeat is not None:
+                self.heartbeat.beat({"steps": self.num_steps, "tokens": self.num_tokens},
+                                    holds_work=bool(self.in_flight or self.pd.awaiting
+                                                    or self.scheduler.has_unfinished))
+            if self.hooks is not None and self.hooks.consume("drop-cache") is not None:
+                log.warning("drill: dropped %d cached blocks", self.kv.reset_prefix_cache())
             self._fill_pipeline()
             idle = not self.in_flight
             events = dict(self.poller.poll(timeout=200 if idle else 1000))
@@ -241,6 +254,7 @@ class Master:
 
     def _on_step_done(self, done: StepDone) -> None:
         step_id, scheduled = self.in_flight.popleft()
+        self.num_steps += 1
         self.forward_spans.append((done.forward_start, done.forward_end))
         assert done.output.step_id == step_id, (done.output.step_id, step_id)
         items = []
@@ -250,6 +264,7 @@ class Master:
             if seq.is_finished:
                 self.release(seq)
         if items:
+            self.num_tokens += len(items)
             self.to_tokenizer.put(StepTokens(items=items))
 
     def new_tokens(self, seq: Sequence) -> NewTokens:
@@ -275,7 +290,7 @@ class Master:
                 pass
             self.ring.close()
             self.ring.unlink()
-        for sock in ("requests", "steps", "to_tokenizer", "to_client", "to_cm"):
+        for sock in ("requests", "steps", "to_tokenizer", "to_client", "to_cm", "heartbeat"):
             if getattr(self, sock, None) is not None:
                 getattr(self, sock).close()
         self.ctx.term()

@@ -129,8 +129,9 @@ class PDCoordinator:
         return True
 
     def _fail_decode(self, request_id: str, entry: _Awaiting, message: str) -> None:
+        """The caller may resubmit (RETRYABLE_ERRORS): nothing was streamed yet."""
         self._free_awaiting(entry)
-        self.m.to_tokenizer.put(FailRequest(request_id=request_id, error="engine_dead",
+        self.m.to_tokenizer.put(FailRequest(request_id=request_id, error="kv_transfer_failed",
                                             message=message))
 
     def _free_awaiting(self, entry: _Awaiting) -> None:

@@ -28,6 +28,7 @@ from deepserve.messages.engine import (AbortRequest, AddRequest, FinishRequest, 
                                        SubmitRequest, ToTokenizer)
 from deepserve.messages.pd import FailRequest, KVAck, KVReady, PrefillOrder
 from deepserve.model.config import load_model_config
+from deepserve.supervisor.heartbeat import HeartbeatSender
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class TokenizerSpec:
     listen_address: str
     master_address: str
     client_address: str
+    te_id: str = "te"
 
 
 def tokenizer_main(spec: TokenizerSpec, death_pipe: Connection, ready_pipe: Connection) -> None:
@@ -47,9 +49,14 @@ def tokenizer_main(spec: TokenizerSpec, death_pipe: Connection, ready_pipe: Conn
     try:
         actor = TokenizerActor(spec, ctx)
         ready_pipe.send(("ready", None))
+        heartbeat = HeartbeatSender.from_env(ctx, f"{spec.te_id}/tokenizer")
+        num_handled = 0
         while not life.should_stop():
+            if heartbeat is not None:  # a pipeline stage: judged by liveness, not work
+                heartbeat.beat({"messages": num_handled}, holds_work=False)
             try:
                 actor.handle(actor.inbox.get(timeout=0.2))
+                num_handled += 1
             except TimeoutError:
                 continue
     except Exception as e:
@@ -72,6 +79,7 @@ class TokenizerActor:
         self.ctx, self.client_address = ctx, spec.client_address
         self.replies = {spec.client_address: PushSocket(ctx, spec.client_address, bind=False)}
         self.reply_to: dict[str, str] = {}  # request id -> its caller's address
+        self.attempts: dict[str, int] = {}  # request id -> attempt (resumed requests)
         self.states: dict[str, RequestState] = {}
 
     def close(self) -> None:
@@ -85,6 +93,10 @@ class TokenizerActor:
             self.replies[address] = PushSocket(self.ctx, address, bind=False)
         self.replies[address].put(msg)
 
+    def _forget(self, request_id: str) -> None:
+        self.reply_to.pop(request_id, None)
+        self.attempts.pop(request_id, None)
+
     def handle(self, msg) -> None:
         if isinstance(msg, SubmitRequest):
             self._submit(msg)
@@ -93,7 +105,7 @@ class TokenizerActor:
                 self.to_master.put(FinishRequest(request_id=msg.request_id, reason="abort"))
                 self._reply(msg.request_id, RequestDelta(request_id=msg.request_id, text="",
                                                          token_ids=[], finish_reason="abort"))
-                self.reply_to.pop(msg.request_id, None)
+                self._forget(msg.request_id)
         elif isinstance(msg, StepTokens):
             for item in msg.items:
                 self._tokens(item)
@@ -103,11 +115,13 @@ class TokenizerActor:
             if self.states.pop(msg.request_id, None) is not None:
                 self._reply(msg.request_id, RequestFailed(request_id=msg.request_id,
                                                           error=msg.error, message=msg.message))
-                self.reply_to.pop(msg.request_id, None)
+                self._forget(msg.request_id)
 
     def _submit(self, msg: SubmitRequest) -> None:
         if msg.reply_to is not None:
             self.reply_to[msg.request_id] = msg.reply_to
+        if msg.attempt:
+            self.attempts[msg.request_id] = msg.attempt
         try:
             prompt, ids = self.tokenizer.request_ids(msg.prompt, msg.prompt_token_ids,
                                                      msg.messages)
@@ -119,7 +133,7 @@ class TokenizerActor:
             error = "prompt_too_long" if isinstance(e, PromptTooLongError) else "invalid_request"
             self._reply(msg.request_id, RequestFailed(request_id=msg.request_id, error=error,
                                                       message=str(e), param=e.param))
-            self.reply_to.pop(msg.request_id, None)
+            self._forget(msg.request_id)
             return
         self.states[msg.request_id] = RequestState(msg.request_id, prompt, ids, msg.sampling,
                                                    self.tokenizer)
@@ -140,7 +154,7 @@ class TokenizerActor:
             finish_reason=state.finish_reason, cached_tokens=item.cached_tokens,
             prompt=state.prompt if is_first else None,
             prompt_token_ids=state.prompt_token_ids if is_first else None,
-            logprobs=item.logprobs))
+            logprobs=item.logprobs, attempt=self.attempts.get(item.request_id, 0)))
         if state.is_finished:
             del self.states[item.request_id]
-            self.reply_to.pop(item.request_id, None)
+            self._forget(item.request_id)

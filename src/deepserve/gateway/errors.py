@@ -30,6 +30,8 @@ _FAILURES = {
     "invalid_request": (400, "invalid_request_error", None),
     "prompt_too_long": (400, "invalid_request_error", "context_length_exceeded"),
     "engine_dead": (503, "service_unavailable", "engine_dead"),
+    "te_lost": (503, "service_unavailable", "engine_dead"),
+    "kv_transfer_failed": (503, "service_unavailable", "kv_transfer_failed"),
 }
 _HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                404: "not_found_error", 405: "invalid_request_error",

@@ -10,6 +10,14 @@ The PUSH socket is a plain socket used with NOBLOCK, so submitting and
 aborting never await: an abort can go out from the `finally` of a cancelled
 task. A route lives from submit until its sub-request's last reply or its
 abort; replies for ids without a route (late, after an abort) are dropped.
+
+Resuming: when the JE says a sub-request's TE was lost (or a TE says its KV
+transfer failed: RETRYABLE_ERRORS), the route resubmits it as attempt n+1
+with prompt = its prompt ids + every token already streamed and max_tokens
+reduced by as many, so the stream goes on with no gap and no repeat. Deltas
+of an earlier attempt that arrive late are dropped; the resumed attempt's
+prompt fields are not passed on (the caller's prompt did not change). The JE
+decides when attempts run out (then the error is engine_dead).
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ from deepserve.gateway.metrics import GatewayMetrics, RequestTiming
 from deepserve.gateway.reply_stream import SHUTDOWN, IsDisconnected, ReplyStream
 from deepserve.ipc.sockets import PushSocket
 from deepserve.messages.control import FromClusterManager, TEInfo, TEList, TEReport
-from deepserve.messages.engine import AbortRequest, RequestDelta, RequestFailed, SubmitRequest
+from deepserve.messages.engine import (RETRYABLE_ERRORS, AbortRequest, RequestDelta,
+                                       RequestFailed, SubmitRequest)
 from deepserve.messages.engine import ToClient
 from deepserve.messages.sampling import SamplingParams
 
@@ -44,8 +53,12 @@ REPORT_TTL_S = 10.0
 class _Route:
     queue: asyncio.Queue
     index: int
+    submit: SubmitRequest
     timing: RequestTiming = field(default_factory=lambda: RequestTiming(time.monotonic()))
     is_started: bool = False
+    prompt_token_ids: list[int] | None = None  # from the first delta
+    token_ids: list[int] = field(default_factory=list)  # streamed so far
+    attempt: int = 0
 
 
 class JobClient:
@@ -113,14 +126,15 @@ class JobClient:
         if len(self._routes) + len(samplings) > self.config.max_open_requests:
             raise APIError.overloaded(len(self._routes))
         ids = [f"{request_id}-{i}" for i in range(len(samplings))]
-        payloads = [self._encode(SubmitRequest(
+        submits = [SubmitRequest(
             request_id=rid, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
-            sampling=sampling, salt=salt, reply_to=self.config.reply_address))
+            sampling=sampling, salt=salt, reply_to=self.config.reply_address)
             for rid, sampling in zip(ids, samplings)]
+        payloads = [self._encode(submit) for submit in submits]
         queue: asyncio.Queue = asyncio.Queue()
         stream = ReplyStream(ids, queue, self.config.request_timeout_s, self.abort, is_disconnected)
         for index, (rid, payload) in enumerate(zip(ids, payloads)):
-            self._routes[rid] = _Route(queue, index)
+            self._routes[rid] = _Route(queue, index, submits[index])
             if not self._send(payload):
                 stream.close()
                 raise APIError.unavailable("The job executor is not accepting requests.",
@@ -145,6 +159,26 @@ class JobClient:
         except zmq.Again:
             logger.warning("JE queue full: dropped a message to %s", self.config.je_address)
             return False
+
+    def _resume(self, request_id: str, route: _Route) -> bool:
+        """Resubmit a sub-request whose TE was lost, from where its stream is."""
+        first = route.submit
+        if route.token_ids and route.prompt_token_ids is None:
+            return False  # cannot happen: the first delta carries the prompt ids
+        sampling = msgspec.structs.replace(
+            first.sampling, max_tokens=first.sampling.max_tokens - len(route.token_ids))
+        if sampling.max_tokens < 1:
+            return False
+        route.attempt += 1
+        if route.prompt_token_ids is None:  # nothing streamed: the same request again
+            resumed = msgspec.structs.replace(first, attempt=route.attempt)
+        else:
+            resumed = msgspec.structs.replace(
+                first, prompt=None, messages=None, sampling=sampling, attempt=route.attempt,
+                prompt_token_ids=route.prompt_token_ids + route.token_ids)
+        logger.warning("resuming %s (attempt %d) after %d tokens", request_id, route.attempt,
+                       len(route.token_ids))
+        return self._send(self._encoder.encode(resumed))
 
     # -- views -----------------------------------------------------------------
     @property
@@ -188,6 +222,16 @@ class JobClient:
         route = self._routes.get(msg.request_id)
         if route is None:
             return  # aborted or unknown: nobody waits for it
+        if isinstance(msg, RequestDelta):
+            if msg.attempt != route.attempt:
+                return  # a late delta of a lost attempt: its tokens are being redone
+            if route.attempt:
+                msg.prompt = msg.prompt_token_ids = None
+            elif msg.prompt_token_ids is not None:
+                route.prompt_token_ids = msg.prompt_token_ids
+            route.token_ids.extend(msg.token_ids)
+        elif msg.error in RETRYABLE_ERRORS and self._resume(msg.request_id, route):
+            return
         now = time.monotonic()
         route.is_started = True
         is_last = isinstance(msg, RequestFailed) or msg.finish_reason is not None

@@ -26,7 +26,9 @@ class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     salt: the tenant's prefix-cache salt (set by the gateway, never a client);
     reply_to: where this request's deltas go (default: the TE's own client);
     prefill_from: set on the decode task of a disaggregated job, the prefill
-    TE's inbox (see messages/pd.py)."""
+    TE's inbox (see messages/pd.py);
+    attempt: 0 for a new request; n when it resumes after its TE was lost
+    (prompt_token_ids then end with the tokens already streamed)."""
 
     request_id: str
     prompt: str | None = None
@@ -36,6 +38,7 @@ class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     salt: str | None = None
     reply_to: str | None = None
     prefill_from: str | None = None
+    attempt: int = 0
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_STRUCT):
@@ -99,10 +102,16 @@ class RequestDelta(msgspec.Struct, tag="delta", **_STRUCT):
     prompt_token_ids: list[int] | None = None  # on the first delta
     cached_tokens: int = 0
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    attempt: int = 0  # the SubmitRequest's: a late delta of an earlier attempt is dropped
+
+
+RETRYABLE_ERRORS = ("te_lost", "kv_transfer_failed")
 
 
 class RequestFailed(msgspec.Struct, tag="failed", **_STRUCT):
-    """error: "invalid_request", "prompt_too_long" or "engine_dead"."""
+    """error: "invalid_request", "prompt_too_long", "engine_dead", or one of
+    RETRYABLE_ERRORS: the request's TE (or its KV transfer) failed and the
+    caller may resubmit it with the tokens it has as a resumed attempt."""
 
     request_id: str
     error: str

@@ -2,6 +2,7 @@
 
     actor main loop ──Heartbeat (PUSH, every interval_s)──> supervisor (PULL, bound)
     actor           ──Ready (PUSH, once, after startup)────> supervisor
+    actor           ──HealthEvent (PUSH, when it happens)──> supervisor ──> health log
 
 The address comes from the environment variable DEEPSERVE_HEARTBEAT (see
 supervisor/heartbeat.py). Heartbeats are sent by the actor's *main loop*,
@@ -43,4 +44,14 @@ class Ready(msgspec.Struct, tag="ready", **_STRUCT):
     details: dict = {}
 
 
-ToSupervisor = Heartbeat | Ready
+class HealthEvent(msgspec.Struct, tag="event", **_STRUCT):
+    """Something a component wants in the node's health log (e.g. the job
+    executor's request_migrated); event is one of health_log.EVENTS."""
+
+    component: str
+    pid: int
+    event: str
+    details: dict = {}
+
+
+ToSupervisor = Heartbeat | Ready | HealthEvent

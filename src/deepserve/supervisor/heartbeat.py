@@ -21,7 +21,7 @@ import time
 import msgspec
 import zmq
 
-from deepserve.messages.health import Heartbeat, Ready
+from deepserve.messages.health import HealthEvent, Heartbeat, Ready
 
 
 ENV_VAR = "DEEPSERVE_HEARTBEAT"
@@ -85,7 +85,12 @@ class HeartbeatSender:
         return self._send(Ready(component=self.component, pid=self.pid,
                                 time=time.monotonic(), details=details or {}))
 
-    def _send(self, msg: Heartbeat | Ready) -> bool:
+    def event(self, event: str, **details) -> bool:
+        """A health-log event, written by the supervisor (dropped if it is not listening)."""
+        return self._send(HealthEvent(component=self.component, pid=self.pid, event=event,
+                                      details=details))
+
+    def _send(self, msg: Heartbeat | Ready | HealthEvent) -> bool:
         try:
             self.socket.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
         except zmq.Again:

@@ -3,7 +3,11 @@
     [node]      host, port, model, served_model, startup_timeout_s
     [gateway]   api_keys, max_open_requests, request_timeout_s
     [router]    policy, balance_threshold, pd_policy, pd_heatmap, pd_predictor, pd_options
-    [[te]]      count, type, and any EngineConfig option (processes is implied)
+    [supervisor] heartbeat_deadline_s, progress_deadline_s, startup_grace_s,
+                memory_limit_mb, restart_base_delay_s, restart_max_delay_s,
+                max_restarts, restart_window_s, log_dir, drill
+    [[te]]      count, type, priority, and any EngineConfig option (processes is implied)
+    [node]      ... num_devices: devices the node can give TEs (gang scheduling)
 
 Unknown sections or keys are errors naming them. Relative paths are relative
 to the repository root (the folder above conf/).
@@ -24,6 +28,35 @@ class TESpec:
     te_type: str
     options: dict
     """EngineConfig options for this TE (model is the node's)."""
+    priority: int = 0
+    """Gang scheduling: a TE may evict TEs of lower priority to get its devices."""
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.options.get("tp", 1))
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    heartbeat_deadline_s: float = 3.0
+    """A watched process silent this long (after startup) is reported and replaced."""
+    progress_deadline_s: float = 5.0
+    """A process holding work whose progress counters stand still this long is hung."""
+    startup_grace_s: float = 120.0
+    """Seconds a process may take to send its first heartbeat."""
+    memory_limit_mb: float | None = None
+    """Resident memory per watched process past which it is a fault (oom)."""
+    restart_base_delay_s: float = 0.5
+    restart_max_delay_s: float = 30.0
+    max_restarts: int = 5
+    """Restarts allowed within restart_window_s; one more failure marks the component failed."""
+    restart_window_s: float = 60.0
+    kill_grace_s: float = 3.0
+    """SIGTERM, then SIGKILL after this long."""
+    log_dir: str | None = None
+    """Where health.jsonl goes; default: the node's run directory."""
+    drill: bool = False
+    """Enable fault hooks (drill/hooks.py) in every process; never in production."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +90,11 @@ class NodeConfig:
     """PDPolicy thresholds: margin, min_prompt_len, max_decode_len."""
     te_timeout_s: float = 10.0
     """A TE with no report for this long leaves the TE list."""
+    num_devices: int | None = None
+    """Devices this node can give TEs (a TE takes tp of them); None: no limit."""
+    max_attempts: int = 3
+    """TEs one request may run on: it resumes elsewhere when its TE is lost."""
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     tes: tuple[TESpec, ...] = ()
 
     def __post_init__(self):
@@ -65,10 +103,11 @@ class NodeConfig:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         for te in self.tes:  # fail now, not in a child process
-            EngineConfig.from_options(self.model, **te.options)
+            EngineConfig.from_options(self.model, **{**te.options, "processes": True})
 
 
-_SECTIONS = {"node": {"host", "port", "model", "served_model", "startup_timeout_s", "te_timeout_s"},
+_SECTIONS = {"node": {"host", "port", "model", "served_model", "startup_timeout_s", "te_timeout_s",
+                      "num_devices", "max_attempts"},
              "gateway": {"api_keys", "max_open_requests", "request_timeout_s"},
              "router": {"policy", "balance_threshold", "pd_policy", "pd_heatmap", "pd_predictor",
                         "pd_options"}}
@@ -77,7 +116,7 @@ _SECTIONS = {"node": {"host", "port", "model", "served_model", "startup_timeout_
 def load_node_config(path: str | Path, overrides: dict | None = None) -> NodeConfig:
     with open(path, "rb") as f:
         raw = tomllib.load(f)
-    unknown = sorted(set(raw) - set(_SECTIONS) - {"te"})
+    unknown = sorted(set(raw) - set(_SECTIONS) - {"te", "supervisor"})
     if unknown:
         raise ValueError(f"{path}: unknown section(s) {unknown}")
     flat: dict = {}
@@ -94,7 +133,14 @@ def load_node_config(path: str | Path, overrides: dict | None = None) -> NodeCon
     for key in ("pd_heatmap", "pd_predictor"):
         if flat.get(key) is not None and not Path(flat[key]).is_absolute():
             flat[key] = str(root / flat[key])
-    return NodeConfig(tes=tuple(_te_specs(raw.get("te", []))), **flat)
+    sup = dict(raw.get("supervisor", {}))
+    known = set(SupervisorConfig.__dataclass_fields__)
+    if set(sup) - known:
+        raise ValueError(f"{path}: unknown key(s) {sorted(set(sup) - known)} in [supervisor]")
+    if sup.get("log_dir") is not None and not Path(sup["log_dir"]).is_absolute():
+        sup["log_dir"] = str(root / sup["log_dir"])
+    return NodeConfig(tes=tuple(_te_specs(raw.get("te", []))), supervisor=SupervisorConfig(**sup),
+                      **flat)
 
 
 def _te_specs(tables: list[dict]) -> list[TESpec]:
@@ -102,9 +148,10 @@ def _te_specs(tables: list[dict]) -> list[TESpec]:
     for table in tables:
         options = dict(table)
         count, te_type = int(options.pop("count", 1)), options.pop("type", "colocated")
+        priority = int(options.pop("priority", 0))
         options.pop("processes", None)
         for _ in range(count):
-            specs.append(TESpec(f"te{len(specs)}", te_type, options))
+            specs.append(TESpec(f"te{len(specs)}", te_type, options, priority))
     return specs
 
 

@@ -178,6 +178,10 @@ class Watchdog:
     def names(self) -> list[str]:
         return list(self._states)
 
+    def pid_of(self, name: str) -> int | None:
+        state = self._states.get(name)
+        return None if state is None else state.spec.pid
+
     # -- inbox --------------------------------------------------------------
     def on_message(self, msg: Heartbeat | Ready, now: float | None = None) -> bool:
         if isinstance(msg, Heartbeat):

@@ -32,6 +32,8 @@ from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
 from deepserve.ipc.shm_ring import BroadcastRing
 from deepserve.ipc.sockets import PushSocket
 from deepserve.messages.engine import StepDone, WorkerFailed, WorkerReady
+from deepserve.drill.hooks import FaultHooks
+from deepserve.supervisor.heartbeat import HeartbeatSender
 from deepserve.worker.kv_sender import KVSender
 from deepserve.messages.step import SHUTDOWN_STEP_ID, StepBatch
 from deepserve.model.loader import load_model
@@ -50,6 +52,7 @@ class WorkerSpec:
     ring_overflow: str
     step_done_address: str
     dist_init_method: str
+    te_id: str = "te"
 
 
 def worker_main(spec: WorkerSpec, death_pipe: Connection, ready_pipe: Connection) -> None:
@@ -78,6 +81,10 @@ class _Worker:
         self.kv_name = segment_name(spec.run_id, f"kv-r{spec.rank}")
         self.kv_segment = self.runner = self.ring = self.out = self.kv_sender = None
         self.decoder = msgspec.msgpack.Decoder(StepBatch)
+        self.component = f"{spec.te_id}/worker{spec.rank}"
+        self.heartbeat = HeartbeatSender.from_env(self.ctx, self.component)
+        self.hooks = FaultHooks.from_env(self.component)
+        self.num_steps = 0
 
     def start(self) -> None:
         cfg = self.spec.config
@@ -91,7 +98,7 @@ class _Worker:
         pool = torch.frombuffer(self.kv_segment.buf, dtype=model.config.dtype).view(shape)
         self.runner = ModelRunner(model, cfg.num_kv_blocks, cfg.block_size, cfg.seed, pool)
         self.ring = self._attach_ring(time.monotonic() + cfg.startup_timeout_s)
-        self.kv_sender = KVSender(pool, self.kv_name, self.tp.rank, cfg, self.ctx)
+        self.kv_sender = KVSender(pool, self.kv_name, self.tp.rank, cfg, self.ctx, self.hooks)
         self.out.put(WorkerReady(rank=self.tp.rank, pid=os.getpid(), kv_segment=self.kv_name,
                                  kv_endpoint=self.kv_sender.endpoint))
 
@@ -107,7 +114,10 @@ class _Worker:
                 time.sleep(0.05)
 
     def loop(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.ready()
         while not self.life.should_stop():
+            self._beat(holds_work=False)
             try:
                 data = self.ring.get(timeout=0.2)
             except TimeoutError:
@@ -123,8 +133,24 @@ class _Worker:
             else:
                 output = self.runner.execute(batch)
             end = time.monotonic()
+            self.num_steps += 1
+            if self.hooks is not None:
+                self._drill_faults()
             if self.tp.rank == 0:
                 self.out.put(StepDone(output=output, forward_start=start, forward_end=end))
+
+    def _beat(self, holds_work: bool) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.beat({"steps": self.num_steps}, holds_work)
+
+    def _drill_faults(self) -> None:
+        """Drill-only: a stalled step (alive, beating, no progress) or a slow one."""
+        while self.hooks.active("stall") is not None and not self.life.should_stop():
+            self._beat(holds_work=True)
+            time.sleep(0.05)
+        delay = self.hooks.active("slow")
+        if delay:
+            time.sleep(float(delay))
 
     def report_failure(self, message: str) -> None:
         if self.out is not None:
@@ -146,6 +172,8 @@ class _Worker:
                 unlink_segment(self.kv_name)
         if self.out is not None:
             self.out.close()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         self.ctx.term()
         if self.tp.is_parallel:
             destroy_tensor_parallel()

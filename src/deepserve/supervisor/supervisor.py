@@ -1,0 +1,201 @@
+"""The supervisor: watch a node's processes, replace what fails, log it all.
+
+    every watched process ──Heartbeat / Ready / HealthEvent──> [inbox PULL]
+                                                                    │
+    Popen.poll() of the node's children ──> exited?          Watchdog.check()
+                                  │                                 │ crashed, heartbeat_missed,
+                                  └──────────────┬──────────────────┘ hung, oom
+                                                 ▼
+      TE fault: TEDown to the CM at once (the JE resumes its requests elsewhere),
+                SIGKILL the faulty process, stop the TE's host and its children,
+                RestartPolicy: restart after a backoff, or give up (crash loop)
+      CM PUB ──TEList──> a restarted TE is back (it served its warm-up) ──> recovered
+                                                 ▼
+                                     health.jsonl (HealthLog)
+
+The restart unit of a TE is the whole TE (host, tokenizer, master, workers):
+its processes share a KV pool and a step ring, so one of them alone cannot be
+replaced. A TE's internal processes are watched from their first heartbeat
+on; the host itself (te_server), the gateway and the control processes by
+their exit. One thread runs all of this (`run`), ticking every `tick_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import zmq
+
+from deepserve.ipc.sockets import PullSocket, PushSocket, SubSocket
+from deepserve.messages.control import FromClusterManager, TEDown, TEList
+from deepserve.messages.health import HealthEvent, Heartbeat, Ready, ToSupervisor
+from deepserve.supervisor.restart_policy import GIVE_UP, RestartPolicy, terminate
+from deepserve.supervisor.watchdog import ComponentSpec, Fault, Watchdog
+
+if TYPE_CHECKING:
+    from deepserve.supervisor.node import Node
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Incident:
+    fault_at: float  # time.monotonic() of the detection
+    restart_at: float | None = None
+    restarted: bool = False
+
+
+class Supervisor:
+    def __init__(self, node: "Node", tick_s: float = 0.1):
+        self.node, self.cfg, self.tick_s = node, node.config.supervisor, tick_s
+        self.watchdog = Watchdog()
+        self.policy = RestartPolicy(self.cfg.restart_base_delay_s, self.cfg.restart_max_delay_s,
+                                    max_restarts=self.cfg.max_restarts,
+                                    window_s=self.cfg.restart_window_s)
+        self.ctx = zmq.Context()
+        self.inbox = PullSocket(self.ctx, node.address["hb"], bind=True, type=ToSupervisor)
+        self.cm_pub = SubSocket(self.ctx, node.address["cm-pub"], bind=False,
+                                type=FromClusterManager)
+        self.to_cm = PushSocket(self.ctx, node.address["cm"], bind=False)
+        self.incidents: dict[str, _Incident] = {}  # component (a TE id or a process) ->
+        self.failed: set[str] = set()
+        self.tes_listed: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self) -> None:
+        for name in ("job-executor", "cluster-manager"):
+            self._watch(name, self.node.procs[name].pid, self.cfg.startup_grace_s)
+        self._thread = threading.Thread(target=self.run, name="supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        for sock in (self.inbox, self.cm_pub, self.to_cm):
+            sock.close()
+        self.ctx.term()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick(time.monotonic())
+            except Exception:  # the supervisor must outlive any one bad tick
+                log.exception("supervisor tick failed")
+            self._stop.wait(self.tick_s)
+
+    # -- one tick ------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        for msg in self.inbox.drain():
+            self._on_message(msg, now)
+        for msg in self.cm_pub.drain():
+            if isinstance(msg, TEList):
+                self._on_te_list({te.te_id for te in msg.tes}, now)
+        for fault in self.watchdog.check(now):
+            self._on_fault(fault, now)
+        for name, popen in list(self.node.procs.items()):
+            incident = self.incidents.get(name)
+            if popen.poll() is None or name in self.failed or (incident and not incident.restarted):
+                continue  # alive, given up on, or already being replaced
+            self._log(name, "crashed", popen.pid, exit_code=popen.returncode,
+                      while_recovering=incident is not None)
+            self._fail(name, now, popen.pid)
+        for name, incident in list(self.incidents.items()):
+            if not incident.restarted and incident.restart_at is not None \
+                    and now >= incident.restart_at:
+                self._restart(name, incident)
+
+    def _on_message(self, msg, now: float) -> None:
+        if isinstance(msg, HealthEvent):
+            self._log(msg.component, msg.event, msg.pid, **msg.details)
+            return
+        owner = msg.component.split("/")[0]
+        if owner in self.incidents or owner in self.failed:
+            return  # a late message from a TE being replaced
+        if msg.component not in self.watchdog or self._pid_of(msg.component) != msg.pid:
+            if "/" not in msg.component:
+                return  # node-level processes are registered when spawned
+            self._watch(msg.component, msg.pid, self.cfg.startup_grace_s)
+            self._log(msg.component, "started", msg.pid)
+        if isinstance(msg, (Heartbeat, Ready)):
+            self.watchdog.on_message(msg, now)
+
+    def _on_te_list(self, listed: set[str], now: float) -> None:
+        for te_id in listed - self.tes_listed:
+            incident = self.incidents.get(te_id)
+            if incident is not None and incident.restarted:
+                del self.incidents[te_id]
+                self.policy.on_recovered(te_id, now)
+                self._log(te_id, "recovered", self.node.procs[te_id].pid,
+                          recover_s=round(now - incident.fault_at, 3))
+        self.tes_listed = listed
+
+    def _on_fault(self, fault: Fault, now: float) -> None:
+        owner = fault.component.split("/")[0]
+        if owner in self.incidents or owner in self.failed:
+            return
+        self._log(fault.component, fault.kind, fault.pid, latency_s=round(fault.latency_s, 3),
+                  **fault.detail)
+        self._fail(owner, now, fault.pid)
+
+    # -- acting ------------------------------------------------------------------------
+    def _fail(self, name: str, now: float, faulty_pid: int | None) -> None:
+        """Take `name` (a TE or a node process) down and schedule its restart."""
+        incident = self.incidents[name] = _Incident(now)
+        if name in self.node.te_ids:
+            self.to_cm.put(TEDown(te_id=name, reason="supervisor: process fault"), timeout=1)
+        popen = self.node.procs[name]
+        if faulty_pid is not None and faulty_pid != popen.pid:
+            _sigkill(faulty_pid)  # the stuck one first: SIGTERM cannot stop a stopped process
+        outcome = terminate(popen, self.cfg.kill_grace_s, include_children=True)
+        swept = self.node.sweep(name)  # a killed TE could not unlink its shared memory
+        if outcome != "gone":
+            self._log(name, "killed", popen.pid, how=outcome, segments_swept=len(swept))
+        for component in [c for c in self.watchdog.names if c.split("/")[0] == name]:
+            self.watchdog.remove(component)
+        decision = self.policy.on_failure(name, now)
+        if decision.action == GIVE_UP:
+            del self.incidents[name]
+            self.failed.add(name)
+            self._log(name, "failed", None, attempts=decision.attempt,
+                      reason=f"{self.cfg.max_restarts} restarts within "
+                             f"{self.cfg.restart_window_s:g} s: crash loop, left down")
+            return
+        incident.restart_at = now + decision.delay_s
+        self._log(name, "restarting", None, delay_s=round(decision.delay_s, 3),
+                  attempt=decision.attempt)
+
+    def _restart(self, name: str, incident: _Incident) -> None:
+        popen = self.node.respawn(name)
+        incident.restarted = True
+        if name in ("job-executor", "cluster-manager"):
+            self._watch(name, popen.pid, self.cfg.startup_grace_s)
+        if name not in self.node.te_ids:
+            del self.incidents[name]  # no warm-up to wait for
+
+    def _watch(self, name: str, pid: int, grace_s: float) -> None:
+        c = self.cfg
+        memory = None if c.memory_limit_mb is None else int(c.memory_limit_mb * (1 << 20))
+        self.watchdog.add(ComponentSpec(name, pid, c.heartbeat_deadline_s, c.progress_deadline_s,
+                                        memory, grace_s))
+
+    def _pid_of(self, component: str) -> int | None:
+        return self.watchdog.pid_of(component)
+
+    def _log(self, component: str, event: str, pid: int | None, **details) -> None:
+        self.node.health.write(component, event, pid=pid, **details)
+
+
+def _sigkill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

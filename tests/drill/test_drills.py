@@ -1,0 +1,323 @@
+"""Drills: scenario selection, health-log parsing, fault injection on our own
+throwaway processes, the CLI's exit code (fast, no node); then every scenario
+for real, in sequence against one node started from conf/drill.toml.
+
+Bounds of the real drills (deadline_s = the scenario's configured deadline,
+conf/drill.toml: heartbeat 3 s for kill-* / hang-worker, progress 4 s for
+stall-worker):
+- detect_s <= 2 * deadline_s + 2: the deadline counts from the last heartbeat /
+  last progress, which may precede the fault by up to one heartbeat interval,
+  plus one watchdog check period; doubling covers both with room, +2 s for a
+  loaded 2-core machine.
+- recover_s <= that + kill_grace_s + RESTART_DELAY_S + TE_START_S: the
+  supervisor stops the faulty TE (SIGTERM, SIGKILL after kill_grace_s), waits
+  its restart backoff (restart_base_delay_s, doubled per attempt within
+  restart_window_s: 2 s covers the 3rd attempt with conf/drill.toml's 0.5 s),
+  and the replacement TE starts a Python process, loads the model and serves a
+  warm-up request: 16-26 s measured on a shared 2-core machine, once 40 s;
+  TE_START_S = 45 leaves room for a busy machine.
+Every drill: lost == 0 and bad_streams == 0 (failed requests are allowed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+from click.testing import CliRunner
+
+from deepserve.drill import __main__ as drill_main
+from deepserve.drill.load import COMPLETED, RequestRecord
+from deepserve.drill.report import KEYS, build_report
+from deepserve.drill.scenarios import (DETECT_EVENTS, SCENARIOS, HealthEvents, Injection,
+                                       current_pid, deadline_of, get_scenario, hook_path,
+                                       target_te)
+from deepserve.supervisor.health_log import HealthLog
+
+ROOT = Path(__file__).resolve().parents[2]
+DRILL_CONF = ROOT / "conf" / "drill.toml"
+TE_START_S = 45.0
+RESTART_DELAY_S = 2.0
+
+
+# --- no node ---------------------------------------------------------------------------------
+
+def test_scenarios_by_name_alias_and_mode():
+    assert set(SCENARIOS) == {"kill-worker", "kill-master", "kill-tokenizer", "hang-worker",
+                              "stall-worker", "slow-worker", "drop-cache", "kv-transfer-fail"}
+    assert get_scenario("hang-worker").fault == "SIGSTOP"
+    assert get_scenario("hang-worker", "stall").name == "stall-worker"
+    assert get_scenario("hang-worker", "sigstop").name == "hang-worker"
+    assert get_scenario("hang-worker-stall").name == "stall-worker"
+    with pytest.raises(ValueError, match="unknown scenario"):
+        get_scenario("kill-everything")
+    with pytest.raises(ValueError, match="hang-worker only"):
+        get_scenario("kill-worker", "stall")
+
+
+def test_targets_and_deadlines():
+    types = {"te0": "colocated", "te1": "colocated", "te12": "prefill", "te3": "prefill",
+             "te4": "decode"}
+    assert target_te(get_scenario("kill-worker"), types) == "te0"
+    assert target_te(get_scenario("kv-transfer-fail"), types) == "te3"
+    with pytest.raises(LookupError, match="no prefill TE"):
+        target_te(get_scenario("kv-transfer-fail"), {"te0": "colocated"})
+    sup = SimpleNamespace(heartbeat_deadline_s=1.5, progress_deadline_s=7.0)
+    assert deadline_of(get_scenario("kill-master"), sup) == 1.5
+    assert deadline_of(get_scenario("hang-worker"), sup) == 1.5
+    assert deadline_of(get_scenario("stall-worker"), sup) == 7.0
+    assert deadline_of(get_scenario("slow-worker"), sup) == 7.0
+    assert deadline_of(get_scenario("drop-cache"), sup) is None
+    assert deadline_of(get_scenario("kill-worker"), None) == 3.0  # the supervisor defaults
+    assert hook_path("/x", "te0/worker0", "stall") == Path("/x/te0.worker0.stall")
+
+
+def _line(t: float, component: str, event: str, pid=None, **details) -> str:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+    return json.dumps({"time": stamp, "node": "n0", "component": component, "pid": pid,
+                       "event": event, "details": details}) + "\n"
+
+
+def test_health_events_parsing(tmp_path):
+    t0 = 1_700_000_000.0
+    (tmp_path / "health.jsonl.1").write_text(
+        _line(t0, "te0", "started", 10, te_type="colocated")
+        + _line(t0 + 0.1, "te0/worker0", "started", 11)
+        + _line(t0 + 0.1, "te2", "ready", 20, te_type="prefill"))
+    (tmp_path / "health.jsonl").write_text(
+        "not json\n"
+        + _line(t0 + 5, "te1/worker0", "heartbeat_missed", 31)
+        + _line(t0 + 6, "te0/worker0", "crashed", 11, exit_code=-9)
+        + _line(t0 + 6.5, "te0", "restarting", 10)
+        + _line(t0 + 9, "te0/worker0", "started", 12)
+        + _line(t0 + 10, "te0", "recovered", 13)
+        + '{"time": "2023-11-14T22:13:30.000Z", "torn')
+    events = HealthEvents(tmp_path)
+    assert len(events.events()) == 8
+    assert events.latest_pid("te0/worker0") == (12, pytest.approx(t0 + 9, abs=0.002))
+    assert events.latest_pid("te0/master") is None
+    first = events.first(t0 + 1, DETECT_EVENTS)
+    assert first["component"] == "te1/worker0"
+    first = events.first(t0 + 1, DETECT_EVENTS, te="te0")
+    assert (first["event"], first["pid"]) == ("crashed", 11)
+    assert events.first(t0 + 6.1, DETECT_EVENTS, te="te0") is None
+    assert events.first(t0 + 1, {"recovered"}, te="te0")["t"] == pytest.approx(t0 + 10, abs=0.002)
+    assert events.te_types() == {"te0": "colocated", "te2": "prefill"}
+    assert HealthEvents(tmp_path / "missing").events() == []
+
+
+@pytest.fixture
+def sleeper():
+    """A throwaway process of this test, standing in for a TE component."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(5)
+
+
+def _log_started(log_dir: Path, component: str, pid: int) -> HealthEvents:
+    with HealthLog(log_dir / "health.jsonl", "n0") as hl:
+        hl.write(component, "started", pid=pid)
+    return HealthEvents(log_dir)
+
+
+def test_kill_injection_hits_the_logged_pid(tmp_path, sleeper):
+    events = _log_started(tmp_path, "te0/worker0", sleeper.pid)
+    inj = Injection(get_scenario("kill-worker"), "te0", "te0/worker0")
+    at = inj.inject(events, None)
+    assert inj.pid == sleeper.pid and abs(at - time.time()) < 5
+    assert sleeper.wait(5) == -signal.SIGKILL
+
+
+def test_sigstop_injection_never_leaves_a_stopped_process(tmp_path, sleeper):
+    events = _log_started(tmp_path, "te0/worker0", sleeper.pid)
+    inj = Injection(get_scenario("hang-worker"), "te0", "te0/worker0")
+    inj.inject(events, None)
+    deadline = time.monotonic() + 5
+    while psutil.Process(sleeper.pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    inj.cleanup()
+    assert sleeper.wait(5) == -signal.SIGKILL
+    assert inj.notes and "SIGKILL" in inj.notes[0]
+
+
+def test_sigstop_cleanup_leaves_a_running_process_alone(tmp_path, sleeper):
+    events = _log_started(tmp_path, "te0/worker0", sleeper.pid)
+    inj = Injection(get_scenario("hang-worker"), "te0", "te0/worker0")
+    inj.inject(events, None)
+    os.kill(sleeper.pid, signal.SIGCONT)  # e.g. someone resumed it
+    time.sleep(0.1)
+    inj.cleanup()
+    assert sleeper.poll() is None and not inj.notes
+
+
+def test_pid_checks(tmp_path, sleeper):
+    with HealthLog(tmp_path / "health.jsonl", "n0") as hl:
+        hl.write("te0/master", "started", pid=sleeper.pid)
+        hl.write("te0/tokenizer", "started", pid=None)
+    events = HealthEvents(tmp_path)
+    assert current_pid(events, "te0/master") == sleeper.pid
+    with pytest.raises(LookupError, match="no started"):
+        current_pid(events, "te0/tokenizer")
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "health.jsonl").write_text(_line(time.time() - 3600, "te0/master", "started",
+                                            sleeper.pid))
+    with pytest.raises(LookupError, match="reused"):
+        current_pid(HealthEvents(old), "te0/master")
+    sleeper.kill()
+    sleeper.wait(5)
+    with pytest.raises(LookupError, match="gone"):
+        current_pid(events, "te0/master")
+
+
+def test_hook_injection_writes_and_removes_its_file(tmp_path):
+    inj = Injection(get_scenario("slow-worker"), "te0", "te0/worker0")
+    inj.inject(None, tmp_path)
+    assert (tmp_path / "te0.worker0.slow").read_text() == "0.05"
+    assert not inj.hook_consumed()
+    inj.cleanup()
+    assert list(tmp_path.iterdir()) == [] and inj.lifted_at is not None
+    inj = Injection(get_scenario("kv-transfer-fail"), "te2", "te2/worker0")
+    inj.inject(None, tmp_path)
+    (tmp_path / "te2.worker0.kv-fail").unlink()  # what the engine does once it used it
+    assert inj.hook_consumed()
+    inj.cleanup()
+    with pytest.raises(RuntimeError, match="drill dir"):
+        Injection(get_scenario("drop-cache"), "te0", "te0/master").inject(None, None)
+    with pytest.raises(RuntimeError, match="log-dir"):
+        Injection(get_scenario("kill-master"), "te0", "te0/master").inject(None, tmp_path)
+
+
+def test_long_prompts_pass_the_pd_threshold():
+    count = drill_main.token_counter(str(ROOT / "models" / "tiny"))
+    assert count is not None
+    prompts = drill_main.make_prompts(100, count)
+    lengths = [count(p) for p in prompts]
+    assert sum(n > 100 for n in lengths) == 3 and sum(n < 20 for n in lengths) == 3
+    assert all(len(p) > 600 for p in drill_main.make_prompts(100)[1::2])  # no tokenizer
+
+
+def _conf_without_supervisor(tmp_path: Path) -> Path:
+    """conf/drill.toml minus [supervisor], for a load_node_config without it."""
+    (tmp_path / "conf").mkdir()
+    text = DRILL_CONF.read_text().replace('"models/tiny"', json.dumps(str(ROOT / "models/tiny")))
+    lines, skip = [], False
+    for line in text.splitlines():
+        if line.startswith("["):
+            skip = line.strip() == "[supervisor]"
+        if not skip:
+            lines.append(line)
+    path = tmp_path / "conf" / "drill.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("tokens,code", [([1, 2, 3], 0), ([1, 9, 3], 1)])
+def test_cli_exit_code_and_json(tmp_path, monkeypatch, tokens, code):
+    seen = {}
+
+    def fake_run_drill(scenario, **kwargs):
+        seen.update(kwargs, scenario=scenario.name)
+        record = RequestRecord(id=0, prompt_index=0, max_tokens=3, start=1.0, end=2.0,
+                               token_ids=tokens, finish_reason="length", status=COMPLETED)
+        return build_report(scenario.name, [record], {0: [1, 2, 3]}, 4.0, 1.0, 2.0, 3.0)
+
+    monkeypatch.setattr(drill_main, "run_drill", fake_run_drill)
+    monkeypatch.setattr(drill_main.signal, "signal", lambda *a: None)  # leave pytest's alone
+    out = tmp_path / "r.json"
+    conf = _conf_without_supervisor(tmp_path)
+    result = CliRunner().invoke(drill_main.main, [
+        "hang-worker", "--mode", "stall", "--url", "http://127.0.0.1:9/", "--conf", str(conf),
+        "--log-dir", str(tmp_path), "--drill-dir", str(tmp_path), "--json", str(out),
+        "--model", "m", "--duration", "3"])
+    assert result.exit_code == code, result.output
+    report = json.loads(out.read_text())
+    assert tuple(report) == KEYS and report["scenario"] == "stall-worker"
+    assert report["detect_s"] == 1.0 and report["recover_s"] == 2.0
+    assert seen["url"] == "http://127.0.0.1:9" and seen["model"] == "m"
+    assert seen["duration_s"] == 3.0 and seen["log_dir"] == str(tmp_path)
+    assert ("PASS" if code == 0 else "FAIL") in result.output
+
+
+def test_cli_rejects_unknown_scenario():
+    result = CliRunner().invoke(drill_main.main, ["kill-everything"])
+    assert result.exit_code == 2 and "unknown scenario" in result.output
+
+
+# --- the real drills: one node, every scenario in turn ---------------------------------------
+
+def _node_supports_drills() -> str | None:
+    from deepserve.supervisor import node as node_module, node_config
+    missing = [name for name, ok in (
+        ("NodeConfig.supervisor", "supervisor" in getattr(node_config.NodeConfig,
+                                                           "__dataclass_fields__", {})),
+        ("Node.log_dir", "log_dir" in node_module.Node.__dict__ or
+         "log_dir" in (node_module.Node.__init__.__code__.co_names or ())),
+        ("Node.drill_dir", "drill_dir" in node_module.Node.__dict__ or
+         "drill_dir" in (node_module.Node.__init__.__code__.co_names or ()))) if not ok]
+    return ", ".join(missing) or None
+
+
+@pytest.fixture(scope="module")
+def drill_node():
+    missing = _node_supports_drills()
+    if missing:
+        pytest.skip(f"the node has no drill support yet: {missing}")
+    from dataclasses import replace
+
+    from deepserve.supervisor.node import Node
+    from deepserve.supervisor.node_config import load_node_config
+    config = load_node_config(DRILL_CONF, overrides={"port": drill_main.free_port()})
+    config = replace(config, supervisor=replace(config.supervisor, drill=True))
+    node = Node(config)
+    node.start()
+    yield node
+    node.stop()
+
+
+# cheap ones first; restarting ones alternate te0 / te1 so no TE's restart budget is strained
+REAL_DRILLS = [("slow-worker", None), ("drop-cache", None), ("kv-transfer-fail", None),
+               ("kill-worker", "te0"), ("hang-worker", "te1"), ("stall-worker", "te0"),
+               ("kill-master", "te1"), ("kill-tokenizer", "te0")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,te", REAL_DRILLS, ids=[n for n, _ in REAL_DRILLS])
+def test_drill(drill_node, name, te):
+    scenario = get_scenario(name)
+    started = time.monotonic()
+    report = drill_main.run_drill(
+        scenario, url=drill_node.url, model=drill_node.config.served_model,
+        config=drill_node.config, log_dir=drill_node.log_dir, drill_dir=drill_node.drill_dir,
+        duration_s=5, concurrency=3, max_tokens=16, warmup_s=1.5, request_timeout_s=30, te=te,
+        echo=print)
+    print(report.to_json())
+    print(drill_main._describe(report))
+    assert report.sent > 0 and report.lost == 0 and report.bad_streams == 0, report.details
+    assert report.completed > 0
+    assert not list(Path(drill_node.drill_dir).glob("te*.*")), "a fault file was left behind"
+    sup = drill_node.config.supervisor
+    if scenario.restarts:
+        detect_bound = 2 * report.deadline_s + 2
+        assert report.detect_s is not None and 0 <= report.detect_s <= detect_bound, report
+        assert report.recover_s is not None, report.details
+        bound = detect_bound + sup.kill_grace_s + RESTART_DELAY_S + TE_START_S
+        assert report.recover_s <= bound, report
+    else:
+        assert report.recover_s is not None, report.details  # a request completed after it
+        if name == "slow-worker":
+            assert report.detect_s is None, report.details  # slow is not hung
+        if name in ("drop-cache", "kv-transfer-fail"):
+            assert report.details["hook_consumed"], "the engine never used the fault file"
+    assert time.monotonic() - started < 120
