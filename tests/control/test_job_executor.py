@@ -93,13 +93,26 @@ def test_no_te_and_bad_input_fail_to_the_gateway(rig):
     assert failed.error == "invalid_request" and failed.param == "prompt"
 
 
-def test_tasks_of_a_te_that_leaves_fail(rig):
+def test_tasks_of_a_te_that_leaves_fail_retryable_until_attempts_run_out(rig):
+    """te_lost: the gateway may resume the request (as attempt 1, 2, ...); at
+    the last attempt the error is final (engine_dead), and past it the JE
+    refuses the request."""
     _pump(rig, lambda: _publish(rig, ["te0"]) or (rig["je"].te_sockets or None))
-    _submit(rig, "r4", "some prompt")
-    _pump(rig, lambda: _recv(rig["te"]["te0"]))
-    _publish(rig, [])
+    for attempt, error in ((0, "te_lost"), (2, "engine_dead")):
+        rig["to_je"].put(SubmitRequest(request_id=f"r{attempt}", prompt="some prompt",
+                                       sampling=SamplingParams(max_tokens=4), attempt=attempt,
+                                       reply_to=rig["addr"]["gw"]))
+        assert _pump(rig, lambda: _recv(rig["te"]["te0"])).attempt == attempt
+        _publish(rig, [])
+        failed = _pump(rig, lambda: _recv(rig["gw"]))
+        assert failed.request_id == f"r{attempt}" and failed.error == error
+        assert "te0" in failed.message
+        _pump(rig, lambda: _publish(rig, ["te0"]) or (rig["je"].te_sockets or None))
+    rig["to_je"].put(SubmitRequest(request_id="r3", prompt="x", attempt=3,
+                                   sampling=SamplingParams(max_tokens=4),
+                                   reply_to=rig["addr"]["gw"]))
     failed = _pump(rig, lambda: _recv(rig["gw"]))
-    assert failed.request_id == "r4" and failed.error == "engine_dead" and "te0" in failed.message
+    assert failed.error == "engine_dead" and "giving up after 3 attempts" in failed.message
 
 
 def test_pd_aware_routing_follows_the_heatmap(tiny_model):
@@ -140,7 +153,7 @@ def test_pd_aware_routing_follows_the_heatmap(tiny_model):
         assert task.request_id == "short" and task.prefill_from is None
         publish(["c0", "d0"])  # the prefill TE leaves while "long" runs
         failed = _pump(rig, lambda: _recv(rig["gw"]))
-        assert failed.request_id == "long" and failed.error == "engine_dead"
+        assert failed.request_id == "long" and failed.error == "te_lost"  # resumable
         abort = _pump(rig, lambda: _recv(tes["d0"]))
         assert isinstance(abort, AbortRequest) and abort.request_id == "long"
         # With no prefill TE left, the long prompt goes to the colocated TE.

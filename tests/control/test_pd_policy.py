@@ -204,10 +204,12 @@ def test_bad_config(tmp_path, trained):
 
 
 def test_shipped_conf_files_load():
-    """conf/pd_heatmap.json (placeholder until profiled) and conf/decode_predictor.json
-    (tools/train_predictor.py) load and route the two trace shapes apart."""
+    """conf/pd_heatmap.json (tools/profile_pd.py) and conf/decode_predictor.json
+    (tools/train_predictor.py) load; the map favours disaggregation more for a
+    long prompt with a short output than for a short prompt with a long one."""
     conf = Path(__file__).resolve().parents[2] / "conf"
     pol = PDPolicy.from_files("heatmap", conf / "pd_heatmap.json", conf / "decode_predictor.json")
-    assert pol.heatmap.source in ("placeholder", "profiled") and pol.predictor.num_buckets == 8
+    assert pol.heatmap.source in ("placeholder", "tools/profile_pd.py")
+    assert pol.predictor.num_buckets == 8
     assert pol.choose([5] * 2000) in ("colocated", "disaggregated")
-    assert pol.heatmap.lookup(4096, 64) > 0 > pol.heatmap.lookup(64, 512)
+    assert pol.heatmap.lookup(4096, 64) > 0.5 > pol.heatmap.lookup(64, 512)

@@ -45,11 +45,12 @@ class ClusterManager:
             self.publish()
 
     def handle(self, msg) -> None:
-        if isinstance(msg, TEUp):
-            self.tes[msg.info.te_id] = msg.info
+        if isinstance(msg, TEUp):  # TEs repeat it, so a restarted CM relearns them
             self.last_seen[msg.info.te_id] = time.monotonic()
-            log.warning("TE %s up at %s", msg.info.te_id, msg.info.address)
-            self.publish()
+            if self.tes.get(msg.info.te_id) != msg.info:
+                self.tes[msg.info.te_id] = msg.info
+                log.warning("TE %s up at %s", msg.info.te_id, msg.info.address)
+                self.publish()
         elif isinstance(msg, TEDown):
             self._remove(msg.te_id, msg.reason)
         elif isinstance(msg, TEReport) and msg.te_id in self.tes:

@@ -279,8 +279,11 @@ class Master:
 
     def close(self) -> None:
         for request_id in list(self.seqs):
-            self.to_client.put(RequestFailed(request_id=request_id, error="engine_dead",
-                                             message="the TE is shutting down"))
+            try:  # whoever listens may be gone already: never hang on the way out
+                self.to_client.put(RequestFailed(request_id=request_id, error="engine_dead",
+                                                 message="the TE is shutting down"), timeout=0.2)
+            except TimeoutError:
+                break
         if self.pd is not None:
             self.pd.close()
         if self.ring is not None:

@@ -30,6 +30,7 @@ from deepserve.messages.engine import RequestDelta, RequestFailed, SubmitRequest
 from deepserve.messages.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+TEUP_INTERVAL_S = 2.0
 
 
 def serve(config: EngineConfig, te_id: str, inbox: str, cm_address: str, te_type: str,
@@ -47,10 +48,16 @@ def serve(config: EngineConfig, te_id: str, inbox: str, cm_address: str, te_type
     try:
         launcher.start()
         _warm_up(ctx, launcher, life)
-        to_cm.put(TEUp(info=TEInfo(te_id=te_id, te_type=te_type, model=served_model,
-                                   address=inbox, num_devices=config.tp,
-                                   block_size=launcher.config.block_size)))
+        up = TEUp(info=TEInfo(te_id=te_id, te_type=te_type, model=served_model, address=inbox,
+                              num_devices=config.tp, block_size=launcher.config.block_size))
+        last_up = 0.0
         while not life.should_stop():
+            if time.monotonic() - last_up > TEUP_INTERVAL_S:  # a restarted CM hears it again
+                try:
+                    to_cm.put(up, timeout=1.0)
+                except TimeoutError:
+                    pass
+                last_up = time.monotonic()
             if launcher.dead():
                 log.error("TE %s lost a process: %s", te_id, launcher.dead())
                 status = 1

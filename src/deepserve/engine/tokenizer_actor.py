@@ -45,7 +45,7 @@ class TokenizerSpec:
 def tokenizer_main(spec: TokenizerSpec, death_pipe: Connection, ready_pipe: Connection) -> None:
     life = ActorLife("tokenizer", death_pipe)
     ctx = zmq.Context()
-    actor = None
+    actor = heartbeat = None
     try:
         actor = TokenizerActor(spec, ctx)
         ready_pipe.send(("ready", None))
@@ -66,6 +66,8 @@ def tokenizer_main(spec: TokenizerSpec, death_pipe: Connection, ready_pipe: Conn
     finally:
         if actor is not None:
             actor.close()
+        if heartbeat is not None:
+            heartbeat.close()  # every socket closed, or ctx.term() waits forever
         ctx.term()
 
 

@@ -1,5 +1,7 @@
 """`python -m deepserve.supervisor --conf conf/node.toml [--host H] [--port P]`:
-start a node, print how to call it, serve until Ctrl-C or SIGTERM."""
+start a node, print how to call it, serve until Ctrl-C or SIGTERM. The
+node's supervisor restarts what fails; a gateway, job executor or cluster
+manager that crash-loops stops the node."""
 
 from __future__ import annotations
 
@@ -49,9 +51,9 @@ def main(conf: str, host: str | None, port: int | None) -> None:
     status = 0
     try:
         while not stop["requested"]:
-            dead = [d for d in node.dead() if d.split(" ")[0] in _VITAL]
-            if dead:
-                click.echo(f"node: {', '.join(dead)} died; stopping", err=True)
+            failed = sorted(node.supervisor.failed & set(_VITAL))
+            if failed:  # restarted until it crash-looped
+                click.echo(f"node: {', '.join(failed)} failed for good; stopping", err=True)
                 status = 1
                 break
             time.sleep(0.3)

@@ -73,6 +73,7 @@ class Node:
     def start(self) -> None:
         c, a = self.config, self.address
         try:
+            self.supervisor = Supervisor(self)  # its inbox first: no early heartbeat is lost
             self._spawn("cluster-manager", "deepserve.control.cluster_manager", "--inbox", a["cm"],
                         "--pub", a["cm-pub"], "--te-timeout", str(c.te_timeout_s))
             je_args = ["--inbox", a["je"], "--cm-pub", a["cm-pub"], "--model", c.model,
@@ -98,7 +99,6 @@ class Node:
             self._spawn("gateway", "deepserve.gateway", *self._gateway_args(),
                         env={"DEEPSERVE_API_KEYS": keys})
             self._wait_healthy()
-            self.supervisor = Supervisor(self)
             self.supervisor.start()
         except BaseException:
             self.stop()
@@ -123,6 +123,7 @@ class Node:
             self.health.write(te.te_id, "failed", None, reason=(
                 f"needs {te.num_devices} devices together; {free} of {total} can be freed "
                 f"(no lower-priority TE holds the rest): not started"))
+            self.te_ids.remove(te.te_id)
             return False
         for other in victims:
             self.placed.remove(other)
@@ -156,12 +157,15 @@ class Node:
         return f"{self.run_id}{te_id}-{self._incarnation.get(te_id, 0)}"
 
     def sweep(self, name: str) -> list[str]:
-        """Unlink the shared memory of every incarnation of a killed TE."""
+        """Unlink the shared memory (and remove the run directories) of every
+        incarnation of a killed TE."""
         if name not in self.te_ids:
             return []
         names = list_segments(f"deepserve-{self.run_id}{name}-")
         for segment in names:
             unlink_segment(segment)
+        for run_dir in Path(tempfile.gettempdir()).glob(f"ds-{self.run_id}{name}-*"):
+            shutil.rmtree(run_dir, ignore_errors=True)  # its launcher's ipc sockets
         return names
 
     def respawn(self, name: str) -> subprocess.Popen:
@@ -213,6 +217,8 @@ class Node:
                     terminate(self.procs[name], 0.1, include_children=True)
                     self.sweep(name)
         self.procs = {}
+        for te_id in self.te_ids:  # what killed TEs (or their killed children) left
+            self.sweep(te_id)
         self.health.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 

@@ -47,8 +47,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Incident:
     fault_at: float  # time.monotonic() of the detection
-    restart_at: float | None = None
+    restart_at: float | None = None  # set once its processes are gone
     restarted: bool = False
+    delay_s: float = 0.0
 
 
 class Supervisor:
@@ -123,7 +124,9 @@ class Supervisor:
         if msg.component not in self.watchdog or self._pid_of(msg.component) != msg.pid:
             if "/" not in msg.component:
                 return  # node-level processes are registered when spawned
-            self._watch(msg.component, msg.pid, self.cfg.startup_grace_s)
+            # It beats, so it has started: its deadlines apply from now on (its
+            # Ready may have been sent before the supervisor could hear it).
+            self._watch(msg.component, msg.pid, 0.0)
             self._log(msg.component, "started", msg.pid)
         if isinstance(msg, (Heartbeat, Ready)):
             self.watchdog.on_message(msg, now)
@@ -155,10 +158,6 @@ class Supervisor:
         popen = self.node.procs[name]
         if faulty_pid is not None and faulty_pid != popen.pid:
             _sigkill(faulty_pid)  # the stuck one first: SIGTERM cannot stop a stopped process
-        outcome = terminate(popen, self.cfg.kill_grace_s, include_children=True)
-        swept = self.node.sweep(name)  # a killed TE could not unlink its shared memory
-        if outcome != "gone":
-            self._log(name, "killed", popen.pid, how=outcome, segments_swept=len(swept))
         for component in [c for c in self.watchdog.names if c.split("/")[0] == name]:
             self.watchdog.remove(component)
         decision = self.policy.on_failure(name, now)
@@ -168,10 +167,21 @@ class Supervisor:
             self._log(name, "failed", None, attempts=decision.attempt,
                       reason=f"{self.cfg.max_restarts} restarts within "
                              f"{self.cfg.restart_window_s:g} s: crash loop, left down")
-            return
-        incident.restart_at = now + decision.delay_s
-        self._log(name, "restarting", None, delay_s=round(decision.delay_s, 3),
-                  attempt=decision.attempt)
+        else:
+            incident.delay_s = decision.delay_s
+            self._log(name, "restarting", None, delay_s=round(decision.delay_s, 3),
+                      attempt=decision.attempt)
+        # Stopping the rest may take the kill grace: not on this thread, which
+        # must keep reading heartbeats and events meanwhile.
+        threading.Thread(target=self._stop_processes, args=(name, popen, incident),
+                         name=f"stop-{name}", daemon=True).start()
+
+    def _stop_processes(self, name: str, popen, incident: _Incident) -> None:
+        outcome = terminate(popen, self.cfg.kill_grace_s, include_children=True)
+        swept = self.node.sweep(name)  # a killed TE could not unlink its shared memory
+        if outcome != "gone":
+            self._log(name, "killed", popen.pid, how=outcome, segments_swept=len(swept))
+        incident.restart_at = time.monotonic() + incident.delay_s
 
     def _restart(self, name: str, incident: _Incident) -> None:
         popen = self.node.respawn(name)
