@@ -257,23 +257,8 @@ def test_cli_rejects_unknown_scenario():
 
 # --- the real drills: one node, every scenario in turn ---------------------------------------
 
-def _node_supports_drills() -> str | None:
-    from deepserve.supervisor import node as node_module, node_config
-    missing = [name for name, ok in (
-        ("NodeConfig.supervisor", "supervisor" in getattr(node_config.NodeConfig,
-                                                           "__dataclass_fields__", {})),
-        ("Node.log_dir", "log_dir" in node_module.Node.__dict__ or
-         "log_dir" in (node_module.Node.__init__.__code__.co_names or ())),
-        ("Node.drill_dir", "drill_dir" in node_module.Node.__dict__ or
-         "drill_dir" in (node_module.Node.__init__.__code__.co_names or ()))) if not ok]
-    return ", ".join(missing) or None
-
-
 @pytest.fixture(scope="module")
 def drill_node():
-    missing = _node_supports_drills()
-    if missing:
-        pytest.skip(f"the node has no drill support yet: {missing}")
     from dataclasses import replace
 
     from deepserve.supervisor.node import Node

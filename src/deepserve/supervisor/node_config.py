@@ -51,8 +51,9 @@ class SupervisorConfig:
     max_restarts: int = 5
     """Restarts allowed within restart_window_s; one more failure marks the component failed."""
     restart_window_s: float = 60.0
-    kill_grace_s: float = 3.0
-    """SIGTERM, then SIGKILL after this long."""
+    kill_grace_s: float = 1.0
+    """SIGTERM, then SIGKILL after this long (a faulty TE's state is soft: its
+    shared memory is swept and its requests resume elsewhere, so no long wait)."""
     log_dir: str | None = None
     """Where health.jsonl goes; default: the node's run directory."""
     drill: bool = False
