@@ -55,7 +55,7 @@ from pathlib import Path
 
 import click
 
-from deepserve.control.pd_policy import Heatmap
+from deepserve.control.pd_heatmap import Heatmap
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import NodeConfig, TESpec
 
