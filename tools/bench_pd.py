@@ -39,7 +39,6 @@ import json
 import math
 import os
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -47,6 +46,7 @@ from pathlib import Path
 
 import click
 
+from deepserve.ipc.sockets import free_port
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import NodeConfig, TESpec
 
@@ -65,11 +65,6 @@ def _import(name: str):
     spec.loader.exec_module(module)
     return module
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_trace(path: Path, model: Path, num: int, code_fraction: float, code_prompt, code_out,

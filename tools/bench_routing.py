@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import socket
 import sys
 from pathlib import Path
 
 import click
 
+from deepserve.ipc.sockets import free_port
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import NodeConfig, TESpec
 
@@ -36,14 +36,9 @@ def _bench_serve():
     return module
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_policy(policy, model, te_options, traces, rates, duration, grace, bench) -> list[dict]:
-    config = NodeConfig(model=str(model), served_model="bench", port=_free_port(), policy=policy,
+    config = NodeConfig(model=str(model), served_model="bench", port=free_port(), policy=policy,
                         startup_timeout_s=300, te_timeout_s=60,
                         tes=tuple(TESpec(f"te{i}", "colocated", te_options) for i in range(2)))
     node = Node(config)

@@ -47,7 +47,6 @@ import json
 import math
 import os
 import random
-import socket
 import sys
 import time
 from datetime import datetime, timezone
@@ -56,6 +55,7 @@ from pathlib import Path
 import click
 
 from deepserve.control.pd_heatmap import Heatmap
+from deepserve.ipc.sockets import free_port
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import NodeConfig, TESpec
 
@@ -73,11 +73,6 @@ def bench_serve_module():
     spec.loader.exec_module(module)
     return module
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def edges_of(points: list[float], integer: bool) -> list[float]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,18 +12,13 @@ import time
 
 import httpx
 
-from deepserve.ipc.sockets import ipc_address
+from deepserve.ipc.sockets import free_port, ipc_address
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_main_serves_and_exits_cleanly_on_sigterm():
     run_dir = tempfile.mkdtemp(prefix="dsgw-", dir="/tmp")
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "deepserve.gateway", "--je", ipc_address(run_dir, "je"),
             "--cm", ipc_address(run_dir, "cm"), "--reply", ipc_address(run_dir, "reply"),
             "--port", str(port), "--model", "m", "--log-level", "warning"]

@@ -12,13 +12,13 @@ import json
 import multiprocessing as mp
 import queue as queue_mod
 import shutil
-import socket
 import time
 import traceback
 
 import pytest
 import torch
 
+from deepserve.ipc.sockets import free_port
 from deepserve.messages.sampling import SamplingParams
 from deepserve.messages.step import NewSeq, ScheduledSeq, StepBatch
 from deepserve.model.loader import load_model
@@ -76,11 +76,6 @@ def _rank_main(rank: int, port: int, model_dirs: dict[str, str], results: mp.Que
         destroy_tensor_parallel()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _collect(results: mp.Queue, procs: list, deadline: float) -> dict:
     """rank -> its result; a string describing the first failure instead, if any."""
@@ -105,7 +100,7 @@ def _collect(results: mp.Queue, procs: list, deadline: float) -> dict:
 def _run_ranks(model_dirs: dict[str, str]) -> dict | str:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, model_dirs, results), daemon=True)
              for r in range(TP)]
     for p in procs:

@@ -3,7 +3,6 @@ model), driven with the `openai` client."""
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -13,6 +12,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from deepserve.ipc.sockets import free_port
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import NodeConfig, TESpec
 
@@ -20,15 +20,10 @@ LONG = "def handler(request):\n    headers = request.headers\n    return headers
 TE_OPTIONS = {"max_num_batched_tokens": 256, "num_kv_blocks": 256}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def node(tiny_model):
-    config = NodeConfig(model=str(tiny_model), served_model="tiny", port=_free_port(),
+    config = NodeConfig(model=str(tiny_model), served_model="tiny", port=free_port(),
                         api_keys={"key-a": "tenant-a", "key-b": "tenant-b"},
                         startup_timeout_s=120, te_timeout_s=5,
                         tes=tuple(TESpec(f"te{i}", "colocated", TE_OPTIONS) for i in range(2)))

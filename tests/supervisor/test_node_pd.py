@@ -11,7 +11,8 @@ import pytest
 from deepserve import LLM, SamplingParams
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import NodeConfig, TESpec
-from tests.supervisor.test_node import _client, _free_port, _metrics, _shm
+from deepserve.ipc.sockets import free_port
+from tests.supervisor.test_node import _client, _metrics, _shm
 
 LONG = "def handler(request):\n    headers = request.headers\n    return headers\n" * 12
 SHORT = "Say hi"
@@ -21,7 +22,7 @@ TE_OPTIONS = {"max_num_batched_tokens": 128, "num_kv_blocks": 128}
 @pytest.fixture(scope="module")
 def pd_node(tiny_model):
     config = NodeConfig(
-        model=str(tiny_model), served_model="tiny", port=_free_port(), startup_timeout_s=120,
+        model=str(tiny_model), served_model="tiny", port=free_port(), startup_timeout_s=120,
         te_timeout_s=5, pd_policy="threshold",
         pd_options={"min_prompt_len": 100, "max_decode_len": 10_000},  # long prompt: PD
         tes=(TESpec("te0", "colocated", TE_OPTIONS), TESpec("te1", "prefill", TE_OPTIONS),

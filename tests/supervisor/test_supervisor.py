@@ -15,7 +15,8 @@ from deepserve import LLM, SamplingParams
 from deepserve.supervisor.health_log import read_events
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import NodeConfig, SupervisorConfig, TESpec
-from tests.supervisor.test_node import _client, _free_port, _metrics, _shm
+from deepserve.ipc.sockets import free_port
+from tests.supervisor.test_node import _client, _metrics, _shm
 
 PROMPT = "def handler(request):\n    return request.headers\n"
 TE_OPTIONS = {"max_num_batched_tokens": 128, "num_kv_blocks": 128}
@@ -26,7 +27,7 @@ SUP = SupervisorConfig(heartbeat_deadline_s=3.0, progress_deadline_s=3.0, startu
 
 @pytest.fixture(scope="module")
 def node(tiny_model):
-    config = NodeConfig(model=str(tiny_model), served_model="tiny", port=_free_port(),
+    config = NodeConfig(model=str(tiny_model), served_model="tiny", port=free_port(),
                         startup_timeout_s=120, te_timeout_s=5,
                         supervisor=SUP,
                         tes=tuple(TESpec(f"te{i}", "colocated", TE_OPTIONS) for i in range(2)))
@@ -157,7 +158,7 @@ def test_crash_loop_gives_up_loudly(node):
 
 
 def test_gang_scheduling_evicts_lower_priority_tes(tiny_model):
-    config = NodeConfig(model=str(tiny_model), served_model="tiny", port=_free_port(),
+    config = NodeConfig(model=str(tiny_model), served_model="tiny", port=free_port(),
                         startup_timeout_s=300, num_devices=2,
                         tes=(TESpec("te0", "colocated", TE_OPTIONS, priority=0),
                              TESpec("te1", "colocated", TE_OPTIONS, priority=0),

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import socket
 import sys
 import threading
 import time
@@ -44,6 +43,7 @@ from deepserve.drill.report import DrillReport, build_report
 from deepserve.drill.scenarios import (DETECT_EVENTS, RECOVERED, SCENARIOS, HealthEvents,
                                        Injection, Scenario, deadline_of, get_scenario,
                                        target_te, wait_pid)
+from deepserve.ipc.sockets import free_port
 
 log = logging.getLogger("deepserve.drill")
 
@@ -108,11 +108,6 @@ def served_model(url: str) -> str:
     with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
         return json.loads(r.read())["data"][0]["id"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_drill(scenario: Scenario, *, url: str, model: str, config=None,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import shutil
-import socket
 import tempfile
 import time
 import uuid
@@ -32,7 +31,7 @@ from deepserve.engine.master import MasterSpec, master_main
 from deepserve.engine.tokenizer_actor import TokenizerSpec, tokenizer_main
 from deepserve.errors import EngineDeadError
 from deepserve.ipc.segments import list_segments, segment_name, unlink_segment
-from deepserve.ipc.sockets import ipc_address
+from deepserve.ipc.sockets import free_port, ipc_address
 from deepserve.model.config import load_model_config
 from deepserve.worker.model_runner import ModelRunner
 from deepserve.worker.worker_actor import WorkerSpec, worker_main
@@ -49,11 +48,6 @@ class _Child:
     death_pipe: object  # write end, held open while we live
     ready_pipe: object
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TELauncher:
@@ -90,7 +84,7 @@ class TELauncher:
         try:
             self._spawn("tokenizer", tokenizer_main, self._tokenizer_spec())
             self._spawn("master", master_main, self._master_spec())
-            init = f"tcp://127.0.0.1:{_free_port()}"
+            init = f"tcp://127.0.0.1:{free_port()}"
             for rank in range(self.config.tp):
                 self._spawn(f"worker{rank}", worker_main, self._worker_spec(rank, init))
             self._wait_ready()

@@ -9,6 +9,7 @@ a timeout, and `.socket` is exposed for `zmq.Poller`.
 from __future__ import annotations
 
 import math
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,13 @@ import msgspec
 import zmq
 
 MAX_IPC_PATH_LEN = 100  # sun_path holds 107 bytes on Linux (103 on macOS)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on host right now (for a listener started just after)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def ipc_address(run_dir: str | Path, name: str) -> str:
