@@ -199,8 +199,8 @@ def test_hook_injection_writes_and_removes_its_file(tmp_path):
         Injection(get_scenario("kill-master"), "te0", "te0/master").inject(None, tmp_path)
 
 
-def test_long_prompts_pass_the_pd_threshold():
-    count = drill_main.token_counter(str(ROOT / "models" / "tiny"))
+def test_long_prompts_pass_the_pd_threshold(tiny_model):
+    count = drill_main.token_counter(str(tiny_model))
     assert count is not None
     prompts = drill_main.make_prompts(100, count)
     lengths = [count(p) for p in prompts]
@@ -258,12 +258,13 @@ def test_cli_rejects_unknown_scenario():
 # --- the real drills: one node, every scenario in turn ---------------------------------------
 
 @pytest.fixture(scope="module")
-def drill_node():
+def drill_node(tiny_model):
     from dataclasses import replace
 
     from deepserve.supervisor.node import Node
     from deepserve.supervisor.node_config import load_node_config
-    config = load_node_config(DRILL_CONF, overrides={"port": drill_main.free_port()})
+    config = load_node_config(DRILL_CONF, overrides={"port": drill_main.free_port(),
+                                                      "model": str(tiny_model)})
     config = replace(config, supervisor=replace(config.supervisor, drill=True))
     node = Node(config)
     node.start()
