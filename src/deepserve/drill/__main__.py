@@ -44,6 +44,7 @@ from deepserve.drill.scenarios import (DETECT_EVENTS, RECOVERED, SCENARIOS, Heal
                                        Injection, Scenario, deadline_of, get_scenario,
                                        target_te, wait_pid)
 from deepserve.ipc.sockets import free_port
+from deepserve.supervisor.node import num_tes
 
 log = logging.getLogger("deepserve.drill")
 
@@ -86,14 +87,6 @@ def token_counter(model_dir: str):
     except Exception:  # noqa: BLE001 - fall back to characters
         return None
     return lambda text: len(tok.encode(text).ids)
-
-
-def num_tes(url: str) -> int:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return int(json.loads(r.read()).get("num_tes", 0))
-    except (urllib.error.URLError, OSError, ValueError):
-        return 0
 
 
 def wait_tes(url: str, want: int, timeout_s: float) -> None:

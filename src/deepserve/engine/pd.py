@@ -243,10 +243,6 @@ class PDCoordinator:
                 log.warning("no KVAck for %s: freeing its blocks", entry.order.request_id)
                 self._free_order(seq_id)
 
-    @property
-    def num_held_blocks(self) -> int:
-        return sum(len(self.m.kv.block_table(s)) for s in self.orders if self.m.kv.has_seq(s))
-
     def pop_transfer_stats(self) -> tuple[int, list[float]]:
         stats = (self.transfer_bytes, self.transfer_seconds)
         self.transfer_bytes, self.transfer_seconds = 0, []

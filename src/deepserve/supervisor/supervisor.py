@@ -121,7 +121,7 @@ class Supervisor:
         owner = msg.component.split("/")[0]
         if owner in self.incidents or owner in self.failed:
             return  # a late message from a TE being replaced
-        if msg.component not in self.watchdog or self._pid_of(msg.component) != msg.pid:
+        if msg.component not in self.watchdog or self.watchdog.pid_of(msg.component) != msg.pid:
             if "/" not in msg.component:
                 return  # node-level processes are registered when spawned
             # It beats, so it has started: its deadlines apply from now on (its
@@ -196,9 +196,6 @@ class Supervisor:
         memory = None if c.memory_limit_mb is None else int(c.memory_limit_mb * (1 << 20))
         self.watchdog.add(ComponentSpec(name, pid, c.heartbeat_deadline_s, c.progress_deadline_s,
                                         memory, grace_s))
-
-    def _pid_of(self, component: str) -> int | None:
-        return self.watchdog.pid_of(component)
 
     def _log(self, component: str, event: str, pid: int | None, **details) -> None:
         self.node.health.write(component, event, pid=pid, **details)
