@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -47,3 +50,34 @@ def tiny_llm(tiny_model):
     from deepserve import LLM
 
     return LLM(str(tiny_model), num_kv_blocks=256, max_num_batched_tokens=256)
+
+
+@pytest.fixture
+def short_dir() -> Path:
+    """A short directory under /tmp for ipc:// sockets (sun_path is ~107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="ds", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def supervisor_inbox(short_dir, monkeypatch):
+    """A supervisor's heartbeat inbox (a real PULL socket) and an empty drill
+    directory, announced to actors through DEEPSERVE_HEARTBEAT / DEEPSERVE_DRILL_DIR."""
+    import zmq
+
+    from deepserve.faults import ENV_VAR as DRILL_ENV
+    from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
+    from deepserve.ipc.sockets import PullSocket, ipc_address
+    from deepserve.messages.health import ToSupervisor
+
+    ctx = zmq.Context()
+    address = ipc_address(short_dir, "hb")
+    pull = PullSocket(ctx, address, bind=True, type=ToSupervisor)
+    drills = short_dir / "drills"
+    drills.mkdir()
+    monkeypatch.setenv(HEARTBEAT_ENV, address)
+    monkeypatch.setenv(DRILL_ENV, str(drills))
+    yield SimpleNamespace(inbox=pull, drills=drills)
+    pull.close()
+    ctx.term()

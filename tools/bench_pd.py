@@ -98,8 +98,8 @@ def node_config(layout: str, policy: str, model: Path, te_options: dict, baselin
         kw = {"pd_policy": pd, "pd_options": PD_OPTIONS, "pd_predictor": predictor}
         if pd == "heatmap":
             kw["pd_heatmap"] = heatmap
-    return NodeConfig(model=str(model), served_model="bench", port=port, policy=router,
-                      startup_timeout_s=300, te_timeout_s=60, tes=tes, **kw), pd
+    return NodeConfig.build(model=str(model), served_model="bench", port=port, policy=router,
+                            startup_timeout_s=300, te_timeout_s=60, tes=tes, **kw), pd
 
 
 def warm_up(bench, url: str) -> None:

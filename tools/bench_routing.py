@@ -38,9 +38,9 @@ def _bench_serve():
 
 
 def run_policy(policy, model, te_options, traces, rates, duration, grace, bench) -> list[dict]:
-    config = NodeConfig(model=str(model), served_model="bench", port=free_port(), policy=policy,
-                        startup_timeout_s=300, te_timeout_s=60,
-                        tes=tuple(TESpec(f"te{i}", "colocated", te_options) for i in range(2)))
+    config = NodeConfig.build(model=str(model), served_model="bench", port=free_port(),
+                              policy=policy, startup_timeout_s=300, te_timeout_s=60,
+                              tes=[TESpec(f"te{i}", "colocated", te_options) for i in range(2)])
     node = Node(config)
     node.start()
     rows = []

@@ -22,7 +22,8 @@ cancelled and counted as failed. Every request has --request-timeout.
 Per request: TTFT (first content chunk), inter-token latencies (gaps between
 content chunks; a chunk may hold several tokens), TPOT = (e2e - TTFT) /
 (completion tokens - 1), end-to-end, prompt / cached / completion tokens from
-the usage chunk. Stdlib only: a small HTTP/1.1 client on asyncio streams.
+the usage chunk. HTTP is httpx (one client per run); the events are
+deepserve.drill.sse's parser, the one the drills use.
 """
 
 from __future__ import annotations
@@ -30,93 +31,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import itertools
 import json
 import random
-import ssl
 import sys
 import time
-import urllib.parse
-from collections import Counter
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
-from typing import AsyncIterator, Iterator
+from typing import Iterator
+
+import httpx
+
+from deepserve.drill.sse import aiter_sse_data
+
+
+def _sibling(name: str):
+    """tools/ is no package: load a sibling module by its path, once."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+stats = _sibling("bench_stats")
+summarize, format_table = stats.summarize, stats.format_table  # the report's two halves
 
 MAX_ERROR_BODY = 2048
-
-
-# -- HTTP/1.1 over asyncio streams ----------------------------------------------------
-async def http_open(url: str, method: str, body: bytes, headers: dict[str, str]):
-    """Send one request (Connection: close); returns (status, headers, reader, writer)."""
-    u = urllib.parse.urlsplit(url)
-    secure = u.scheme == "https"
-    reader, writer = await asyncio.open_connection(
-        u.hostname, u.port or (443 if secure else 80),
-        ssl=ssl.create_default_context() if secure else None, limit=1 << 20)
-    path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-    head = [f"{method} {path} HTTP/1.1", f"Host: {u.netloc}", "Connection: close",
-            f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in headers.items())]
-    writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
-    await writer.drain()
-    status_line = await reader.readline()
-    parts = status_line.decode("latin-1").split(None, 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/"):
-        writer.close()
-        raise ConnectionError(f"bad status line {status_line[:80]!r}")
-    response_headers = {}
-    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-        key, _, value = line.decode("latin-1").partition(":")
-        response_headers[key.strip().lower()] = value.strip()
-    return int(parts[1]), response_headers, reader, writer
-
-
-async def http_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        while (size := int((await reader.readline()).split(b";")[0].strip() or b"0", 16)):
-            yield await reader.readexactly(size)
-            await reader.readexactly(2)  # CRLF after the chunk
-        while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-            pass  # trailers
-    elif "content-length" in headers:
-        left = int(headers["content-length"])
-        while left > 0:
-            data = await reader.read(min(left, 1 << 16))
-            if not data:
-                raise asyncio.IncompleteReadError(b"", left)
-            left -= len(data)
-            yield data
-    else:
-        while data := await reader.read(1 << 16):
-            yield data
-
-
-async def read_body(reader, headers, limit: int = MAX_ERROR_BODY) -> str:
-    out = b""
-    async for data in http_body(reader, headers):
-        out += data
-        if len(out) >= limit:
-            break
-    return out[:limit].decode("utf-8", "replace")
-
-
-class SSEParser:
-    """Bytes in, the `data` of each complete server-sent event out."""
-
-    def __init__(self):
-        self._buf, self._data = b"", []
-
-    def feed(self, chunk: bytes) -> list[str]:
-        self._buf += chunk
-        *lines, self._buf = self._buf.split(b"\n")
-        events = []
-        for raw in lines:
-            line = raw.rstrip(b"\r").decode("utf-8", "replace")
-            if not line:
-                if self._data:
-                    events.append("\n".join(self._data))
-                    self._data = []
-            elif line.startswith("data:"):
-                self._data.append(line[5:].removeprefix(" "))
-        return events
 
 
 # -- one request --------------------------------------------------------------------
@@ -212,36 +155,50 @@ class _Stream:
             result.completion_tokens = len(self.pieces)  # one chunk ~ one token
 
 
-async def send(target: Target, turn: dict, context: list[dict], result: RequestResult) -> None:
-    """Stream one request into `result` (never raises, except when cancelled)."""
+def make_client(target: Target) -> httpx.AsyncClient:
+    """One client for a run: no pool limit (open-loop arrivals must not queue
+    here) and no httpx timeouts (send's own deadline bounds each request)."""
+    return httpx.AsyncClient(headers=target.headers(), timeout=None,
+                             limits=httpx.Limits(max_connections=None))
+
+
+async def send(target: Target, turn: dict, context: list[dict], result: RequestResult,
+               client: httpx.AsyncClient | None = None) -> None:
+    """Stream one request into `result` (never raises, except when cancelled).
+    Without `client`, a client of its own for this one request."""
+    if client is None:
+        async with make_client(target) as own:
+            return await send(target, turn, context, result, own)
     path, payload = request_of(target, turn, context)
     stream = _Stream(result, time.perf_counter())
     try:
         async with asyncio.timeout(target.timeout_s):
-            status, headers, reader, writer = await http_open(
-                target.url.rstrip("/") + path, "POST", json.dumps(payload).encode(),
-                target.headers())
-            result.status = status
-            try:
-                if status != 200:
-                    result.error = f"HTTP {status}: {await read_body(reader, headers)}"
+            async with client.stream("POST", target.url.rstrip("/") + path,
+                                     json=payload) as response:
+                result.status = response.status_code
+                if response.status_code != 200:
+                    result.error = f"HTTP {response.status_code}: {await _error_body(response)}"
                     return
-                parser = SSEParser()
-                async for chunk in http_body(reader, headers):
-                    now = time.perf_counter()
-                    for data in parser.feed(chunk):
-                        stream.on_event(data, now)
-            finally:
-                writer.close()
+                async for data in aiter_sse_data(response):
+                    stream.on_event(data, time.perf_counter())
     except TimeoutError:
         result.error = f"timeout after {target.timeout_s:g} s"
     except asyncio.CancelledError:
         result.error = "cancelled: still running when the grace period ended"
         raise
-    except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+    except (httpx.HTTPError, OSError, ValueError) as e:
         result.error = f"{type(e).__name__}: {e}"
     finally:
         stream.finish()
+
+
+async def _error_body(response: httpx.Response) -> str:
+    out = b""
+    async for data in response.aiter_bytes():
+        out += data
+        if len(out) >= MAX_ERROR_BODY:
+            break
+    return out[:MAX_ERROR_BODY].decode("utf-8", "replace")
 
 
 # -- the run ------------------------------------------------------------------------
@@ -267,6 +224,7 @@ class Bench:
         self.num_sessions_started = self.num_sessions_done = 0
         self.stopped = asyncio.Event()
         self.t0 = 0.0
+        self.client: httpx.AsyncClient | None = None
 
     def can_send(self) -> bool:
         if self.num_requests is not None and len(self.results) >= self.num_requests:
@@ -275,6 +233,10 @@ class Bench:
 
     async def run(self) -> float:
         """Returns the run's wall time in seconds."""
+        async with make_client(self.target) as self.client:
+            return await self._run()
+
+    async def _run(self) -> float:
         self.t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         timer = loop.call_later(self.duration_s, self.stopped.set) if self.duration_s else None
@@ -325,90 +287,22 @@ class Bench:
             self.results.append(result)
             if self.num_requests is not None and len(self.results) >= self.num_requests:
                 self.stopped.set()  # the last one: from now on stragglers have the grace period
-            await send(self.target, turn, list(context), result)
+            await send(self.target, turn, list(context), result, self.client)
             if not result.ok:
                 return
             context.append({"role": "assistant", "content": result.text})
         self.num_sessions_done += 1
 
 
-# -- summary ------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float | None:
-    """q in [0, 100]; linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def distribution_ms(values: list[float]) -> dict:
-    out = {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
-    out["mean"] = sum(values) / len(values) if values else None
-    return {k: None if v is None else v * 1000 for k, v in out.items()}
-
-
-def summarize(results: list[RequestResult], duration_s: float, num_sessions_started: int = 0,
-              num_sessions_done: int = 0) -> dict:
-    ok = [r for r in results if r.ok]
-    prompt, cached = sum(r.prompt_tokens for r in ok), sum(r.cached_tokens for r in ok)
-    completion = sum(r.completion_tokens for r in ok)
-    errors = Counter((r.error or "")[:200] for r in results if not r.ok)
-    return {
-        "duration_s": duration_s, "num_ok": len(ok), "num_failed": len(results) - len(ok),
-        "num_sessions_started": num_sessions_started, "num_sessions_done": num_sessions_done,
-        "request_throughput": len(ok) / duration_s if duration_s > 0 else 0.0,
-        "output_throughput": completion / duration_s if duration_s > 0 else 0.0,
-        "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion,
-        "cache_hit_rate": cached / prompt if prompt else None,
-        "num_without_usage": sum(1 for r in ok if not r.has_usage),
-        "ttft_ms": distribution_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "tpot_ms": distribution_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
-        "itl_ms": distribution_ms([x for r in ok for x in r.itl_s]),
-        "e2e_ms": distribution_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
-        "errors": dict(errors.most_common(5)),
-    }
-
-
-def format_table(s: dict) -> str:
-    def ms(v):
-        return "-" if v is None else f"{v:.1f}"
-    hit = "-" if s["cache_hit_rate"] is None else f"{100 * s['cache_hit_rate']:.1f}%"
-    lines = [f"requests ok / failed   {s['num_ok']} / {s['num_failed']}   "
-             f"(sessions done {s['num_sessions_done']} / {s['num_sessions_started']})",
-             f"duration               {s['duration_s']:.1f} s",
-             f"throughput             {s['request_throughput']:.2f} req/s   "
-             f"{s['output_throughput']:.1f} output tok/s",
-             f"tokens                 prompt {s['prompt_tokens']}  cached {s['cached_tokens']}  "
-             f"completion {s['completion_tokens']}",
-             f"prefix-cache hit rate  {hit}",
-             f"{'(ms)':<22} {'p50':>9} {'p90':>9} {'p99':>9} {'mean':>9}"]
-    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "inter-token"),
-                       ("e2e_ms", "end-to-end")):
-        d = s[key]
-        cells = " ".join(f"{ms(d[k]):>9}" for k in ("p50", "p90", "p99", "mean"))
-        lines.append(f"{label:<22} {cells}")
-    if s["num_without_usage"]:
-        lines.append(f"{s['num_without_usage']} ok request(s) had no usage chunk (tokens = chunks)")
-    lines += [f"error x{n}: {e}" for e, n in s["errors"].items()]
-    return "\n".join(lines)
-
-
 # -- command line -------------------------------------------------------------------
 async def default_model(url: str, api_key: str | None, timeout_s: float = 10.0) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with asyncio.timeout(timeout_s):
-        status, h, reader, writer = await http_open(url.rstrip("/") + "/v1/models", "GET", b"",
-                                                    headers)
-        try:
-            body = await read_body(reader, h, limit=1 << 20)
-        finally:
-            writer.close()
-    if status != 200:
-        raise ConnectionError(f"GET /v1/models: HTTP {status}: {body[:200]}")
-    return json.loads(body)["data"][0]["id"]
+    async with httpx.AsyncClient(headers=headers, timeout=timeout_s) as client:
+        response = await client.get(url.rstrip("/") + "/v1/models")
+    if response.status_code != 200:
+        raise ConnectionError(f"GET /v1/models: HTTP {response.status_code}: "
+                              f"{response.text[:200]}")
+    return response.json()["data"][0]["id"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -102,9 +102,9 @@ def layout_config(layout: str, model: Path, te_options: dict, colocated_tes: int
         tes = (TESpec("te0", "prefill", te_options | {"kv_transfer_layerwise": True}),
                TESpec("te1", "decode", te_options))
         pd_policy, policy = "disaggregated", "combined"
-    return NodeConfig(model=str(model), served_model="profile", port=free_port(), policy=policy,
-                      pd_policy=pd_policy, startup_timeout_s=300, te_timeout_s=60,
-                      request_timeout_s=600.0, tes=tes)
+    return NodeConfig.build(model=str(model), served_model="profile", port=free_port(),
+                            policy=policy, pd_policy=pd_policy, startup_timeout_s=300,
+                            te_timeout_s=60, request_timeout_s=600.0, tes=tes)
 
 
 async def run_batch(url: str, prompts: list[list[int]], max_tokens: int, rate: float,

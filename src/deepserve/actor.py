@@ -1,13 +1,24 @@
 """The life every DeepServe process follows.
 
     set log prefix -> install signal handlers (they only set a flag) -> build
-    state -> report ready -> loop until the flag is set or the parent is gone
-    -> in `finally`, release in reverse order.
+    state -> ready() -> run(step): beat, step, until the flag is set or the
+    parent is gone -> in `finally`, release in reverse order, life.close() last.
 
-The parent holds the write end of a *death pipe* and never writes to it; when
-the parent dies the pipe reaches EOF, which `ActorLife.should_stop()` notices,
-so no child outlives its parent. Parents notice dead children through the
-processes' sentinels (see engine/launcher.py).
+    ActorLife ── heartbeat (PUSH, non-blocking) ──> the node's supervisor
+              ── fault_injected events (drills only) ──┘
+              <── death pipe EOF / reparenting: the parent is gone
+
+Parent death, one rule for every child: a child started by multiprocessing
+gets the read end of a *death pipe* (the parent never writes; EOF means it
+died); a child started as a command gets its parent's pid (it stops once it
+is reparented). Parents notice dead children through sentinels / Popen.
+
+Heartbeats go to $DEEPSERVE_HEARTBEAT when it is set, else nowhere (a
+NullHeartbeat): no actor tests for a supervisor. Progress counters are read
+by `run` from the main loop itself, never from a side thread (a side thread
+keeps beating while the main thread is stuck in a collective). Fault hooks
+(faults.py) are read through `life.faults`; each firing is reported as a
+`fault_injected` health event, so a drill can prove its fault happened.
 """
 
 from __future__ import annotations
@@ -16,23 +27,47 @@ import logging
 import os
 import signal
 from multiprocessing.connection import Connection
+from typing import Callable
+
+import zmq
+
+from deepserve.faults import FaultHooks, NoFaults
+from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
+from deepserve.ipc.heartbeat import HeartbeatSender, NullHeartbeat
+
+log = logging.getLogger(__name__)
 
 
 class ActorLife:
-    """death_pipe: for children started by multiprocessing; parent_pid: for
-    children started as commands (they stop once reparented)."""
+    """name: the log prefix; component: the name the supervisor knows this
+    process by (e.g. "te0/worker1"; default: name). death_pipe: for children
+    started by multiprocessing; parent_pid: for children started as commands.
+    signals=False leaves SIGTERM/SIGINT to someone else (uvicorn)."""
 
     def __init__(self, name: str, death_pipe: Connection | None = None,
-                 parent_pid: int | None = None):
+                 parent_pid: int | None = None, *, component: str | None = None,
+                 signals: bool = True, heartbeat_interval_s: float = 0.5):
         self.name = name
+        self.component = component or name
         self._death_pipe = death_pipe
         self._parent_pid = parent_pid
         self._stop_requested = False
         logging.basicConfig(level=os.environ.get("DEEPSERVE_LOG_LEVEL", "WARNING"),
                             format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s")
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
+        if signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._on_signal)
+        self._ctx: zmq.Context | None = None
+        self.heartbeat: HeartbeatSender | NullHeartbeat = NullHeartbeat()
+        address = os.environ.get(HEARTBEAT_ENV)
+        if address:
+            self._ctx = zmq.Context()
+            self.heartbeat = HeartbeatSender(self._ctx, address, self.component,
+                                             heartbeat_interval_s)
+        self.faults: FaultHooks | NoFaults = FaultHooks.from_env(self.component,
+                                                                 on_fired=self._on_fault)
 
+    # -- stopping ----------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
         self._stop_requested = True  # only a flag: the loop decides when to stop
 
@@ -52,3 +87,38 @@ class ActorLife:
 
     def should_stop(self) -> bool:
         return self._stop_requested or not self.is_parent_alive
+
+    # -- talking to the supervisor -------------------------------------------------
+    def ready(self, **details) -> None:
+        """Startup is over: the supervisor's startup grace ends here."""
+        self.heartbeat.ready(details)
+
+    def beat(self, progress: dict[str, int], holds_work: bool = False) -> None:
+        self.heartbeat.beat(progress, holds_work)
+
+    def event(self, event: str, **details) -> None:
+        """A health-log event (one of supervisor/health_log.EVENTS)."""
+        self.heartbeat.event(event, **details)
+
+    def _on_fault(self, fault: str, value: str) -> None:
+        log.warning("drill: fault %s fired (%r)", fault, value)
+        self.heartbeat.event("fault_injected", fault=fault, value=value)
+
+    # -- the loop ------------------------------------------------------------------
+    def run(self, step: Callable[[], object], progress: Callable[[], dict[str, int]],
+            holds_work: Callable[[], bool] | None = None) -> None:
+        """The main loop: beat (when due), then one step, until stopped. `step`
+        bounds its own wait (a poll timeout), so a stop or a dead parent is
+        noticed within one step. A step returning False ends the loop."""
+        while not self.should_stop():
+            self.heartbeat.beat(progress(), holds_work() if holds_work is not None else False)
+            if step() is False:
+                return
+
+    def close(self) -> None:
+        """Last in every actor's `finally` (its socket lives in our own context)."""
+        self.heartbeat.close()
+        self.heartbeat = NullHeartbeat()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None

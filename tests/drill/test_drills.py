@@ -16,7 +16,10 @@ stall-worker):
   and the replacement TE starts a Python process, loads the model and serves a
   warm-up request: 16-26 s measured on a shared 2-core machine, once 40 s;
   TE_START_S = 45 leaves room for a busy machine.
-Every drill: lost == 0 and bad_streams == 0 (failed requests are allowed).
+Every drill: the fault proven first (its fault_injected event, or the
+detection of the signalled pid; drop-cache: the probe missed the cache;
+kv-transfer-fail: a request resumed and completed), then lost == 0 and
+bad_streams == 0 (failed requests are allowed).
 """
 
 from __future__ import annotations
@@ -35,11 +38,17 @@ import pytest
 from click.testing import CliRunner
 
 from deepserve.drill import __main__ as drill_main
-from deepserve.drill.load import COMPLETED, RequestRecord
+from deepserve.drill import prompts as drill_prompts
+from deepserve.drill.health_events import HealthEvents
+from deepserve.drill.injection import Injection, current_pid, hook_path
+from deepserve.drill.proof import (CacheMissed, HookFired, Proofs, SignalDetected,
+                                   TransferResumed)
 from deepserve.drill.report import KEYS, build_report
-from deepserve.drill.scenarios import (DETECT_EVENTS, SCENARIOS, HealthEvents, Injection,
-                                       current_pid, deadline_of, get_scenario, hook_path,
-                                       target_te)
+from deepserve.drill.runner import run_drill
+from deepserve.drill.scenarios import (DETECT_EVENTS, SCENARIOS, deadline_of, get_scenario,
+                                       target_te, target_tes)
+from deepserve.drill.stream import COMPLETED, RequestRecord
+from deepserve.ipc.sockets import free_port
 from deepserve.supervisor.health_log import HealthLog
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +87,9 @@ def test_targets_and_deadlines():
     assert deadline_of(get_scenario("drop-cache"), sup) is None
     assert deadline_of(get_scenario("kill-worker"), None) == 3.0  # the supervisor defaults
     assert hook_path("/x", "te0/worker0", "stall") == Path("/x/te0.worker0.stall")
+    assert target_tes(get_scenario("drop-cache"), "te1", types) == ["te1", "te0"]
+    assert target_tes(get_scenario("drop-cache"), "te3", types) == ["te3", "te12"]
+    assert target_tes(get_scenario("kill-worker"), "te0", types) == ["te0"]
 
 
 def _line(t: float, component: str, event: str, pid=None, **details) -> str:
@@ -132,7 +144,7 @@ def _log_started(log_dir: Path, component: str, pid: int) -> HealthEvents:
 
 def test_kill_injection_hits_the_logged_pid(tmp_path, sleeper):
     events = _log_started(tmp_path, "te0/worker0", sleeper.pid)
-    inj = Injection(get_scenario("kill-worker"), "te0", "te0/worker0")
+    inj = Injection(get_scenario("kill-worker"), "te0", ["te0/worker0"])
     at = inj.inject(events, None)
     assert inj.pid == sleeper.pid and abs(at - time.time()) < 5
     assert sleeper.wait(5) == -signal.SIGKILL
@@ -140,7 +152,7 @@ def test_kill_injection_hits_the_logged_pid(tmp_path, sleeper):
 
 def test_sigstop_injection_never_leaves_a_stopped_process(tmp_path, sleeper):
     events = _log_started(tmp_path, "te0/worker0", sleeper.pid)
-    inj = Injection(get_scenario("hang-worker"), "te0", "te0/worker0")
+    inj = Injection(get_scenario("hang-worker"), "te0", ["te0/worker0"])
     inj.inject(events, None)
     deadline = time.monotonic() + 5
     while psutil.Process(sleeper.pid).status() != psutil.STATUS_STOPPED:
@@ -153,7 +165,7 @@ def test_sigstop_injection_never_leaves_a_stopped_process(tmp_path, sleeper):
 
 def test_sigstop_cleanup_leaves_a_running_process_alone(tmp_path, sleeper):
     events = _log_started(tmp_path, "te0/worker0", sleeper.pid)
-    inj = Injection(get_scenario("hang-worker"), "te0", "te0/worker0")
+    inj = Injection(get_scenario("hang-worker"), "te0", ["te0/worker0"])
     inj.inject(events, None)
     os.kill(sleeper.pid, signal.SIGCONT)  # e.g. someone resumed it
     time.sleep(0.1)
@@ -182,30 +194,186 @@ def test_pid_checks(tmp_path, sleeper):
 
 
 def test_hook_injection_writes_and_removes_its_file(tmp_path):
-    inj = Injection(get_scenario("slow-worker"), "te0", "te0/worker0")
+    inj = Injection(get_scenario("slow-worker"), "te0", ["te0/worker0"])
     inj.inject(None, tmp_path)
     assert (tmp_path / "te0.worker0.slow").read_text() == "0.05"
     assert not inj.hook_consumed()
     inj.cleanup()
     assert list(tmp_path.iterdir()) == [] and inj.lifted_at is not None
-    inj = Injection(get_scenario("kv-transfer-fail"), "te2", "te2/worker0")
+    inj = Injection(get_scenario("kv-transfer-fail"), "te2", ["te2/worker0"])
     inj.inject(None, tmp_path)
     (tmp_path / "te2.worker0.kv-fail").unlink()  # what the engine does once it used it
     assert inj.hook_consumed()
     inj.cleanup()
+    inj = Injection(get_scenario("drop-cache"), "te0", ["te0/master", "te1/master"])
+    inj.inject(None, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["te0.master.drop-cache",
+                                                          "te1.master.drop-cache"]
+    (tmp_path / "te0.master.drop-cache").unlink()
+    assert not inj.hook_consumed()  # one of two masters used it
+    (tmp_path / "te1.master.drop-cache").unlink()
+    assert inj.hook_consumed()
     with pytest.raises(RuntimeError, match="drill dir"):
-        Injection(get_scenario("drop-cache"), "te0", "te0/master").inject(None, None)
+        Injection(get_scenario("drop-cache"), "te0", ["te0/master"]).inject(None, None)
     with pytest.raises(RuntimeError, match="log-dir"):
-        Injection(get_scenario("kill-master"), "te0", "te0/master").inject(None, tmp_path)
+        Injection(get_scenario("kill-master"), "te0", ["te0/master"]).inject(None, tmp_path)
 
 
 def test_long_prompts_pass_the_pd_threshold(tiny_model):
-    count = drill_main.token_counter(str(tiny_model))
+    count = drill_prompts.token_counter(str(tiny_model))
     assert count is not None
-    prompts = drill_main.make_prompts(100, count)
+    prompts = drill_prompts.make_prompts(100, count)
     lengths = [count(p) for p in prompts]
     assert sum(n > 100 for n in lengths) == 3 and sum(n < 20 for n in lengths) == 3
-    assert all(len(p) > 600 for p in drill_main.make_prompts(100)[1::2])  # no tokenizer
+    assert all(len(p) > 600 for p in drill_prompts.make_prompts(100)[1::2])  # no tokenizer
+    probe = drill_prompts.make_probe_prompt(100, count)
+    assert 64 <= count(probe) < 100  # 4+ full blocks of 16, yet colocated
+    assert drill_prompts.make_probe_prompt(100, count) != probe  # a fresh prefix each time
+
+
+# --- proof: a drill whose fault did not happen fails ------------------------------------------
+
+def test_hook_proof_needs_the_targets_own_fault_injected_event(tmp_path):
+    t0 = time.time()
+    (tmp_path / "health.jsonl").write_text(
+        _line(t0 - 5, "te0/master", "fault_injected", 10, fault="drop-cache", value="")  # old
+        + _line(t0 + 0.5, "te0/master", "fault_injected", 10, fault="drop-cache", value="")
+        + _line(t0 + 0.6, "te1/master", "fault_injected", 11, fault="stall", value=""))
+    events = HealthEvents(tmp_path)
+    both = HookFired(events, ["te0/master", "te1/master"], "drop-cache", t0, bound_s=2.0)
+    both.poll(t0 + 1)
+    assert not both.is_settled and both.failure is None  # te1's drop not seen yet
+    both.poll(t0 + 3)
+    assert both.is_settled and not both.is_proven
+    assert "te1/master" in both.failure and "te0/master" not in both.failure
+    one = HookFired(events, ["te0/master"], "drop-cache", t0, bound_s=2.0)
+    one.poll(t0 + 1)
+    assert one.is_proven  # +0.499 or +0.500 s: the log keeps milliseconds
+    assert one.evidence[0].startswith("te0/master fault_injected drop-cache +0.")
+    stale = HookFired(events, ["te0/master"], "drop-cache", t0 + 1, bound_s=2.0)
+    stale.finish([])
+    assert not stale.is_proven and "never fired" in stale.failure
+
+
+def test_signal_proof_needs_a_detection_of_that_pid(tmp_path):
+    t0 = time.time()
+    (tmp_path / "health.jsonl").write_text(
+        _line(t0 + 0.1, "te1/worker0", "crashed", 77)      # another process
+        + _line(t0 + 0.2, "te0", "killed", 50)             # the supervisor's act, no detection
+        + _line(t0 + 0.3, "te0/worker0", "heartbeat_missed", 42))
+    events = HealthEvents(tmp_path)
+    proof = SignalDetected(events, "te0", "te0/worker0", 42, 50, t0)
+    proof.poll(t0 + 1)
+    assert proof.is_proven and "heartbeat_missed pid 42" in proof.evidence[-1]
+    other = SignalDetected(events, "te0", "te0/worker0", 43, 50, t0)
+    other.poll(t0 + 1)
+    assert not other.is_settled
+    other.finish([])
+    assert not other.is_proven and "pid 43" in other.failure
+
+
+def test_signal_proof_accepts_the_host_crash_once_the_pid_is_gone(tmp_path, sleeper):
+    t0 = time.time()
+    (tmp_path / "health.jsonl").write_text(_line(t0 + 0.1, "te0", "crashed", 50))
+    events = HealthEvents(tmp_path)
+    proof = SignalDetected(events, "te0", "te0/master", sleeper.pid, 50, t0)
+    proof.poll(t0 + 1)
+    assert not proof.is_settled  # the master still runs: the host died of something else
+    sleeper.kill()
+    sleeper.wait(5)
+    proof.poll(t0 + 2)
+    assert proof.is_proven and "te0 crashed pid 50" in proof.evidence[-1]
+
+
+def test_signal_proof_accepts_a_sibling_crash_of_the_same_te_once_the_pid_is_gone(
+        tmp_path, sleeper):
+    """Killing te0's tokenizer makes its host stop the TE: te0/master's crash
+    may be logged first. Another TE's crash never counts."""
+    t0 = time.time()
+    (tmp_path / "health.jsonl").write_text(_line(t0 + 0.1, "te1/master", "crashed", 60)
+                                           + _line(t0 + 0.2, "te0/master", "crashed", 61))
+    events = HealthEvents(tmp_path)
+    proof = SignalDetected(events, "te0", "te0/tokenizer", sleeper.pid, 50, t0)
+    proof.poll(t0 + 1)
+    assert not proof.is_settled  # the tokenizer still runs
+    sleeper.kill()
+    sleeper.wait(5)
+    proof.poll(t0 + 2)
+    assert proof.is_proven and "te0/master crashed pid 61" in proof.evidence[-1]
+    other = SignalDetected(HealthEvents(tmp_path), "te2", "te2/tokenizer", sleeper.pid, 70, t0)
+    other.poll(t0 + 2)
+    assert not other.is_settled
+
+
+def _probe(cached: int | None, status: str = COMPLETED) -> RequestRecord:
+    usage = None if cached is None else {"prompt_tokens_details": {"cached_tokens": cached}}
+    return RequestRecord(id=-1, prompt_index=-1, max_tokens=1, start=0.0, status=status,
+                         usage=usage)
+
+
+def test_cache_proof_needs_a_hit_before_and_a_miss_right_after(tmp_path):
+    t0 = time.time()
+    (tmp_path / "health.jsonl").write_text(
+        _line(t0 + 0.1, "te0/master", "fault_injected", 10, fault="drop-cache", value=""))
+    events = HealthEvents(tmp_path)
+
+    def check(before, after):
+        fired = HookFired(events, ["te0/master"], "drop-cache", t0, bound_s=2.0)
+        proof = Proofs([fired, CacheMissed(fired, lambda: after, before)])
+        proof.poll(t0 + 1)
+        return proof
+
+    assert check(48, _probe(0)).is_proven
+    assert check(48, _probe(16)).is_proven  # a shared prefix block may stay
+    kept = check(48, _probe(48))
+    assert kept.is_settled and not kept.is_proven and "not dropped" in kept.failure
+    assert "not cached before" in check(0, _probe(0)).failure
+    assert "did not complete" in check(48, _probe(None, "failed")).failure
+
+
+def test_transfer_proof_needs_a_resumed_request_that_completed(tmp_path):
+    t0 = time.time()
+    (tmp_path / "health.jsonl").write_text(_line(
+        t0 + 0.5, "job-executor", "request_migrated", 9, request_id="cmpl-abc-0", te_id="te3",
+        attempt=1, prompt_tokens=140))
+    events = HealthEvents(tmp_path)
+    done = RequestRecord(id=3, prompt_index=1, max_tokens=4, start=t0, status=COMPLETED,
+                         response_id="cmpl-abc")
+    proof = TransferResumed(events, t0)
+    proof.poll(t0 + 1)
+    assert proof.is_settled and not proof.is_proven  # proven only once the load ended
+    proof.finish([done])
+    assert proof.is_proven and "cmpl-abc-0 resumed on te3" in proof.evidence[0]
+    failed = TransferResumed(events, t0)
+    failed.finish([RequestRecord(id=3, prompt_index=1, max_tokens=4, start=t0, status="failed",
+                                 response_id="cmpl-abc")])
+    assert not failed.is_proven and "did not complete" in failed.failure
+    nothing = TransferResumed(events, t0 + 1)
+    nothing.finish([done])
+    assert not nothing.is_proven and "no request_migrated" in nothing.failure
+
+
+def test_a_drill_whose_fault_never_fired_fails(tmp_path):
+    """The fault file goes to a folder no process reads: the streams are all
+    fine, and the drill still fails, quickly, saying why."""
+    from tests.drill.test_load import MODEL, sse_server
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "health.jsonl").write_text("")
+    (tmp_path / "drill").mkdir()
+    with sse_server({}) as (url, _):
+        t0 = time.monotonic()
+        report = run_drill(get_scenario("slow-worker"), url=url, model=MODEL,
+                           log_dir=tmp_path / "logs", drill_dir=tmp_path / "drill",
+                           duration_s=0.5, warmup_s=0.2, settle_s=0.1, prompts=["a", "b"],
+                           max_tokens=3, fire_bound_s=1.0)
+        took = time.monotonic() - t0
+    assert report.completed > 0 and report.lost == 0 and report.bad_streams == 0
+    assert report.fault_proven is False and not report.ok
+    assert "never fired" in report.proof and "te0/worker0" in report.proof
+    assert "fault not proven" in report.to_text()
+    assert took < 10  # the bound on firing, not the recovery bound (60 s), ended it
+    assert not list((tmp_path / "drill").iterdir())  # the hook file was taken back
 
 
 def _conf_without_supervisor(tmp_path: Path) -> Path:
@@ -223,15 +391,17 @@ def _conf_without_supervisor(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("tokens,code", [([1, 2, 3], 0), ([1, 9, 3], 1)])
-def test_cli_exit_code_and_json(tmp_path, monkeypatch, tokens, code):
+@pytest.mark.parametrize("tokens,proven,code", [([1, 2, 3], True, 0), ([1, 9, 3], True, 1),
+                                                ([1, 2, 3], False, 1)])
+def test_cli_exit_code_and_json(tmp_path, monkeypatch, tokens, proven, code):
     seen = {}
 
     def fake_run_drill(scenario, **kwargs):
         seen.update(kwargs, scenario=scenario.name)
         record = RequestRecord(id=0, prompt_index=0, max_tokens=3, start=1.0, end=2.0,
                                token_ids=tokens, finish_reason="length", status=COMPLETED)
-        return build_report(scenario.name, [record], {0: [1, 2, 3]}, 4.0, 1.0, 2.0, 3.0)
+        return build_report(scenario.name, [record], {0: [1, 2, 3]}, 4.0, 1.0, 2.0, 3.0,
+                            fault_proven=proven, proof="evidence" if proven else "never fired")
 
     monkeypatch.setattr(drill_main, "run_drill", fake_run_drill)
     monkeypatch.setattr(drill_main.signal, "signal", lambda *a: None)  # leave pytest's alone
@@ -248,6 +418,9 @@ def test_cli_exit_code_and_json(tmp_path, monkeypatch, tokens, code):
     assert seen["url"] == "http://127.0.0.1:9" and seen["model"] == "m"
     assert seen["duration_s"] == 3.0 and seen["log_dir"] == str(tmp_path)
     assert ("PASS" if code == 0 else "FAIL") in result.output
+    assert report["fault_proven"] is proven
+    if not proven:
+        assert "fault not proven: never fired" in result.output
 
 
 def test_cli_rejects_unknown_scenario():
@@ -259,11 +432,11 @@ def test_cli_rejects_unknown_scenario():
 
 @pytest.fixture(scope="module")
 def drill_node(tiny_model):
-    from dataclasses import replace
+    from msgspec.structs import replace
 
     from deepserve.supervisor.node import Node
     from deepserve.supervisor.node_config import load_node_config
-    config = load_node_config(DRILL_CONF, overrides={"port": drill_main.free_port(),
+    config = load_node_config(DRILL_CONF, overrides={"port": free_port(),
                                                       "model": str(tiny_model)})
     config = replace(config, supervisor=replace(config.supervisor, drill=True))
     node = Node(config)
@@ -283,13 +456,29 @@ REAL_DRILLS = [("slow-worker", None), ("drop-cache", None), ("kv-transfer-fail",
 def test_drill(drill_node, name, te):
     scenario = get_scenario(name)
     started = time.monotonic()
-    report = drill_main.run_drill(
+    report = run_drill(
         scenario, url=drill_node.url, model=drill_node.config.served_model,
         config=drill_node.config, log_dir=drill_node.log_dir, drill_dir=drill_node.drill_dir,
         duration_s=5, concurrency=3, max_tokens=16, warmup_s=1.5, request_timeout_s=30, te=te,
         echo=print)
     print(report.to_json())
     print(drill_main._describe(report))
+    # first the proof that the fault happened, then the recovery
+    assert report.fault_proven is True, report.proof
+    evidence = report.details["evidence"]
+    if scenario.is_signal:
+        pid = report.details["pid"]
+        assert evidence[0] == f"signal delivered to {report.details['component']} pid {pid}"
+        assert any(e.split()[1] in ("crashed", "hung", "heartbeat_missed") for e in evidence[1:])
+    else:
+        fired = [e for e in evidence if " fault_injected " in e]
+        assert {e.split()[0] for e in fired} == set(report.details["components"]), evidence
+    if name == "drop-cache":
+        assert report.details["components"] == ["te0/master", "te1/master"]
+        assert any(e.startswith("probe cached_tokens") for e in evidence), evidence
+    if name == "kv-transfer-fail":
+        assert report.details["components"] == ["te2/worker0"]
+        assert any(" resumed on " in e and e.endswith("completed") for e in evidence), evidence
     assert report.sent > 0 and report.lost == 0 and report.bad_streams == 0, report.details
     assert report.completed > 0
     assert not list(Path(drill_node.drill_dir).glob("te*.*")), "a fault file was left behind"

@@ -17,8 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from deepserve.drill import (COMPLETED, FAILED, KEYS, LOST, LoadDriver, build_report,
-                             first_success_after, run_load)
+from deepserve.drill.load import LoadDriver, run_load
+from deepserve.drill.report import KEYS, build_report
+from deepserve.drill.stream import COMPLETED, FAILED, LOST, first_success_after
 from deepserve.gateway.errors import APIError
 from deepserve.gateway.responses import CompletionRenderer, Usage
 from deepserve.messages.engine import RequestDelta
@@ -86,7 +87,11 @@ def make_app(faults: dict[str, str], bodies: list[dict]) -> Starlette:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    async def health(request: Request):
+        return JSONResponse({"status": "ok", "num_tes": 1})
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/health", health)])
 
 
 def sse(obj: dict) -> bytes:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from deepserve.drill import (COMPLETED, FAILED, KEYS, LOST, DrillReport, RequestRecord,
-                             bad_reason, build_report)
+from deepserve.drill.report import KEYS, DrillReport, bad_reason, build_report
+from deepserve.drill.stream import COMPLETED, FAILED, LOST, RequestRecord
 
 REF = {0: [5, 6, 7, 8], 1: [9, 10]}  # prompt 1 stops early (its reference ends at 2 tokens)
 
@@ -50,7 +50,8 @@ def test_build_report_counts_and_times():
                           detected_at=1001.25, recovered_at=1004.5)
     assert report.to_dict() == {"scenario": "te_crash", "sent": 6, "completed": 3, "failed": 2,
                                 "lost": 1, "bad_streams": 2, "deadline_s": 30.0,
-                                "detect_s": 1.25, "recover_s": 4.5}
+                                "detect_s": 1.25, "recover_s": 4.5, "fault_proven": None,
+                                "proof": None}
     assert set(report.details["bad"]) == {1, 3}
     assert report.details["errors"] == {"service_unavailable": 2}
     assert report.details["lost_ids"] == [4]
@@ -64,7 +65,7 @@ def test_build_report_counts_and_times():
 def test_json_has_exactly_the_keys(tmp_path):
     report = build_report("s", [rec(0, COMPLETED, [5, 6, 7, 8])], REF, 10.0, 0.0, 1.0, None)
     assert list(json.loads(report.to_json())) == list(KEYS)
-    assert len(KEYS) == 9
+    assert len(KEYS) == 11
     path = tmp_path / "r.json"
     report.write_json(path)
     assert json.loads(path.read_text()) == report.to_dict()
@@ -82,6 +83,22 @@ def test_to_text():
     bad = DrillReport("s", 3, 1, 0, 1, 1, 10.0, None, None)
     assert bad.to_text().splitlines()[-1].split()[:2] == ["verdict", "FAIL"]
     assert "1 lost" in bad.to_text() and not bad.ok
+
+
+def test_an_unproven_fault_fails_the_drill():
+    """Nothing lost, every stream right, and still FAIL: the fault never showed."""
+    records = [rec(0, COMPLETED, [5, 6, 7, 8]), rec(1, COMPLETED, [9, 10], prompt=1)]
+    why = "the fault never fired: no fault_injected event (stall) from te0/worker0 within 15 s"
+    report = build_report("stall-worker", records, REF, 4.0, 1000.0, None, 1001.0,
+                          fault_proven=False, proof=why)
+    assert (report.lost, report.bad_streams) == (0, 0) and not report.ok
+    assert report.to_dict()["fault_proven"] is False and report.to_dict()["proof"] == why
+    verdict = report.to_text().splitlines()[-1]
+    assert verdict.startswith("verdict")
+    assert "FAIL (fault not proven: the fault never fired" in verdict
+    proven = build_report("stall-worker", records, REF, 4.0, 1000.0, None, 1001.0,
+                          fault_proven=True, proof="te0/worker0 fault_injected stall +0.1 s")
+    assert proven.ok and "PASS" in proven.to_text()
 
 
 def test_missing_reference_or_status_is_an_error():

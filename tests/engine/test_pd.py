@@ -22,6 +22,8 @@ from deepserve.messages.engine import RequestDelta, RequestFailed, SubmitRequest
 from deepserve.messages.pd import KVAck, KVEndpoint, KVReady, PrefillOrder
 from deepserve.model.config import load_model_config
 
+pytestmark = pytest.mark.slow  # starts process trees
+
 PROMPTS = [
     "def fibonacci(n):\n    " * 6,
     "The quick brown fox",
@@ -127,7 +129,7 @@ def test_unacknowledged_kv_is_freed_and_acknowledged_kv_at_once(tiny_model, tmp_
     shape = (2, mc.num_layers, mc.num_kv_heads, 96, 16, mc.head_dim)
     name = segment_name(uuid.uuid4().hex[:8], "fake-decode-kv")
     seg = create_segment(name, mc.dtype.itemsize * int(torch.Size(shape).numel()))
-    to_p = PushSocket(pair.ctx, p.address["tokenizer"], bind=False)
+    to_p = PushSocket(pair.ctx, p.address["pd"], bind=False)  # master to master
     try:
         pool = torch.frombuffer(seg.buf, dtype=mc.dtype).view(shape)
         ep = KVEndpoint(shape=shape, dtype=str(mc.dtype).removeprefix("torch."), shm=name)
@@ -139,6 +141,7 @@ def test_unacknowledged_kv_is_freed_and_acknowledged_kv_at_once(tiny_model, tmp_
                                   dst_endpoints=[ep], reply_to=pair.reply))
             ready = pair.client.get(timeout=60)
             assert isinstance(ready, KVReady) and ready.error is None, ready
+            assert ready.reply_to == p.address["pd"] and ready.order_id == 0
             assert ready.nbytes == 3 * pool[:, :, :, 0].numel() * mc.dtype.itemsize
             assert pool[:, :, :, 10:13].abs().sum() > 0  # the KV landed in our pool
             assert pool[:, :, :, 13:].abs().sum() == 0  # and nowhere else

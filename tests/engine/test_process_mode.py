@@ -12,6 +12,8 @@ import pytest
 
 from deepserve import LLM, EngineDeadError, PromptTooLongError, SamplingParams
 
+pytestmark = pytest.mark.slow  # starts process trees
+
 PROMPTS = ["def f(x):", "import os\n" * 12, "class A:\n    pass\n" * 6, "x", "y = [1, 2, 3]\n" * 20]
 GREEDY = SamplingParams(temperature=0, max_tokens=20)
 OPTIONS = dict(num_kv_blocks=128, max_num_batched_tokens=48, startup_timeout_s=90)

@@ -1,7 +1,5 @@
 """Sampling parameters and stopping, end to end through the engine."""
 
-from dataclasses import replace
-
 import pytest
 
 from deepserve import LLM, SamplingParams
@@ -54,7 +52,7 @@ def test_eos_stops_unless_ignore_eos(tiny_model):
     eos = llm.engine.model_config.eos_token_ids[0]
     base = llm.generate("x", SamplingParams(temperature=0, max_tokens=6))[0]
     # Pretend the model's EOS is the 2nd greedy token: generation must stop there.
-    llm.engine.model_config = replace(llm.engine.model_config, eos_token_ids=(base.token_ids[1],))
+    llm.engine.core.eos_token_ids = frozenset({base.token_ids[1]})  # where stops are assembled
     stopped = llm.generate("x", SamplingParams(temperature=0, max_tokens=6))[0]
     assert stopped.token_ids == base.token_ids[:2] and stopped.finish_reason == "stop"
     ignored = llm.generate("x", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]

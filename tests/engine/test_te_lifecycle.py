@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # starts process trees
+
 
 def _start_host(model: Path, *flags: str) -> tuple[subprocess.Popen, dict]:
     host = subprocess.Popen([sys.executable, "-m", "tests.engine.te_host", str(model), *flags],

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -21,11 +18,3 @@ def run_id() -> str:
     for name in leftovers:
         unlink_segment(name)
     assert not leftovers, f"test left shared-memory segments behind: {leftovers}"
-
-
-@pytest.fixture
-def short_dir() -> Path:
-    """A short directory under /tmp for ipc:// sockets (sun_path is ~107 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="ds", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)

@@ -26,6 +26,8 @@ from deepserve.model.parallel import (TensorParallel, destroy_tensor_parallel,
                                       init_tensor_parallel)
 from deepserve.worker.model_runner import ModelRunner
 
+pytestmark = pytest.mark.slow  # starts process trees
+
 TP = 2
 PROMPTS = [[5, 17, 300, 42, 9, 1000, 77], [1200, 3, 64, 64, 811, 2, 19, 450, 31, 8, 600],
            [900, 14, 250]]

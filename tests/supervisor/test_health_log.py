@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import deepserve
 from deepserve.supervisor.health_cli import format_event, main
 from deepserve.supervisor.health_log import EVENTS, KEYS, SEVERITY, HealthLog, read_events
 
@@ -42,6 +43,40 @@ def test_lines_are_json_with_exact_keys(tmp_path: Path) -> None:
 def test_closed_event_list_and_severity() -> None:
     assert isinstance(EVENTS, frozenset) and set(SEVERITY) == EVENTS
     assert set(SEVERITY.values()) == {"info", "warning", "error"}
+
+
+def _emitted_event_names() -> set[str]:
+    """Every literal event name src/ hands to the health log: health.write /
+    _log (2nd argument), .event / .events (1st argument)."""
+    import ast
+
+    names = set()
+    for path in Path(deepserve.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            owner = func.value if isinstance(func, ast.Attribute) else None
+            is_health = isinstance(owner, ast.Attribute) and owner.attr == "health" or \
+                isinstance(owner, ast.Name) and owner.id == "health"
+            index = {"_log": 1, "event": 0, "events": 0}.get(name)
+            if name == "write" and is_health:
+                index = 1
+            if index is not None and len(node.args) > index and \
+                    isinstance(node.args[index], ast.Constant):
+                names.add(node.args[index].value)
+    return names
+
+
+def test_nothing_emits_an_event_outside_the_list() -> None:
+    from deepserve.supervisor.watchdog import FAULT_KINDS
+
+    emitted = _emitted_event_names()
+    # the scan sees the supervisor, the node, the job executor and the actor
+    assert {"restarting", "killed", "evicted", "request_migrated", "fault_injected"} <= emitted
+    assert emitted <= EVENTS, sorted(emitted - EVENTS)
+    assert set(FAULT_KINDS) <= EVENTS  # the watchdog's kinds are logged as they are
 
 
 def test_unknown_event_raises(tmp_path: Path) -> None:

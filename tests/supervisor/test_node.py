@@ -16,6 +16,8 @@ from deepserve.ipc.sockets import free_port
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import NodeConfig, TESpec
 
+pytestmark = pytest.mark.slow  # starts process trees
+
 LONG = "def handler(request):\n    headers = request.headers\n    return headers\n" * 12
 TE_OPTIONS = {"max_num_batched_tokens": 256, "num_kv_blocks": 256}
 
@@ -23,10 +25,10 @@ TE_OPTIONS = {"max_num_batched_tokens": 256, "num_kv_blocks": 256}
 
 @pytest.fixture(scope="module")
 def node(tiny_model):
-    config = NodeConfig(model=str(tiny_model), served_model="tiny", port=free_port(),
-                        api_keys={"key-a": "tenant-a", "key-b": "tenant-b"},
-                        startup_timeout_s=120, te_timeout_s=5,
-                        tes=tuple(TESpec(f"te{i}", "colocated", TE_OPTIONS) for i in range(2)))
+    config = NodeConfig.build(model=str(tiny_model), served_model="tiny", port=free_port(),
+                              api_keys={"key-a": "tenant-a", "key-b": "tenant-b"},
+                              startup_timeout_s=120, te_timeout_s=5,
+                              tes=[TESpec(f"te{i}", "colocated", TE_OPTIONS) for i in range(2)])
     before = _shm()
     node = Node(config)
     node.start()
@@ -76,15 +78,33 @@ def test_repeated_prefix_is_routed_back_and_hits_the_cache(node):
     assert all(h >= 64 for h in hits), hits  # every repeat went to the TE holding the prefix
 
 
-def test_tenants_never_share_cached_tokens(node):
-    a, b = _client(node, "key-a"), _client(node, "key-b")
+@pytest.fixture
+def one_te_node(tiny_model):
+    """A node with a single TE: both tenants' requests must land on it, so only
+    the salt can keep tenant b off tenant a's blocks (with two TEs, b might
+    simply be routed to the TE that never saw the prompt)."""
+    config = NodeConfig.build(model=str(tiny_model), served_model="tiny", port=free_port(),
+                              api_keys={"key-a": "tenant-a", "key-b": "tenant-b"},
+                              startup_timeout_s=120, te_timeout_s=5,
+                              tes=[TESpec("te0", "colocated", TE_OPTIONS)])
+    node = Node(config)
+    node.start()
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+def test_tenants_never_share_cached_tokens(one_te_node):
+    a, b = _client(one_te_node, "key-a"), _client(one_te_node, "key-b")
     prompt = LONG + "tenant check"
     a.completions.create(model="tiny", prompt=prompt, max_tokens=2)
-    time.sleep(1.5)
     again = a.completions.create(model="tiny", prompt=prompt, max_tokens=2)
     other = b.completions.create(model="tiny", prompt=prompt, max_tokens=2)
-    assert again.usage.prompt_tokens_details.cached_tokens > 0
-    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    b_again = b.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the one TE caches
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # but not across tenants
+    assert b_again.usage.prompt_tokens_details.cached_tokens > 0  # b's own entries hit
 
 
 def test_disconnect_mid_stream_frees_the_kv_blocks(node):

@@ -14,6 +14,8 @@ from deepserve.supervisor.node_config import NodeConfig, TESpec
 from deepserve.ipc.sockets import free_port
 from tests.supervisor.test_node import _client, _metrics, _shm
 
+pytestmark = pytest.mark.slow  # starts process trees
+
 LONG = "def handler(request):\n    headers = request.headers\n    return headers\n" * 12
 SHORT = "Say hi"
 TE_OPTIONS = {"max_num_batched_tokens": 128, "num_kv_blocks": 128}
@@ -21,7 +23,7 @@ TE_OPTIONS = {"max_num_batched_tokens": 128, "num_kv_blocks": 128}
 
 @pytest.fixture(scope="module")
 def pd_node(tiny_model):
-    config = NodeConfig(
+    config = NodeConfig.build(
         model=str(tiny_model), served_model="tiny", port=free_port(), startup_timeout_s=120,
         te_timeout_s=5, pd_policy="threshold",
         pd_options={"min_prompt_len": 100, "max_decode_len": 10_000},  # long prompt: PD

@@ -18,6 +18,8 @@ from deepserve.supervisor.node_config import NodeConfig, SupervisorConfig, TESpe
 from deepserve.ipc.sockets import free_port
 from tests.supervisor.test_node import _client, _metrics, _shm
 
+pytestmark = pytest.mark.slow  # real process trees on the tiny model
+
 PROMPT = "def handler(request):\n    return request.headers\n"
 TE_OPTIONS = {"max_num_batched_tokens": 128, "num_kv_blocks": 128}
 SUP = SupervisorConfig(heartbeat_deadline_s=3.0, progress_deadline_s=3.0, startup_grace_s=60,
@@ -27,10 +29,10 @@ SUP = SupervisorConfig(heartbeat_deadline_s=3.0, progress_deadline_s=3.0, startu
 
 @pytest.fixture(scope="module")
 def node(tiny_model):
-    config = NodeConfig(model=str(tiny_model), served_model="tiny", port=free_port(),
-                        startup_timeout_s=120, te_timeout_s=5,
-                        supervisor=SUP,
-                        tes=tuple(TESpec(f"te{i}", "colocated", TE_OPTIONS) for i in range(2)))
+    config = NodeConfig.build(model=str(tiny_model), served_model="tiny", port=free_port(),
+                              startup_timeout_s=120, te_timeout_s=5,
+                              supervisor=SUP,
+                              tes=[TESpec(f"te{i}", "colocated", TE_OPTIONS) for i in range(2)])
     before = _shm()
     node = Node(config)
     node.start()
@@ -162,12 +164,12 @@ def test_crash_loop_gives_up_loudly(node):
 
 
 def test_gang_scheduling_evicts_lower_priority_tes(tiny_model):
-    config = NodeConfig(model=str(tiny_model), served_model="tiny", port=free_port(),
-                        startup_timeout_s=300, num_devices=2,
-                        tes=(TESpec("te0", "colocated", TE_OPTIONS, priority=0),
-                             TESpec("te1", "colocated", TE_OPTIONS, priority=0),
-                             TESpec("te2", "colocated", {**TE_OPTIONS, "tp": 2}, priority=1),
-                             TESpec("te3", "colocated", TE_OPTIONS, priority=0)))
+    config = NodeConfig.build(model=str(tiny_model), served_model="tiny", port=free_port(),
+                              startup_timeout_s=300, num_devices=2,
+                              tes=(TESpec("te0", "colocated", TE_OPTIONS, priority=0),
+                                   TESpec("te1", "colocated", TE_OPTIONS, priority=0),
+                                   TESpec("te2", "colocated", {**TE_OPTIONS, "tp": 2}, priority=1),
+                                   TESpec("te3", "colocated", TE_OPTIONS, priority=0)))
     node = Node(config)
     try:
         node.start()

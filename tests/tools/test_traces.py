@@ -1,5 +1,6 @@
-"""tools/traces.py generators and tools/bench_serve.py's summary, SSE parsing and
-replay loop (against a tiny fake OpenAI-compatible server on 127.0.0.1)."""
+"""tools/traces.py generators and tools/bench_serve.py's summary and replay loop
+(against a tiny fake OpenAI-compatible server on 127.0.0.1). Its SSE parser is
+the drill's: tests/drill/test_sse.py."""
 
 from __future__ import annotations
 
@@ -119,12 +120,12 @@ def test_parse_range():
 # -- bench_serve: summary -------------------------------------------------------------
 def test_percentile_interpolates_like_numpy():
     xs = list(range(100, 0, -1))  # 1..100, unsorted
-    assert bench.percentile(xs, 50) == 50.5
-    assert bench.percentile(xs, 90) == pytest.approx(90.1)
-    assert bench.percentile(xs, 99) == pytest.approx(99.01)
-    assert bench.percentile([3.0], 99) == 3.0
-    assert bench.percentile([], 50) is None
-    assert bench.percentile([1, 2], 0) == 1 and bench.percentile([1, 2], 100) == 2
+    assert bench.stats.percentile(xs, 50) == 50.5
+    assert bench.stats.percentile(xs, 90) == pytest.approx(90.1)
+    assert bench.stats.percentile(xs, 99) == pytest.approx(99.01)
+    assert bench.stats.percentile([3.0], 99) == 3.0
+    assert bench.stats.percentile([], 50) is None
+    assert bench.stats.percentile([1, 2], 0) == 1 and bench.stats.percentile([1, 2], 100) == 2
 
 
 def _result(ttft, e2e, completion, prompt, cached, itl=(), ok=True, error=None):
@@ -154,13 +155,6 @@ def test_summarize_exact():
     empty = bench.summarize([], 1.0)
     assert empty["cache_hit_rate"] is None and empty["ttft_ms"]["p50"] is None
     bench.format_table(empty)
-
-
-def test_sse_parser_across_chunk_boundaries():
-    p = bench.SSEParser()
-    assert p.feed(b"data: {\"a\"") == []
-    assert p.feed(b": 1}\r\n\r\n: comment\n\ndata:x\ndata: y\n") == ['{"a": 1}']
-    assert p.feed(b"\ndata: [DONE]\n\n") == ["x\ny", "[DONE]"]
 
 
 # -- bench_serve against a fake server --------------------------------------------------

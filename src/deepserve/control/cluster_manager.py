@@ -7,19 +7,23 @@ A TE is listed from TEUp until TEDown, or until it has sent no report for
 te_timeout_s (it hung or vanished). The TE list is published on every change
 and re-published every second, so a subscriber that joined late (ZeroMQ
 drops PUB messages sent before a SUB connects) catches up.
+
+`python -m deepserve.control.cluster_manager --conf RUN_DIR/node.json --role
+cluster-manager`: its sockets are the run's (cm, cm_pub), te_timeout_s is [node]'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 
+import msgspec
 import zmq
 
 from deepserve.actor import ActorLife
+from deepserve.config.child import ChildArgs, parse_child_args, print_config
+from deepserve.config.loading import read_run_config
 from deepserve.ipc.sockets import PubSocket, PullSocket
-from deepserve.supervisor.heartbeat import HeartbeatSender
 from deepserve.messages.control import TEDown, TEInfo, TEList, TEReport, TEUp, ToClusterManager
 
 log = logging.getLogger(__name__)
@@ -78,27 +82,35 @@ class ClusterManager:
         self.pub.close()
 
 
+class CMSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What the cluster manager takes from the node's resolved config."""
+
+    inbox: str
+    pub: str
+    te_timeout_s: float
+    """[node] te_timeout_s."""
+
+
+def load_settings(args: ChildArgs) -> CMSettings:
+    config, run = read_run_config(args.conf)
+    return CMSettings(inbox=run.cm, pub=run.cm_pub, te_timeout_s=config.node.te_timeout_s)
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="DeepServe cluster manager")
-    ap.add_argument("--inbox", required=True)
-    ap.add_argument("--pub", required=True)
-    ap.add_argument("--te-timeout", type=float, default=10.0)
-    ap.add_argument("--parent-pid", type=int, default=None)
-    args = ap.parse_args(argv)
+    args = parse_child_args(argv, "cluster-manager", "DeepServe cluster manager")
+    settings = load_settings(args)
+    if args.print_config:
+        return print_config(settings)
     life = ActorLife("cluster-manager", parent_pid=args.parent_pid)
     ctx = zmq.Context()
-    heartbeat = HeartbeatSender.from_env(ctx, "cluster-manager")
-    cm = ClusterManager(ctx, args.inbox, args.pub, args.te_timeout)
+    cm = ClusterManager(ctx, settings.inbox, settings.pub, settings.te_timeout_s)
     try:
-        while not life.should_stop():
-            if heartbeat is not None:
-                heartbeat.beat({"tes": len(cm.tes)}, False)
-            cm.step()
+        life.ready()
+        life.run(cm.step, lambda: {"tes": len(cm.tes)})
     finally:
         cm.close()
-        if heartbeat is not None:
-            heartbeat.close()
         ctx.term()
+        life.close()
 
 
 if __name__ == "__main__":

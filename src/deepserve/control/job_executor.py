@@ -15,29 +15,45 @@ prefill TE and orders the KV from it itself (messages/pd.py). Either way the
 output streams from one TE straight to the gateway; the JE only learns that
 the job ended (TEReport.finished of that TE), or that one of its TEs left
 the list, which fails it (and aborts the other task).
+
+`python -m deepserve.control.job_executor --conf RUN_DIR/node.json --role
+job-executor`: its sockets are the run's, [router] and [node] model /
+max_attempts come from the resolved config (load_settings).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
+import msgspec
 import zmq
 
 from deepserve.actor import ActorLife
+from deepserve.config.child import ChildArgs, parse_child_args, print_config
+from deepserve.config.loading import read_run_config
+from deepserve.config.node import RouterSection
 from deepserve.control.pd_policy import PDPolicy
 from deepserve.control.router import NoTEAvailable, Router
 from deepserve.errors import InvalidRequestError
 from deepserve.ipc.sockets import PullSocket, PushSocket, SubSocket
 from deepserve.messages.control import FromClusterManager, TEList, TEReport
 from deepserve.messages.engine import AbortRequest, RequestFailed, SubmitRequest
-from deepserve.supervisor.heartbeat import HeartbeatSender
 from deepserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 _IN = SubmitRequest | AbortRequest
+
+
+class EventSink(Protocol):
+    """A health-log event out (ActorLife.event in the process; a list in tests)."""
+
+    def __call__(self, event: str, **details) -> None: ...
+
+
+def _no_event(event: str, **details) -> None:
+    pass
 
 
 @dataclass
@@ -51,7 +67,7 @@ class Task:
 
 class JobExecutor:
     def __init__(self, ctx: zmq.Context, inbox: str, cm_pub: str, model: str, router: Router,
-                 pd_policy=None, max_attempts: int = 3, events=None):
+                 pd_policy=None, max_attempts: int = 3, events: EventSink = _no_event):
         self.ctx = ctx
         self.inbox = PullSocket(ctx, inbox, bind=True, type=_IN)
         self.cm = SubSocket(ctx, cm_pub, bind=False, type=FromClusterManager)
@@ -59,7 +75,7 @@ class JobExecutor:
         self.router = router
         self.pd_policy = pd_policy  # None: colocated unless only PD pairs exist
         self.max_attempts = max_attempts  # a request runs on at most this many TEs
-        self.events = events  # HeartbeatSender (health events to the supervisor), or None
+        self.events = events  # health events (request_migrated) to the supervisor
         self.num_migrated = 0
         self.te_sockets: dict[str, PushSocket] = {}
         self.te_addresses: dict[str, str] = {}
@@ -106,9 +122,8 @@ class JobExecutor:
             self.num_migrated += 1
             log.warning("request %s resumed on %s (attempt %d, %d tokens of context)",
                         msg.request_id, te_id, msg.attempt, len(ids))
-            if self.events is not None:
-                self.events.event("request_migrated", request_id=msg.request_id, te_id=te_id,
-                                  attempt=msg.attempt, prompt_tokens=len(ids))
+            self.events("request_migrated", request_id=msg.request_id, te_id=te_id,
+                        attempt=msg.attempt, prompt_tokens=len(ids))
 
     def _job_layout(self, ids: list[int]) -> str:
         """colocated or disaggregated: the policy's choice among what exists."""
@@ -177,42 +192,51 @@ class JobExecutor:
             sock.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="DeepServe job executor")
-    ap.add_argument("--inbox", required=True)
-    ap.add_argument("--cm-pub", required=True)
-    ap.add_argument("--model", required=True, help="model directory (its tokenizer)")
-    ap.add_argument("--policy", default="combined")
-    ap.add_argument("--balance-threshold", type=float, default=None)
-    ap.add_argument("--pd-policy", default=None,
-                    help="heatmap, threshold, colocated or disaggregated (Algorithm 1, step 1)")
-    ap.add_argument("--pd-options", default="{}", help="PDPolicy thresholds as JSON")
-    ap.add_argument("--pd-heatmap", default=None)
-    ap.add_argument("--pd-predictor", default=None)
-    ap.add_argument("--max-attempts", type=int, default=3,
-                    help="TEs a request may run on before it fails (resumes after a TE is lost)")
-    ap.add_argument("--parent-pid", type=int, default=None)
-    args = ap.parse_args(argv)
-    life = ActorLife("job-executor", parent_pid=args.parent_pid)
-    options = {} if args.balance_threshold is None else {"balance_threshold": args.balance_threshold}
+class JESettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What the job executor takes from the node's resolved config."""
+
+    inbox: str
+    cm_pub: str
+    model: str
+    """[node] model: the tokenizer of every request."""
+    max_attempts: int
+    """[node] max_attempts."""
+    router: RouterSection
+    """[router]: routing policy, PD policy and its files and thresholds."""
+
+
+def load_settings(args: ChildArgs) -> JESettings:
+    config, run = read_run_config(args.conf)
+    return JESettings(inbox=run.je, cm_pub=run.cm_pub, model=config.node.model,
+                      max_attempts=config.node.max_attempts, router=config.router)
+
+
+def build(ctx: zmq.Context, s: JESettings, events: EventSink = _no_event) -> JobExecutor:
+    r = s.router
+    options = {} if r.balance_threshold is None else {"balance_threshold": r.balance_threshold}
     pd_policy = None
-    if args.pd_policy is not None:
-        pd_policy = PDPolicy.from_files(args.pd_policy, args.pd_heatmap, args.pd_predictor,
-                                        **json.loads(args.pd_options))
+    if r.pd_policy is not None:
+        pd_policy = PDPolicy.from_files(r.pd_policy, r.pd_heatmap, r.pd_predictor,
+                                        **msgspec.structs.asdict(r.pd_options))
+    return JobExecutor(ctx, s.inbox, s.cm_pub, s.model, Router(r.policy, **options), pd_policy,
+                       s.max_attempts, events)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_child_args(argv, "job-executor", "DeepServe job executor")
+    settings = load_settings(args)
+    if args.print_config:
+        return print_config(settings)
+    life = ActorLife("job-executor", parent_pid=args.parent_pid)
     ctx = zmq.Context()
-    heartbeat = HeartbeatSender.from_env(ctx, "job-executor")
-    je = JobExecutor(ctx, args.inbox, args.cm_pub, args.model, Router(args.policy, **options),
-                     pd_policy, args.max_attempts, heartbeat)
+    je = build(ctx, settings, life.event)
     try:
-        while not life.should_stop():
-            if heartbeat is not None:
-                heartbeat.beat({"tasks": len(je.tasks), "migrated": je.num_migrated}, False)
-            je.step()
+        life.ready()
+        life.run(je.step, lambda: {"tasks": len(je.tasks), "migrated": je.num_migrated})
     finally:
         je.close()
-        if heartbeat is not None:
-            heartbeat.close()
         ctx.term()
+        life.close()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     TEList ──update_tes──> Router: TEs by id, their loads   ──route(prompt)──> te_id
     TEReport ──on_report──>   │ load_tokens, inserted/evicted block hashes
                               ▼
-                    GlobalPromptIndex: per TE, the block hashes it holds
+                    GlobalPromptIndex (prompt_index.py): per TE, the block hashes it holds
 
 Policies:
   round_robin  cycle over the TEs of the type, in TE-list order
@@ -28,12 +28,12 @@ adds them optimistically, the next report replaces the sum. Pure Python, no I/O.
 from __future__ import annotations
 
 import logging
-import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Sequence
 
 from deepserve.cache.block_hash import prompt_block_hashes
+from deepserve.control.prompt_index import GlobalPromptIndex
 from deepserve.messages.control import TEInfo, TEReport
 
 log = logging.getLogger(__name__)
@@ -43,114 +43,6 @@ POLICIES = ("round_robin", "load", "locality", "combined")
 
 class NoTEAvailable(RuntimeError):
     """No TE of the requested type is in the TE list."""
-
-
-class GlobalPromptIndex:
-    """Which KV blocks each TE holds, as sets of chained block hashes.
-
-    Because a block's hash chains every block before it (cache/block_hash.py),
-    "TE t holds the first k blocks of a prompt" is "the first k hashes of the
-    prompt are all in t's set": the per-TE sets are the global prompt tree.
-
-    Two kinds of entries per TE:
-      confirmed   reported by the TE (TEReport.inserted), until evicted
-      optimistic  noted when a prompt is routed there, so that a burst of
-                  equal prefixes sticks to one TE before its next report;
-                  promoted when reported, dropped after `optimistic_ttl_s`
-                  (the request may have been aborted before its prefill)
-    Memory bound: at most `max_hashes_per_te` entries per TE (8-byte ints in
-    dicts, ~100 B each: the default 262144 is ~25 MiB per TE, 4 M tokens at
-    block size 16). Past it the oldest optimistic entries go first, then the
-    oldest confirmed ones; a dropped entry only costs a missed locality hint.
-    """
-
-    def __init__(self, max_hashes_per_te: int = 1 << 18, optimistic_ttl_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic):
-        if max_hashes_per_te < 1:
-            raise ValueError(f"max_hashes_per_te must be >= 1, got {max_hashes_per_te}")
-        self.max_hashes_per_te = max_hashes_per_te
-        self.optimistic_ttl_s = optimistic_ttl_s
-        self.clock = clock
-        self._confirmed: dict[str, OrderedDict[int, None]] = {}
-        self._optimistic: dict[str, OrderedDict[int, float]] = {}  # hash -> time noted
-
-    def add_te(self, te_id: str) -> None:
-        self._confirmed.setdefault(te_id, OrderedDict())
-        self._optimistic.setdefault(te_id, OrderedDict())
-
-    def remove_te(self, te_id: str) -> None:
-        self._confirmed.pop(te_id, None)
-        self._optimistic.pop(te_id, None)
-
-    def has_te(self, te_id: str) -> bool:
-        return te_id in self._confirmed
-
-    def num_hashes(self, te_id: str) -> int:
-        return len(self._confirmed[te_id]) + len(self._optimistic[te_id])
-
-    def apply(self, te_id: str, inserted: Iterable[int], evicted: Iterable[int]) -> None:
-        """Cache events of one report. Unknown TEs are ignored (a report can
-        overtake the TE list). In one TE's tree a hash alternates inserted /
-        evicted, so (#inserted - #evicted) of a hash within one report says
-        its state: +1 held, -1 gone, 0 as before."""
-        if te_id not in self._confirmed:
-            return
-        confirmed, optimistic = self._confirmed[te_id], self._optimistic[te_id]
-        net = Counter(inserted)
-        net.subtract(evicted)
-        for h, n in net.items():
-            if n > 0:
-                optimistic.pop(h, None)
-                confirmed[h] = None
-                confirmed.move_to_end(h)
-            elif n < 0:
-                optimistic.pop(h, None)
-                confirmed.pop(h, None)
-        self._bound(te_id)
-
-    def note_routed(self, te_id: str, hashes: Sequence[int]) -> None:
-        """Assume the TE will hold these blocks once it prefills the prompt."""
-        if te_id not in self._confirmed:
-            return
-        confirmed, optimistic = self._confirmed[te_id], self._optimistic[te_id]
-        now = self.clock()
-        for h in hashes:
-            if h in confirmed:
-                confirmed.move_to_end(h)
-            else:
-                optimistic[h] = now
-                optimistic.move_to_end(h)
-        self._bound(te_id)
-
-    def match(self, te_id: str, hashes: Sequence[int]) -> int:
-        """Number of leading hashes the TE holds (confirmed or optimistic)."""
-        if te_id not in self._confirmed:
-            return 0
-        self._expire(te_id)
-        confirmed, optimistic = self._confirmed[te_id], self._optimistic[te_id]
-        for i, h in enumerate(hashes):
-            if h not in confirmed and h not in optimistic:
-                return i
-        return len(hashes)
-
-    def _expire(self, te_id: str) -> None:
-        optimistic = self._optimistic[te_id]
-        deadline = self.clock() - self.optimistic_ttl_s
-        while optimistic:  # oldest first: insertion order is time order
-            h, noted = next(iter(optimistic.items()))
-            if noted > deadline:
-                break
-            optimistic.popitem(last=False)
-
-    def _bound(self, te_id: str) -> None:
-        confirmed, optimistic = self._confirmed[te_id], self._optimistic[te_id]
-        excess = len(confirmed) + len(optimistic) - self.max_hashes_per_te
-        while excess > 0 and optimistic:
-            optimistic.popitem(last=False)
-            excess -= 1
-        while excess > 0:
-            confirmed.popitem(last=False)
-            excess -= 1
 
 
 @dataclass(frozen=True)
@@ -167,9 +59,9 @@ class Router:
     """Chooses a TE per task; fed by the cluster manager's TEList / TEReport.
 
     balance_threshold (tokens) and balance_ratio: see "Balanced" in the module doc.
-    block_size: the platform's default KV block size (prompt_hashes()); a TE
-    whose TEInfo names another block size is matched with its own, since the
-    hashes of different block sizes never compare.
+    block_size: the platform's default KV block size. Each TE is matched at
+    the block size its TEInfo names, since the hashes of different block
+    sizes never compare.
     """
 
     def __init__(self, policy: str = "combined", balance_threshold: float = 2048.0,
@@ -253,10 +145,6 @@ class Router:
 
     def is_balanced(self, loads: Sequence[int]) -> bool:
         return max(loads) - min(loads) <= self.balance_limit(loads)
-
-    def prompt_hashes(self, prompt_token_ids: Sequence[int], salt: str | None = None) -> list[int]:
-        """The prompt's block hashes at the router's default block size."""
-        return prompt_block_hashes(prompt_token_ids, self.block_size, salt)
 
     def _combined(self, candidates: list[TEInfo], hashes: "_HashCache") -> RouteDecision:
         loads = [self.loads[t.te_id] for t in candidates]

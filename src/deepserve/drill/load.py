@@ -1,17 +1,15 @@
 """Load for fault-injection drills: streaming /v1/completions, every request accounted.
 
     LoadDriver ── `concurrency` workers, each: POST /v1/completions (stream, logprobs 1,
-                  temperature 0) ──SSE──> RequestRecord (token ids, text, finish, error)
+                  temperature 0) ──SSE──> stream.read_stream ──> RequestRecord
                └─ reference(): each prompt once, sequentially, before any fault
 
-Token ids come from the logprob token strings, which the gateway renders as
-"token_id:<id>" (gateway/responses.py), so a stream can be compared token by
-token with its prompt's greedy reference (drill/report.py).
-
-Every request is bounded by the driver itself: `request_timeout_s` after it
-started plus `deadline_margin_s`, connect and response headers included. One
-that has not ended by then is abandoned and counted "lost"; so `run` always
-returns, at most that bound after it stops starting new requests.
+How a stream is read and judged (token ids, errors) is stream.py; this module
+only starts requests and bounds them. Every request is bounded by the driver
+itself: `request_timeout_s` after it started plus `deadline_margin_s`, connect
+and response headers included. One that has not ended by then is abandoned
+and counted "lost"; so `run` always returns, at most that bound after it stops
+starting new requests.
 
 Times (start, first_token, end, and `t` of first_success_after) are Unix epoch
 seconds (time.time()), so they compare with the health log's ISO times
@@ -23,67 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import time
-from dataclasses import dataclass, field
 
 import httpx
 
-COMPLETED, FAILED, LOST = "completed", "failed", "lost"
-TOKEN_PREFIX = "token_id:"
+from deepserve.drill.stream import (COMPLETED, CONNECTION_ERROR, FAILED, INCOMPLETE_STREAM,
+                                    LOST, RequestRecord, StreamFailure, first_success_after,
+                                    now, read_stream)
+
+__all__ = ["COMPLETED", "FAILED", "LOST", "LoadDriver", "RequestRecord", "first_success_after",
+           "now", "run_load"]
+
 DEFAULT_DEADLINE_MARGIN_S = 5.0
-MAX_ERROR_BODY_BYTES = 64 * 1024
-
-# error_type of failures the driver saw itself (the others are the server's OpenAI error type)
-CONNECTION_ERROR = "connection_error"  # refused, reset, closed mid-stream
-PROTOCOL_ERROR = "protocol_error"      # not SSE / JSON / "token_id:N" as the gateway sends
-INCOMPLETE_STREAM = "incomplete_stream"  # ended cleanly but without a finish_reason
-HTTP_ERROR = "http_error"              # non-200 without an OpenAI error body
-
-now = time.time
-"""The clock of every RequestRecord time (Unix epoch seconds)."""
-
-
-@dataclass
-class RequestRecord:
-    """One request of a drill and how it ended.
-
-    status: "completed" (a finish_reason, no error), "failed" (ended with an
-    error the client saw: HTTP status != 200, an error event in the stream, a
-    broken connection, a stream without finish), "lost" (no end before the
-    driver's deadline; end stays None). For failed ones, error_type is the
-    OpenAI error's type (e.g. "service_unavailable", "timeout") or one of the
-    driver's own (connection_error, protocol_error, incomplete_stream,
-    http_error), error its message.
-    """
-
-    id: int
-    prompt_index: int
-    max_tokens: int
-    start: float
-    first_token: float | None = None
-    end: float | None = None
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    status: str | None = None
-    error: str | None = None
-    error_type: str | None = None
-    error_code: str | None = None
-    http_status: int | None = None
-    response_id: str | None = None
-    usage: dict | None = None
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-class _Failure(Exception):
-    def __init__(self, error_type: str, message: str, code: str | None = None):
-        super().__init__(message)
-        self.error_type = error_type
-        self.message = message
-        self.code = code
 
 
 class LoadDriver:
@@ -214,6 +162,17 @@ class LoadDriver:
     def reference_sync(self, prompts: list[str] | None = None) -> dict[int, list[int]]:
         return asyncio.run(self.reference(prompts))
 
+    def send_sync(self, prompt: str) -> RequestRecord:
+        """One request of `prompt` (the load's body), outside any run, e.g. a
+        cache probe; its record is not among `records`."""
+        async def one() -> RequestRecord:
+            record = RequestRecord(id=-1, prompt_index=-1, max_tokens=self.max_tokens,
+                                   start=now())
+            async with self._client() as client:
+                await self._request(client, record, prompt)
+            return record
+        return asyncio.run(one())
+
     def _client(self) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         # httpx's own timeouts are a backstop; the deadline in _request is the bound.
@@ -235,7 +194,7 @@ class LoadDriver:
             record.status = LOST
             record.end = None
             return
-        except _Failure as exc:
+        except StreamFailure as exc:
             record.error_type, record.error = exc.error_type, exc.message
             record.error_code = exc.code
         except httpx.TransportError as exc:
@@ -249,92 +208,7 @@ class LoadDriver:
 
     async def _stream(self, client: httpx.AsyncClient, record: RequestRecord, body: dict) -> None:
         async with client.stream("POST", "/v1/completions", json=body) as response:
-            record.http_status = response.status_code
-            if response.status_code != 200:
-                raise await _http_failure(response)
-            async for data in _sse_data(response):
-                if data == "[DONE]":
-                    return
-                try:
-                    chunk = json.loads(data)
-                except ValueError:
-                    raise _Failure(PROTOCOL_ERROR, f"not JSON: {data[:200]!r}") from None
-                if not isinstance(chunk, dict):
-                    raise _Failure(PROTOCOL_ERROR, f"not a JSON object: {data[:200]!r}")
-                if "error" in chunk:
-                    raise _error_failure(chunk)
-                _add_chunk(record, chunk)
-
-
-async def _sse_data(response: httpx.Response):
-    """The data of each server-sent event (multi-line data joined by newlines)."""
-    lines: list[str] = []
-    async for line in response.aiter_lines():
-        if line == "":
-            if lines:
-                yield "\n".join(lines)
-                lines = []
-        elif line.startswith("data:"):
-            value = line[5:]
-            lines.append(value[1:] if value.startswith(" ") else value)
-        # comments (":"), event:, id:, retry: carry nothing the driver needs
-    if lines:
-        yield "\n".join(lines)
-
-
-def _add_chunk(record: RequestRecord, chunk: dict) -> None:
-    record.response_id = record.response_id or chunk.get("id")
-    if chunk.get("usage"):
-        record.usage = chunk["usage"]
-    for choice in chunk.get("choices") or ():
-        tokens = (choice.get("logprobs") or {}).get("tokens") or []
-        try:
-            ids = [int(t[len(TOKEN_PREFIX):]) for t in tokens if t.startswith(TOKEN_PREFIX)]
-        except (TypeError, ValueError, AttributeError):
-            ids = None
-        if ids is None or len(ids) != len(tokens):
-            raise _Failure(PROTOCOL_ERROR, f"logprob tokens are not {TOKEN_PREFIX}N: "
-                                           f"{tokens[:5]!r}")
-        if (ids or choice.get("text")) and record.first_token is None:
-            record.first_token = now()
-        record.token_ids.extend(ids)
-        record.text += choice.get("text") or ""
-        if choice.get("finish_reason") is not None:
-            record.finish_reason = choice["finish_reason"]
-
-
-def _error_failure(body) -> _Failure:
-    error = body.get("error") if isinstance(body, dict) else None
-    if isinstance(error, dict):
-        return _Failure(str(error.get("type") or "error"), str(error.get("message") or ""),
-                        error.get("code"))
-    return _Failure("error", str(error))
-
-
-async def _http_failure(response: httpx.Response) -> _Failure:
-    raw = b""
-    async for part in response.aiter_bytes():
-        raw += part
-        if len(raw) >= MAX_ERROR_BODY_BYTES:
-            break
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and "error" in body:
-        return _error_failure(body)
-    text = raw[:200].decode(errors="replace")
-    return _Failure(HTTP_ERROR, f"HTTP {response.status_code}: {text}")
-
-
-def first_success_after(records: list[RequestRecord], t: float) -> float | None:
-    """The earliest first-token time of a completed request that started after
-    `t` (epoch seconds; a completed request without tokens counts by its end
-    time); None if there is none. The drill's "recovered at"."""
-    times = [r.first_token if r.first_token is not None else r.end
-             for r in records if r.status == COMPLETED and r.start > t]
-    times = [x for x in times if x is not None]
-    return min(times, default=None)
+            await read_stream(response, record)
 
 
 def run_load(url: str, model: str, *, prompts: list[str], duration_s: float | None = None,

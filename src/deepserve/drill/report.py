@@ -2,11 +2,13 @@
 
     {"scenario": str, "sent": int, "completed": int, "failed": int, "lost": int,
      "bad_streams": int, "deadline_s": float | null, "detect_s": float | null,
-     "recover_s": float | null}
+     "recover_s": float | null, "fault_proven": bool | null, "proof": str | null}
 
 Exactly these keys are written (KEYS); anything else the builder knows stays
 in `DrillReport.details`, which is never written. sent = completed + failed +
 lost (a partition by RequestRecord.status); bad_streams counts across them.
+fault_proven: whether the fault showed it took effect (drill/proof.py; null
+when not judged), proof: its evidence, or why it is missing.
 
 A stream is bad when its token ids contradict its prompt's greedy reference:
 - any record (completed, failed or lost) whose ids are not a prefix of the
@@ -16,7 +18,7 @@ A stream is bad when its token ids contradict its prompt's greedy reference:
   when the stream reported usage, completion_tokens == number of ids.
 A failed (or lost) record whose partial ids are a correct prefix is not bad.
 
-ok = no lost request and no bad stream.
+ok = no lost request, no bad stream, and the fault not unproven.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deepserve.drill.load import COMPLETED, FAILED, LOST, RequestRecord
+from deepserve.drill.stream import COMPLETED, FAILED, LOST, RequestRecord
 
 KEYS = ("scenario", "sent", "completed", "failed", "lost", "bad_streams", "deadline_s",
-        "detect_s", "recover_s")
+        "detect_s", "recover_s", "fault_proven", "proof")
 
 
 @dataclass
@@ -42,12 +44,14 @@ class DrillReport:
     deadline_s: float | None
     detect_s: float | None
     recover_s: float | None
+    fault_proven: bool | None = None
+    proof: str | None = None
     details: dict = field(default_factory=dict, repr=False, compare=False)
     """Not written: bad stream ids and why, failures by error type, lost ids."""
 
     @property
     def ok(self) -> bool:
-        return self.lost == 0 and self.bad_streams == 0
+        return self.lost == 0 and self.bad_streams == 0 and self.fault_proven is not False
 
     def to_dict(self) -> dict:
         return {key: getattr(self, key) for key in KEYS}
@@ -66,6 +70,8 @@ class DrillReport:
             why.append(f"{self.lost} lost")
         if self.bad_streams:
             why.append(f"{self.bad_streams} bad stream(s)")
+        if self.fault_proven is False:
+            why.append(f"fault not proven: {self.proof}")
         verdict = "PASS" if self.ok else f"FAIL ({', '.join(why)})"
         lines.append(f"{'verdict':<{width}}{verdict}")
         return "\n".join(lines)
@@ -74,6 +80,8 @@ class DrillReport:
 def _fmt(key: str, value) -> str:
     if value is None:
         return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
     if key.endswith("_s"):
         return f"{value:.3f} s"
     return str(value)
@@ -107,9 +115,11 @@ def _delta(at: float | None, fault_at: float | None) -> float | None:
 
 def build_report(scenario: str, records: list[RequestRecord], reference: dict[int, list[int]],
                  deadline_s: float | None, fault_at: float | None, detected_at: float | None,
-                 recovered_at: float | None) -> DrillReport:
+                 recovered_at: float | None, fault_proven: bool | None = None,
+                 proof: str | None = None) -> DrillReport:
     """The report of one drill. Times are on the records' clock (epoch seconds);
     detect_s / recover_s are None when fault_at or the event is unknown.
+    fault_proven / proof: drill/proof.py's verdict (None: not judged).
     Raises ValueError if a record's prompt has no reference."""
     missing = sorted({r.prompt_index for r in records} - set(reference))
     if missing:
@@ -132,4 +142,5 @@ def build_report(scenario: str, records: list[RequestRecord], reference: dict[in
     return DrillReport(scenario=scenario, sent=len(records), completed=by_status[COMPLETED],
                        failed=by_status[FAILED], lost=by_status[LOST], bad_streams=len(bad),
                        deadline_s=deadline_s, detect_s=_delta(detected_at, fault_at),
-                       recover_s=_delta(recovered_at, fault_at), details=details)
+                       recover_s=_delta(recovered_at, fault_at), fault_proven=fault_proven,
+                       proof=proof, details=details)

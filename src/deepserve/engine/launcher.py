@@ -1,8 +1,8 @@
 """TELauncher: start one TE's processes, watch them, stop them.
 
     launcher (the caller's process)
-    ├─ tokenizer      tokenizer_main
-    ├─ master         master_main
+    ├─ tokenizer      tokenizer_main   binds the TE's inbox
+    ├─ master         master_main      binds pd_address(inbox) for peer masters
     └─ worker 0..tp-1 worker_main (SPMD)
 
 Children are forked from a forkserver that preloaded torch and the actors'
@@ -32,6 +32,7 @@ from deepserve.engine.tokenizer_actor import TokenizerSpec, tokenizer_main
 from deepserve.errors import EngineDeadError
 from deepserve.ipc.segments import list_segments, segment_name, unlink_segment
 from deepserve.ipc.sockets import free_port, ipc_address
+from deepserve.messages.pd import pd_address
 from deepserve.model.config import load_model_config
 from deepserve.worker.model_runner import ModelRunner
 from deepserve.worker.worker_actor import WorkerSpec, worker_main
@@ -52,7 +53,8 @@ class _Child:
 
 class TELauncher:
     """te_id / inbox_address / report_address: set when the TE serves a node
-    (its tokenizer listens at inbox_address; its master reports to the CM)."""
+    (its tokenizer listens at inbox_address, its master at pd_address(inbox)
+    for other TEs' masters; its master reports to the CM)."""
 
     def __init__(self, config: EngineConfig, te_id: str = "te", inbox_address: str | None = None,
                  report_address: str | None = None, run_id: str | None = None):
@@ -66,6 +68,7 @@ class TELauncher:
                         for name in ("client", "tokenizer", "master", "steps", "ring")}
         if inbox_address is not None:
             self.address["tokenizer"] = inbox_address
+        self.address["pd"] = pd_address(self.address["tokenizer"])
         self.te_id, self.report_address = te_id, report_address
         self.children: list[_Child] = []
         # forkserver: the children fork from one process that has imported torch
@@ -152,8 +155,8 @@ class TELauncher:
     def _master_spec(self) -> MasterSpec:
         a = self.address
         return MasterSpec(self.config, segment_name(self.run_id, "steps"), a["ring"],
-                          a["master"], a["steps"], a["tokenizer"], a["client"], self.te_id,
-                          self.report_address)
+                          a["master"], a["steps"], a["tokenizer"], a["client"], a["pd"],
+                          self.te_id, self.report_address)
 
     def _worker_spec(self, rank: int, init_method: str) -> WorkerSpec:
         return WorkerSpec(self.run_id, rank, self.config, segment_name(self.run_id, "steps"),

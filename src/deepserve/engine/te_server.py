@@ -1,4 +1,5 @@
-"""A TE serving a node: `python -m deepserve.engine.te_server ...`.
+"""A TE serving a node: `python -m deepserve.engine.te_server --conf RUN_DIR/node.json
+--role te --te-id te0 --run-id ID`.
 
     JE ──SubmitRequest──> [inbox: this TE's tokenizer] ... (a TELauncher's processes)
     this process ──TEUp / TEDown──> cluster manager;  its master ──TEReport──> CM
@@ -7,23 +8,24 @@ It starts the TE's processes, serves one warm-up request through them (a
 TE joins the TE list only once it has served), announces the TE, and
 watches them: when one dies it announces TEDown, stops the rest and exits
 non-zero (the node's supervisor restarts it). SIGTERM stops it cleanly; so
-does its parent's death.
+does its parent's death. Its engine options are [node] model + its [[te]]
+table; its addresses are the run's (load_settings).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
-import os
 import time
 
+import msgspec
 import zmq
 
 from deepserve.actor import ActorLife
-from deepserve.config import EngineConfig
+from deepserve.config.child import ChildArgs, parse_child_args, print_config
+from deepserve.config.engine import EngineConfig
+from deepserve.config.loading import read_run_config
 from deepserve.engine.launcher import TELauncher
-from deepserve.drill.hooks import FaultHooks
 from deepserve.ipc.sockets import PullSocket, PushSocket, ipc_address
 from deepserve.messages.control import TEDown, TEInfo, TEUp
 from deepserve.messages.engine import RequestDelta, RequestFailed, SubmitRequest, ToClient
@@ -33,49 +35,99 @@ log = logging.getLogger(__name__)
 TEUP_INTERVAL_S = 2.0
 
 
-def serve(config: EngineConfig, te_id: str, inbox: str, cm_address: str, te_type: str,
-          served_model: str, parent_pid: int | None, run_id: str | None = None) -> int:
-    life = ActorLife(f"te-{te_id}", parent_pid=parent_pid)
-    hooks = FaultHooks.from_env(te_id)
-    if hooks is not None and hooks.active("crash") is not None:
-        raise SystemExit(f"drill: TE {te_id} crashes at start")
-    launcher = TELauncher(dataclasses.replace(config, processes=True), te_id, inbox, cm_address,
-                          run_id)
+class TESettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What one TE server takes from the node's resolved config."""
+
+    te_id: str
+    te_type: str
+    """[[te]] type."""
+    inbox: str
+    """The run's address for this TE (its tokenizer binds it)."""
+    cm: str
+    """The cluster manager's inbox."""
+    served_model: str
+    """[node] served_model, announced in TEUp."""
+    engine: EngineConfig
+    """[node] model + the [[te]] table's engine options (processes=True)."""
+    run_id: str | None = None
+
+
+def load_settings(args: ChildArgs) -> TESettings:
+    config, run = read_run_config(args.conf)
+    te = next((te for te in config.tes if te.te_id == args.te_id), None)
+    if te is None:
+        raise SystemExit(f"{args.conf}: no TE {args.te_id!r}; "
+                         f"it has {[t.te_id for t in config.tes]}")
+    return TESettings(te_id=te.te_id, te_type=te.te_type, inbox=run.tes[te.te_id], cm=run.cm,
+                      served_model=config.node.served_model,
+                      engine=te.engine_config(config.node.model), run_id=args.run_id)
+
+
+def serve(s: TESettings, parent_pid: int | None) -> int:
+    """Start the TE, warm it up, announce it, watch it; the exit status."""
+    life = ActorLife(f"te-{s.te_id}", parent_pid=parent_pid, component=s.te_id)
+    if life.faults.active("crash") is not None:
+        life.close()
+        raise SystemExit(f"drill: TE {s.te_id} crashes at start")
+    launcher = TELauncher(dataclasses.replace(s.engine, processes=True), s.te_id, s.inbox, s.cm,
+                          s.run_id)
     ctx = zmq.Context()
-    to_cm = PushSocket(ctx, cm_address, bind=False)
-    sink = PullSocket(ctx, launcher.address["client"], bind=True, type=ToClient)
-    status = 0
+    host = _Host(s, launcher, ctx)
     try:
         launcher.start()
         _warm_up(ctx, launcher, life)
-        up = TEUp(info=TEInfo(te_id=te_id, te_type=te_type, model=served_model, address=inbox,
-                              num_devices=config.tp, block_size=launcher.config.block_size))
-        last_up = 0.0
-        while not life.should_stop():
-            if time.monotonic() - last_up > TEUP_INTERVAL_S:  # a restarted CM hears it again
-                try:
-                    to_cm.put(up, timeout=1.0)
-                except TimeoutError:
-                    pass
-                last_up = time.monotonic()
-            if launcher.dead():
-                log.error("TE %s lost a process: %s", te_id, launcher.dead())
-                status = 1
-                break
-            sink.drain()  # failures the master sends its own caller: the JE hears of them via the CM
-            time.sleep(0.2)
+        life.ready()
+        life.run(host.step, host.progress)
     finally:
-        reason = "shutdown" if status == 0 else f"process died: {launcher.dead()}"
+        host.close()
+        ctx.term()
+        life.close()
+    return host.status
+
+
+class _Host:
+    """The serve loop's state: announce the TE, watch its processes."""
+
+    def __init__(self, s: TESettings, launcher: TELauncher, ctx: zmq.Context):
+        self.launcher, self.te_id = launcher, s.te_id
+        self.to_cm = PushSocket(ctx, s.cm, bind=False)
+        self.sink = PullSocket(ctx, launcher.address["client"], bind=True, type=ToClient)
+        self.up = TEUp(info=TEInfo(te_id=s.te_id, te_type=s.te_type, model=s.served_model,
+                                   address=s.inbox, num_devices=s.engine.tp,
+                                   block_size=launcher.config.block_size))
+        self.last_up = 0.0
+        self.num_announced = 0
+        self.status = 0
+
+    def progress(self) -> dict[str, int]:
+        return {"announced": self.num_announced}
+
+    def step(self) -> bool:
+        if time.monotonic() - self.last_up > TEUP_INTERVAL_S:  # a restarted CM hears it again
+            try:
+                self.to_cm.put(self.up, timeout=1.0)
+                self.num_announced += 1
+            except TimeoutError:
+                pass
+            self.last_up = time.monotonic()
+        if self.launcher.dead():
+            log.error("TE %s lost a process: %s", self.te_id, self.launcher.dead())
+            self.status = 1
+            return False
+        self.sink.drain()  # failures the master sends its own caller: the JE hears via the CM
+        time.sleep(0.2)
+        return True
+
+    def close(self) -> None:
+        reason = "shutdown" if self.status == 0 else f"process died: {self.launcher.dead()}"
         try:
-            to_cm.put(TEDown(te_id=te_id, reason=reason), timeout=1.0)
+            self.to_cm.put(TEDown(te_id=self.te_id, reason=reason), timeout=1.0)
         except TimeoutError:
             pass  # the cluster manager is gone (node shutting down)
-        launcher.shutdown()
+        self.launcher.shutdown()
         time.sleep(0.05)  # let TEDown leave before the context closes
-        sink.close()
-        to_cm.close()
-        ctx.term()
-    return status
+        self.sink.close()
+        self.to_cm.close()
 
 
 def _warm_up(ctx: zmq.Context, launcher: TELauncher, life: ActorLife,
@@ -107,24 +159,11 @@ def _warm_up(ctx: zmq.Context, launcher: TELauncher, life: ActorLife,
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--te-id", required=True)
-    ap.add_argument("--inbox", required=True, help="ipc:// address the tokenizer binds")
-    ap.add_argument("--cm", required=True, help="the cluster manager's inbox address")
-    ap.add_argument("--te-type", default="colocated")
-    ap.add_argument("--served-model", default=None)
-    ap.add_argument("--parent-pid", type=int, default=None)
-    ap.add_argument("--run-id", default=None,
-                    help="names this TE's shared memory (the supervisor sweeps it after a kill)")
-    ap.add_argument("--options", default="{}", help="engine options as JSON")
-    args = ap.parse_args(argv)
-    import json
-    options = {**json.loads(args.options), "processes": True}
-    config = EngineConfig.from_options(args.model, **options)
-    raise SystemExit(serve(config, args.te_id, args.inbox, args.cm, args.te_type,
-                           args.served_model or os.path.basename(args.model), args.parent_pid,
-                           args.run_id))
+    args = parse_child_args(argv, "te", __doc__.split("\n\n")[0])
+    settings = load_settings(args)
+    if args.print_config:
+        return print_config(settings)
+    raise SystemExit(serve(settings, args.parent_pid))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """The TE's tokenizer / detokenizer process: no text work on the master's loop.
 
-    client ──SubmitRequest/AbortRequest──> [PULL] ──AddRequest/FinishRequest──> master
-    master ──StepTokens──────────────────> [PULL] ──RequestDelta──> client (streaming shortcut)
+    client ──SubmitRequest/AbortRequest──> [inbox PULL] ──AddRequest/FinishRequest──> master
+    master ──StepTokens/FailRequest──────> [inbox PULL] ──RequestDelta/RequestFailed──> client
+                                                          (the streaming shortcut)
 
-A request is validated here, before it reaches the batch; a bad one is
+A request is validated here (step_core.check_request, the check the
+in-process engine runs too), before it reaches the batch; a bad one is
 answered with RequestFailed and never reaches the master. Stop strings are
 found here (on text), so this process also tells the master to stop them.
+PD messages between TEs go master to master (messages/pd.py), not through here.
 """
 
 from __future__ import annotations
@@ -19,16 +22,15 @@ import zmq
 from deepserve.actor import ActorLife
 from deepserve.config import EngineConfig
 from deepserve.engine.output_processor import RequestState
-from deepserve.engine.request_checks import check_prompt_ids
+from deepserve.engine.step_core import check_request
 from deepserve.tokenizer import Tokenizer
 from deepserve.errors import InvalidRequestError, PromptTooLongError
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.engine import (AbortRequest, AddRequest, FinishRequest, GetStats,
                                        NewTokens, RequestDelta, RequestFailed, StepTokens,
                                        SubmitRequest, ToTokenizer)
-from deepserve.messages.pd import FailRequest, KVAck, KVReady, PrefillOrder
+from deepserve.messages.pd import FailRequest
 from deepserve.model.config import load_model_config
-from deepserve.supervisor.heartbeat import HeartbeatSender
 
 log = logging.getLogger(__name__)
 
@@ -43,32 +45,24 @@ class TokenizerSpec:
 
 
 def tokenizer_main(spec: TokenizerSpec, death_pipe: Connection, ready_pipe: Connection) -> None:
-    life = ActorLife("tokenizer", death_pipe)
+    life = ActorLife("tokenizer", death_pipe, component=f"{spec.te_id}/tokenizer")
     ctx = zmq.Context()
-    actor = heartbeat = None
+    actor = None
     try:
         actor = TokenizerActor(spec, ctx)
         ready_pipe.send(("ready", None))
-        heartbeat = HeartbeatSender.from_env(ctx, f"{spec.te_id}/tokenizer")
-        num_handled = 0
-        while not life.should_stop():
-            if heartbeat is not None:  # a pipeline stage: judged by liveness, not work
-                heartbeat.beat({"messages": num_handled}, holds_work=False)
-            try:
-                actor.handle(actor.inbox.get(timeout=0.2))
-                num_handled += 1
-            except TimeoutError:
-                continue
+        life.ready()
+        # A pipeline stage: judged by liveness, never hung (holds no work of its own).
+        life.run(actor.step, lambda: {"messages": actor.num_handled})
     except Exception as e:
         log.exception("tokenizer failed")
         ready_pipe.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1)
     finally:
         if actor is not None:
-            actor.close()
-        if heartbeat is not None:
-            heartbeat.close()  # every socket closed, or ctx.term() waits forever
+            actor.close()  # every socket closed, or ctx.term() waits forever
         ctx.term()
+        life.close()
 
 
 class TokenizerActor:
@@ -83,6 +77,16 @@ class TokenizerActor:
         self.reply_to: dict[str, str] = {}  # request id -> its caller's address
         self.attempts: dict[str, int] = {}  # request id -> attempt (resumed requests)
         self.states: dict[str, RequestState] = {}
+        self.num_handled = 0
+
+    def step(self) -> None:
+        """One message, or a 0.2 s wait (the life loop's bound)."""
+        try:
+            msg = self.inbox.get(timeout=0.2)
+        except TimeoutError:
+            return
+        self.handle(msg)
+        self.num_handled += 1
 
     def close(self) -> None:
         for sock in [self.inbox, self.to_master, *self.replies.values()]:
@@ -111,8 +115,8 @@ class TokenizerActor:
         elif isinstance(msg, StepTokens):
             for item in msg.items:
                 self._tokens(item)
-        elif isinstance(msg, (GetStats, PrefillOrder, KVReady, KVAck)):
-            self.to_master.put(msg)  # GetStats: behind every request sent before it
+        elif isinstance(msg, GetStats):
+            self.to_master.put(msg)  # behind every request sent before it
         elif isinstance(msg, FailRequest):
             if self.states.pop(msg.request_id, None) is not None:
                 self._reply(msg.request_id, RequestFailed(request_id=msg.request_id,
@@ -127,8 +131,7 @@ class TokenizerActor:
         try:
             prompt, ids = self.tokenizer.request_ids(msg.prompt, msg.prompt_token_ids,
                                                      msg.messages)
-            msg.sampling.validate(self.vocab_size)
-            check_prompt_ids(ids, self.vocab_size, self.config.max_model_len)
+            check_request(ids, msg.sampling, self.vocab_size, self.config.max_model_len)
             if msg.request_id in self.states:
                 raise InvalidRequestError(f"request id {msg.request_id!r} is in use", "request_id")
         except InvalidRequestError as e:

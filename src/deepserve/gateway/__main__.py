@@ -1,68 +1,68 @@
-"""`python -m deepserve.gateway --je ADDR --cm ADDR --reply ADDR [--port N] ...`
+"""`python -m deepserve.gateway --conf RUN_DIR/node.json --role gateway [--parent-pid PID]`
 
-API keys come from DEEPSERVE_API_KEYS="key1:tenantA,key2:tenantB" (never argv,
-where `ps` would show them).
+    uvicorn event loop ── HTTP handlers, JobClient receivers
+        └─ _live (a task on the same loop) ──Ready, Heartbeat (PUSH)──> supervisor
+                                           parent gone ──> server.should_exit
+
+Its config is the gateway's part of the node's resolved config
+(GatewayConfig.from_node): API keys come in that file (0600, in the run
+directory), never in argv where `ps` would show them.
+
+The heartbeat is sent from the event loop itself, so a stuck loop stops
+beating and the supervisor replaces the gateway. Its progress counter is the
+loop's own tick: a counter of replies would call a gateway hung whose
+requests merely wait in a busy TE's queue.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
+import asyncio
 import os
-import signal
-import threading
-import time
 
+import uvicorn
+
+from deepserve.actor import ActorLife
+from deepserve.config.child import ChildArgs, parse_child_args, print_config
+from deepserve.config.loading import read_run_config
 from deepserve.gateway.app import serve
 from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.generation import GatewayState
+
+BEAT_S = 0.25
+"""Seconds between the loop's checks (the heartbeat itself is rate-limited by ActorLife)."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m deepserve.gateway",
-                                description="DeepServe HTTP gateway (OpenAI API)")
-    p.add_argument("--je", required=True, help="job executor PULL address to push requests to")
-    p.add_argument("--cm", required=True, help="cluster manager PUB address to subscribe to")
-    p.add_argument("--reply", required=True, help="address to bind the reply PULL socket on")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default="deepserve", help="served model name")
-    p.add_argument("--max-open-requests", type=int, default=256)
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
-    p.add_argument("--max-prompt-chars", type=int, default=1_000_000)
-    p.add_argument("--default-max-tokens", type=int, default=16)
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--parent-pid", type=int, default=None,
-                   help="stop (SIGTERM to self) once this process is no longer the parent")
-    return p.parse_args(argv)
-
-
-def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    return GatewayConfig.from_env(
-        je_address=args.je, cm_address=args.cm, reply_address=args.reply, host=args.host,
-        port=args.port, served_model=args.model, max_open_requests=args.max_open_requests,
-        request_timeout_s=args.request_timeout, max_prompt_chars=args.max_prompt_chars,
-        default_max_tokens=args.default_max_tokens)
+def load_settings(args: ChildArgs) -> GatewayConfig:
+    config, _ = read_run_config(args.conf)
+    return GatewayConfig.from_node(config)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
-    if args.parent_pid is not None:
-        _watch_parent(args.parent_pid)
-    serve(config_from_args(args), log_level=args.log_level)
+    args = parse_child_args(argv, "gateway", "DeepServe HTTP gateway (OpenAI API)")
+    config = load_settings(args)
+    if args.print_config:
+        return print_config(config)
+    life = ActorLife("gateway", parent_pid=args.parent_pid, signals=False)  # uvicorn's signals
+    try:
+        serve(config, log_level=os.environ.get("DEEPSERVE_LOG_LEVEL", "warning").lower(),
+              background=lambda server, state: _live(life, server, state))
+    finally:
+        life.close()
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """uvicorn owns the main thread; a daemon thread turns the parent's death
-    into our own SIGTERM, which uvicorn handles as a clean shutdown."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+async def _live(life: ActorLife, server: uvicorn.Server, state: GatewayState) -> None:
+    """Ready once serving, then beat from the loop; ask uvicorn to exit once
+    the parent is gone (it then shuts down cleanly, as on SIGTERM)."""
+    while not server.started and not server.should_exit:
+        await asyncio.sleep(0.05)
+    life.ready(port=state.config.port)
+    num_ticks = 0
+    while not life.should_stop():
+        num_ticks += 1
+        open_requests = state.client.num_open_requests
+        life.beat({"ticks": num_ticks, "open_requests": open_requests}, open_requests > 0)
+        await asyncio.sleep(BEAT_S)
+    server.should_exit = True
 
 
 if __name__ == "__main__":

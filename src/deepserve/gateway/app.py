@@ -11,12 +11,14 @@ app's lifespan, on the server's event loop.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import signal
 import threading
 import time
 from contextlib import asynccontextmanager
+from typing import Awaitable, Callable
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -106,8 +108,10 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
-    """The gateway app; its lifespan opens and closes the ZeroMQ side."""
+def create_app(config: GatewayConfig,
+               background: Callable[[GatewayState], Awaitable[None]] | None = None) -> FastAPI:
+    """The gateway app; its lifespan opens and closes the ZeroMQ side, and
+    runs `background` (the heartbeat, gateway/__main__.py) on the server's loop."""
     gateway_metrics = GatewayMetrics()
     client = JobClient(config, gateway_metrics)
 
@@ -116,9 +120,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
         await client.start()
         logger.info("gateway up: JE %s, CM %s, replies on %s", config.je_address,
                     config.cm_address, config.reply_address)
+        task = asyncio.create_task(background(app.state.gateway)) if background else None
         try:
             yield
         finally:
+            if task is not None:
+                task.cancel()
             await client.close()
 
     app = FastAPI(title="DeepServe gateway", lifespan=lifespan)
@@ -130,10 +137,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
     return app
 
 
-def serve(config: GatewayConfig, log_level: str = "info") -> None:
-    """Run the gateway until SIGTERM / SIGINT; returns after a clean shutdown."""
+def serve(config: GatewayConfig, log_level: str = "info",
+          background: Callable[[uvicorn.Server, GatewayState], Awaitable[None]] | None = None
+          ) -> None:
+    """Run the gateway until SIGTERM / SIGINT (or `background` sets the
+    server's should_exit); returns after a clean shutdown."""
+    run_beside = (lambda state: background(server, state)) if background else None
     server = uvicorn.Server(uvicorn.Config(
-        create_app(config), host=config.host, port=config.port, log_level=log_level,
+        create_app(config, run_beside), host=config.host, port=config.port, log_level=log_level,
         lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     if threading.current_thread() is threading.main_thread():
         # uvicorn catches SIGTERM while it runs and raises it again once it has

@@ -1,4 +1,8 @@
-"""GatewayConfig: what one gateway process needs, frozen after construction."""
+"""GatewayConfig: what one gateway process needs, frozen after construction.
+
+In a node it is the gateway's part of the node's resolved config (from_node):
+[node] host / port / served_model, every [gateway] key, the run's addresses.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,10 @@ import os
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Mapping
+
+import msgspec
+
+from deepserve.config.node import NodeConfig
 
 API_KEYS_ENV = "DEEPSERVE_API_KEYS"
 
@@ -60,6 +68,14 @@ class GatewayConfig:
     @property
     def has_auth(self) -> bool:
         return bool(self.api_keys)
+
+    @classmethod
+    def from_node(cls, config: NodeConfig) -> "GatewayConfig":
+        """The gateway's part of a node's resolved config (its `run` set)."""
+        run, node = config.run, config.node
+        return cls(je_address=run.je, cm_address=run.cm_pub, reply_address=run.gw_reply,
+                   host=node.host, port=node.port, served_model=node.served_model,
+                   **msgspec.structs.asdict(config.gateway))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **kwargs) -> "GatewayConfig":

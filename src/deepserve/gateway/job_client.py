@@ -203,10 +203,6 @@ class JobClient:
         return [te for te, t in self._report_times.items() if now - t < REPORT_TTL_S]
 
     @property
-    def tes(self) -> dict[str, TEInfo]:
-        return dict(self._tes)
-
-    @property
     def reports(self) -> dict[str, TEReport]:
         return dict(self._reports)
 

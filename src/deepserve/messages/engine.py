@@ -6,14 +6,15 @@
       └──── ToClient ─────────┘   (text goes straight back: the streaming shortcut;
                                    the master and the launcher also report failures)
 
-Workers also send WorkerReady / WorkerFailed to the master.
+Workers also send WorkerReady / WorkerFailed to the master. Masters of
+different TEs talk PD (messages/pd.py) on a socket of their own.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from deepserve.messages.pd import FailRequest, KVAck, KVEndpoint, KVReady, KVSent, PrefillOrder
+from deepserve.messages.pd import FailRequest, KVEndpoint, KVSent
 from deepserve.messages.sampling import SamplingParams
 from deepserve.messages.step import StepOutput
 
@@ -66,7 +67,7 @@ class GetStats(msgspec.Struct, tag="get_stats", **_STRUCT):
     """Ask the master for its EngineStats (answered to the client)."""
 
 
-ToMaster = AddRequest | FinishRequest | GetStats | PrefillOrder | KVReady | KVAck
+ToMaster = AddRequest | FinishRequest | GetStats
 
 
 # -- master -> tokenizer ----------------------------------------------------
@@ -84,10 +85,9 @@ class StepTokens(msgspec.Struct, tag="tokens", **_STRUCT):
     items: list[NewTokens]
 
 
-# The tokenizer process binds one PULL socket: clients, its master and other
-# TEs' masters (PD messages, passed on to the master) push to it.
-ToTokenizer = (SubmitRequest | AbortRequest | StepTokens | GetStats | FailRequest
-               | PrefillOrder | KVReady | KVAck)
+# The tokenizer process binds one PULL socket (the TE's inbox): clients and
+# its master push to it.
+ToTokenizer = SubmitRequest | AbortRequest | StepTokens | GetStats | FailRequest
 
 
 # -- tokenizer / master / launcher -> client ----------------------------------
@@ -143,7 +143,6 @@ class StepDone(msgspec.Struct, tag="step_done", **_STRUCT):
 class WorkerReady(msgspec.Struct, tag="ready", **_STRUCT):
     rank: int
     pid: int
-    kv_segment: str
     kv_endpoint: KVEndpoint | None = None
 
 

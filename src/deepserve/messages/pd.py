@@ -2,11 +2,17 @@
 
     JE ──SubmitRequest(prefill_from=P's inbox)──> D tokenizer ──AddRequest──> D master
     D master: allocate blocks for the prompt (its own prefix-cache hits stay)
-    D master ──PrefillOrder──> P tokenizer ──> P master: prefill (max_tokens 1)
+    D master ──PrefillOrder──> [P master's PD socket]: prefill (max_tokens 1)
     P workers ══ DistFlow: P's blocks -> D's pool (after the forward, or layer by layer) ══
     P workers ──KVSent (each rank)──> P master
-    P master ──KVReady(first token | error)──> D tokenizer ──> D master: adopt, decode
-    D master ──KVAck──> P tokenizer ──> P master: free its copy
+    P master ──KVReady(first token | error)──> [D master's PD socket]: adopt, decode
+    D master ──KVAck──> [P master's PD socket]: free its copy
+
+Masters talk to each other directly: each binds a PULL socket for ToPeer at
+pd_address(its TE's inbox), so a TE is still named by one address (the
+inbox the JE knows) and no tokenizer relays PD messages. order_id names one
+PrefillOrder (one attempt of a request): a late KVReady or KVAck of an
+earlier attempt never touches a later one's blocks.
 
 The prefill TE also frees its copy when no KVAck comes within the transfer
 timeout (the decode TE died), so no KV stays pinned. The caller's stream
@@ -20,6 +26,20 @@ import msgspec
 from deepserve.messages.sampling import SamplingParams
 
 _STRUCT = dict(tag_field="kind", omit_defaults=True, kw_only=True)
+
+
+def pd_address(inbox: str) -> str:
+    """The address a TE's master takes peer PD messages at, from the TE's
+    inbox: ipc://DIR/te1.sock -> ipc://DIR/te1.pd.sock; tcp://H:P -> tcp://H:P+1."""
+    scheme, sep, rest = inbox.partition("://")
+    if scheme == "ipc" and sep:
+        stem = rest[:-len(".sock")] if rest.endswith(".sock") else rest
+        return f"ipc://{stem}.pd.sock"
+    if scheme == "tcp" and sep:
+        host, colon, port = rest.rpartition(":")
+        if colon and port.isdigit():
+            return f"tcp://{host}:{int(port) + 1}"
+    raise ValueError(f"no PD address for inbox {inbox!r} (ipc://PATH or tcp://HOST:PORT)")
 
 
 class KVEndpoint(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
@@ -37,6 +57,7 @@ class PrefillOrder(msgspec.Struct, tag="prefill_order", **_STRUCT):
     skip_blocks.. of it into dst_block_ids of my pool (one endpoint per rank)."""
 
     request_id: str
+    order_id: int = 0  # unique per decode master: KVReady and KVAck echo it
     prompt_token_ids: list[int]
     sampling: SamplingParams
     salt: str | None = None
@@ -44,7 +65,7 @@ class PrefillOrder(msgspec.Struct, tag="prefill_order", **_STRUCT):
     dst_block_ids: list[int]
     dst_te: str
     dst_endpoints: list[KVEndpoint]
-    reply_to: str  # the decode TE's inbox
+    reply_to: str  # the decode master's PD address
 
 
 class KVReady(msgspec.Struct, tag="kv_ready", **_STRUCT):
@@ -52,6 +73,7 @@ class KVReady(msgspec.Struct, tag="kv_ready", **_STRUCT):
     token is this one; or the prefill or the transfer failed (error set)."""
 
     request_id: str
+    order_id: int = 0
     token_id: int = -1
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
@@ -59,13 +81,17 @@ class KVReady(msgspec.Struct, tag="kv_ready", **_STRUCT):
     nbytes: int = 0
     seconds: float = 0.0
     error: str | None = None
-    reply_to: str = ""  # the prefill TE's inbox, for the KVAck
+    reply_to: str = ""  # the prefill master's PD address, for the KVAck
 
 
 class KVAck(msgspec.Struct, tag="kv_ack", **_STRUCT):
     """Decode TE -> prefill TE: done with your copy (adopted, or not wanted)."""
 
     request_id: str
+    order_id: int = 0
+
+
+ToPeer = PrefillOrder | KVReady | KVAck  # what a master's PD socket takes
 
 
 class FailRequest(msgspec.Struct, tag="fail_request", **_STRUCT):

@@ -5,12 +5,12 @@ manager that crash-loops stops the node."""
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 
 import click
 
+from deepserve.actor import ActorLife
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import load_node_config, with_port
 
@@ -18,7 +18,7 @@ _VITAL = ("gateway", "job-executor", "cluster-manager")
 
 
 def _usage(node: Node) -> str:
-    model = node.config.served_model
+    model = node.config.node.served_model
     return f"""DeepServe is up at {node.url}  ({len(node.config.tes)} TEs, model {model!r})
 
   curl {node.url}/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -34,32 +34,35 @@ Ctrl-C stops every process."""
 
 @click.command()
 @click.option("--conf", required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--host", default=None)
-@click.option("--port", default=None, type=int)
+@click.option("--host", default=None, help="overrides [node] host")
+@click.option("--port", default=None, type=int, help="overrides [node] port")
 def main(conf: str, host: str | None, port: int | None) -> None:
-    stop = {"requested": False}
-
-    def request_stop(signum, frame):
-        stop["requested"] = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    node = Node(with_port(load_node_config(conf), host, port))
-    node.start()
-    click.echo(_usage(node), err=False)
-    sys.stdout.flush()
-    status = 0
     try:
-        while not stop["requested"]:
-            failed = sorted(node.supervisor.failed & set(_VITAL))
-            if failed:  # restarted until it crash-looped
-                click.echo(f"node: {', '.join(failed)} failed for good; stopping", err=True)
-                status = 1
-                break
-            time.sleep(0.3)
+        config = with_port(load_node_config(conf), host, port)
+    except ValueError as e:  # names the file, the section and the key
+        raise click.UsageError(str(e)) from None
+    life = ActorLife("node")  # SIGTERM / SIGINT only set its flag
+    node = Node(config)
+    status = {"code": 0}
+
+    def watch() -> bool:
+        failed = sorted(node.supervisor.failed & set(_VITAL))
+        if failed:  # restarted until it crash-looped
+            click.echo(f"node: {', '.join(failed)} failed for good; stopping", err=True)
+            status["code"] = 1
+            return False
+        time.sleep(0.3)
+        return True
+
+    try:
+        node.start()
+        click.echo(_usage(node), err=False)
+        sys.stdout.flush()
+        life.run(watch, lambda: {})
     finally:
         node.stop()
-    raise SystemExit(status)
+        life.close()
+    raise SystemExit(status["code"])
 
 
 if __name__ == "__main__":

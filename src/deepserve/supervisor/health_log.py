@@ -40,6 +40,7 @@ SEVERITY: dict[str, str] = {
     "failed": ERROR,
     "evicted": WARNING,
     "request_migrated": WARNING,
+    "fault_injected": WARNING,
 }
 
 EVENTS: frozenset[str] = frozenset(SEVERITY)

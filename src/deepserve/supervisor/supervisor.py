@@ -1,23 +1,31 @@
 """The supervisor: watch a node's processes, replace what fails, log it all.
 
-    every watched process ──Heartbeat / Ready / HealthEvent──> [inbox PULL]
+    every watched process ──Heartbeat / Ready / HealthEvent──> [inbox PULL, bound]
                                                                     │
-    Popen.poll() of the node's children ──> exited?          Watchdog.check()
+    ProcessTable.poll() of every child ──> exited?           Watchdog.check()
                                   │                                 │ crashed, heartbeat_missed,
                                   └──────────────┬──────────────────┘ hung, oom
                                                  ▼
-      TE fault: TEDown to the CM at once (the JE resumes its requests elsewhere),
+      TE fault: TEDown to the CM [PUSH] at once (the JE resumes its requests elsewhere),
                 SIGKILL the faulty process, stop the TE's host and its children,
                 RestartPolicy: restart after a backoff, or give up (crash loop)
-      CM PUB ──TEList──> a restarted TE is back (it served its warm-up) ──> recovered
+      CM PUB ──TEList──> [SUB] a restarted TE is back (it served its warm-up) ──> recovered
                                                  ▼
                                      health.jsonl (HealthLog)
 
+It knows no node: it acts through a ProcessTable (start, stop, respawn,
+sweep, poll), writes a HealthLog, and is told which names are TEs and which
+node-level processes beat from their start (`watched`).
+
 The restart unit of a TE is the whole TE (host, tokenizer, master, workers):
 its processes share a KV pool and a step ring, so one of them alone cannot be
-replaced. A TE's internal processes are watched from their first heartbeat
-on; the host itself (te_server), the gateway and the control processes by
-their exit. One thread runs all of this (`run`), ticking every `tick_s`.
+replaced. A TE's internal processes ("te0/worker0") are watched from their
+first heartbeat on (a restarted TE's, once it is listed again: until then
+a late message of the old incarnation could not be told from a new one);
+the `watched` node-level processes (gateway, job executor, cluster manager)
+from their spawn, with the startup grace; every child of the table also by
+its exit. One thread runs all of this (`run`),
+ticking every `tick_s`.
 """
 
 from __future__ import annotations
@@ -28,20 +36,22 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Container, Iterable
 
 import zmq
 
 from deepserve.ipc.sockets import PullSocket, PushSocket, SubSocket
 from deepserve.messages.control import FromClusterManager, TEDown, TEList
 from deepserve.messages.health import HealthEvent, Heartbeat, Ready, ToSupervisor
-from deepserve.supervisor.restart_policy import GIVE_UP, RestartPolicy, terminate
+from deepserve.supervisor.health_log import EVENTS, HealthLog
+from deepserve.supervisor.process_table import ProcessTable
+from deepserve.supervisor.restart_policy import GIVE_UP, GONE, RestartPolicy
 from deepserve.supervisor.watchdog import ComponentSpec, Fault, Watchdog
 
-if TYPE_CHECKING:
-    from deepserve.supervisor.node import Node
-
 log = logging.getLogger(__name__)
+
+NODE_PROCESSES = ("job-executor", "cluster-manager", "gateway")
+"""The node-level processes that beat: watched from their spawn."""
 
 
 @dataclass
@@ -53,17 +63,24 @@ class _Incident:
 
 
 class Supervisor:
-    def __init__(self, node: "Node", tick_s: float = 0.1):
-        self.node, self.cfg, self.tick_s = node, node.config.supervisor, tick_s
+    """table: the children to watch and act on; tes: the names in it that are
+    TEs (anything with `in`; read at every fault); inbox: the address to bind
+    for heartbeats; cm_pub / cm: the cluster manager's PUB (TEList) and inbox
+    (TEDown); cfg: a SupervisorConfig (deadlines, restart budget, kill grace)."""
+
+    def __init__(self, table: ProcessTable, health: HealthLog, cfg, *, tes: Container[str],
+                 inbox: str, cm_pub: str, cm: str, watched: Iterable[str] = NODE_PROCESSES,
+                 tick_s: float = 0.1):
+        self.table, self.health, self.cfg, self.tick_s = table, health, cfg, tick_s
+        self.tes, self.watched = tes, tuple(watched)
         self.watchdog = Watchdog()
-        self.policy = RestartPolicy(self.cfg.restart_base_delay_s, self.cfg.restart_max_delay_s,
-                                    max_restarts=self.cfg.max_restarts,
-                                    window_s=self.cfg.restart_window_s)
+        self.policy = RestartPolicy(cfg.restart_base_delay_s, cfg.restart_max_delay_s,
+                                    max_restarts=cfg.max_restarts,
+                                    window_s=cfg.restart_window_s)
         self.ctx = zmq.Context()
-        self.inbox = PullSocket(self.ctx, node.address["hb"], bind=True, type=ToSupervisor)
-        self.cm_pub = SubSocket(self.ctx, node.address["cm-pub"], bind=False,
-                                type=FromClusterManager)
-        self.to_cm = PushSocket(self.ctx, node.address["cm"], bind=False)
+        self.inbox = PullSocket(self.ctx, inbox, bind=True, type=ToSupervisor)
+        self.cm_pub = SubSocket(self.ctx, cm_pub, bind=False, type=FromClusterManager)
+        self.to_cm = PushSocket(self.ctx, cm, bind=False)
         self.incidents: dict[str, _Incident] = {}  # component (a TE id or a process) ->
         self.failed: set[str] = set()
         self.tes_listed: set[str] = set()
@@ -72,8 +89,9 @@ class Supervisor:
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
-        for name in ("job-executor", "cluster-manager"):
-            self._watch(name, self.node.procs[name].pid, self.cfg.startup_grace_s)
+        for name in self.watched:
+            if name in self.table:
+                self._watch(name, self.table.pid(name), self.cfg.startup_grace_s)
         self._thread = threading.Thread(target=self.run, name="supervisor", daemon=True)
         self._thread.start()
 
@@ -102,7 +120,7 @@ class Supervisor:
                 self._on_te_list({te.te_id for te in msg.tes}, now)
         for fault in self.watchdog.check(now):
             self._on_fault(fault, now)
-        for name, popen in list(self.node.procs.items()):
+        for name, popen in self.table.procs.items():
             incident = self.incidents.get(name)
             if popen.poll() is None or name in self.failed or (incident and not incident.restarted):
                 continue  # alive, given up on, or already being replaced
@@ -116,11 +134,15 @@ class Supervisor:
 
     def _on_message(self, msg, now: float) -> None:
         if isinstance(msg, HealthEvent):
+            if msg.event not in EVENTS:  # a bug in the sender: never lose the tick for it
+                log.warning("%s[%d] sent unknown health event %r: dropped", msg.component,
+                            msg.pid, msg.event)
+                return
             self._log(msg.component, msg.event, msg.pid, **msg.details)
             return
         owner = msg.component.split("/")[0]
-        if owner in self.incidents or owner in self.failed:
-            return  # a late message from a TE being replaced
+        if owner in self.incidents or owner in self.failed or owner not in self.table:
+            return  # a late message from a TE being replaced, or from no child of ours
         if msg.component not in self.watchdog or self.watchdog.pid_of(msg.component) != msg.pid:
             if "/" not in msg.component:
                 return  # node-level processes are registered when spawned
@@ -137,7 +159,7 @@ class Supervisor:
             if incident is not None and incident.restarted:
                 del self.incidents[te_id]
                 self.policy.on_recovered(te_id, now)
-                self._log(te_id, "recovered", self.node.procs[te_id].pid,
+                self._log(te_id, "recovered", self.table.pid(te_id),
                           recover_s=round(now - incident.fault_at, 3))
         self.tes_listed = listed
 
@@ -153,10 +175,13 @@ class Supervisor:
     def _fail(self, name: str, now: float, faulty_pid: int | None) -> None:
         """Take `name` (a TE or a node process) down and schedule its restart."""
         incident = self.incidents[name] = _Incident(now)
-        if name in self.node.te_ids:
-            self.to_cm.put(TEDown(te_id=name, reason="supervisor: process fault"), timeout=1)
-        popen = self.node.procs[name]
-        if faulty_pid is not None and faulty_pid != popen.pid:
+        if name in self.tes:
+            try:
+                self.to_cm.put(TEDown(te_id=name, reason="supervisor: process fault"), timeout=1)
+            except TimeoutError:  # no CM (it is being replaced): its TE timeout drops the TE
+                log.warning("TEDown %s: the cluster manager does not listen", name)
+        pid = self.table.pid(name)
+        if faulty_pid is not None and faulty_pid != pid:
             _sigkill(faulty_pid)  # the stuck one first: SIGTERM cannot stop a stopped process
         for component in [c for c in self.watchdog.names if c.split("/")[0] == name]:
             self.watchdog.remove(component)
@@ -173,22 +198,22 @@ class Supervisor:
                       attempt=decision.attempt)
         # Stopping the rest may take the kill grace: not on this thread, which
         # must keep reading heartbeats and events meanwhile.
-        threading.Thread(target=self._stop_processes, args=(name, popen, incident),
+        threading.Thread(target=self._stop_processes, args=(name, pid, incident),
                          name=f"stop-{name}", daemon=True).start()
 
-    def _stop_processes(self, name: str, popen, incident: _Incident) -> None:
-        outcome = terminate(popen, self.cfg.kill_grace_s, include_children=True)
-        swept = self.node.sweep(name)  # a killed TE could not unlink its shared memory
-        if outcome != "gone":
-            self._log(name, "killed", popen.pid, how=outcome, segments_swept=len(swept))
+    def _stop_processes(self, name: str, pid: int, incident: _Incident) -> None:
+        outcome = self.table.stop(name, self.cfg.kill_grace_s)
+        swept = self.table.sweep(name)  # a killed TE could not unlink its shared memory
+        if outcome != GONE:
+            self._log(name, "killed", pid, how=outcome, segments_swept=len(swept))
         incident.restart_at = time.monotonic() + incident.delay_s
 
     def _restart(self, name: str, incident: _Incident) -> None:
-        popen = self.node.respawn(name)
+        popen = self.table.respawn(name)
         incident.restarted = True
-        if name in ("job-executor", "cluster-manager"):
+        if name in self.watched:
             self._watch(name, popen.pid, self.cfg.startup_grace_s)
-        if name not in self.node.te_ids:
+        if name not in self.tes:
             del self.incidents[name]  # no warm-up to wait for
 
     def _watch(self, name: str, pid: int, grace_s: float) -> None:
@@ -198,7 +223,7 @@ class Supervisor:
                                         memory, grace_s))
 
     def _log(self, component: str, event: str, pid: int | None, **details) -> None:
-        self.node.health.write(component, event, pid=pid, **details)
+        self.health.write(component, event, pid=pid, **details)
 
 
 def _sigkill(pid: int) -> None:

@@ -23,6 +23,7 @@ import torch
 import zmq
 
 from deepserve.config import EngineConfig
+from deepserve.faults import FaultHooks, NoFaults
 from deepserve.messages.pd import KVEndpoint, KVSent, KVTransferOrder
 from deepserve.messages.step import StepBatch, StepOutput
 from deepserve.transfer import (DistFlow, DistFlowReceiver, PeerEndpoint, PoolRegion,
@@ -37,7 +38,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 class KVSender:
     def __init__(self, pool: torch.Tensor, segment: str, rank: int, config: EngineConfig,
-                 ctx: zmq.Context, hooks=None):
+                 ctx: zmq.Context, faults: FaultHooks | NoFaults):
         self.rank, self.backend = rank, config.kv_transfer_backend
         self.timeout_s = config.kv_transfer_timeout_s
         self.distflow = DistFlow(pool, timeout_s=self.timeout_s, ctx=ctx)
@@ -50,7 +51,7 @@ class KVSender:
                                   tcp=e.tcp)
         self.endpoint = endpoint
         self._linked: set[str] = set()
-        self.hooks = hooks  # drill/hooks.py FaultHooks, or None
+        self.faults = faults  # the worker's (NoFaults when drills are off)
 
     def execute(self, runner, batch: StepBatch) -> tuple[StepOutput, list[KVSent]]:
         handles: dict[int, list] = {t.seq_id: [] for t in batch.transfers}
@@ -81,7 +82,7 @@ class KVSender:
     def _send(self, t: KVTransferOrder, layers, handles, errors) -> None:
         if t.seq_id in errors:
             return
-        if self.hooks is not None and layers in (None, (1, 2)) and self.hooks.consume("kv-fail"):
+        if layers in (None, (1, 2)) and self.faults.consume("kv-fail") is not None:
             errors[t.seq_id] = "drill: transfer broken mid-way"  # after layer 0 if layer-wise
             return
         e = t.dst_endpoints[self.rank]

@@ -6,6 +6,11 @@
     worker r ══ DistFlow (KVTransferOrder of a step) ══> rank r of a decode TE
     worker r ──KVSent──> master
 
+The worker holds work from the moment it takes a StepBatch off the ring
+until it has put that step's StepDone; its progress counter is steps
+completed. The stall drill stops it inside a step, where it keeps beating
+with that real holds_work, so the supervisor's ordinary rule finds it hung.
+
 The KV pool lives in a named shared-memory segment (owner-only, unlinked on
 every exit path by this process, its creator; the launcher sweeps the run's
 names once more if the process was killed). Sampled ids stay here: a step's
@@ -32,8 +37,6 @@ from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
 from deepserve.ipc.shm_ring import BroadcastRing
 from deepserve.ipc.sockets import PushSocket
 from deepserve.messages.engine import StepDone, WorkerFailed, WorkerReady
-from deepserve.drill.hooks import FaultHooks
-from deepserve.supervisor.heartbeat import HeartbeatSender
 from deepserve.worker.kv_sender import KVSender
 from deepserve.messages.step import SHUTDOWN_STEP_ID, StepBatch
 from deepserve.model.loader import load_model
@@ -56,14 +59,16 @@ class WorkerSpec:
 
 
 def worker_main(spec: WorkerSpec, death_pipe: Connection, ready_pipe: Connection) -> None:
-    life = ActorLife(f"worker{spec.rank}", death_pipe)
+    life = ActorLife(f"worker{spec.rank}", death_pipe,
+                     component=f"{spec.te_id}/worker{spec.rank}")
     torch.set_num_threads(spec.config.num_threads
                           or max(1, (os.cpu_count() or 1) // spec.config.tp))
     worker = _Worker(spec, life)
     try:
         worker.start()
         ready_pipe.send(("ready", os.getpid()))
-        worker.loop()
+        life.ready()
+        life.run(worker.step, worker.progress, worker.holds_work)
     except Exception as e:  # report, then exit non-zero: the TE fails loudly
         log.error("worker %d failed: %s", spec.rank, traceback.format_exc())
         worker.report_failure(f"{type(e).__name__}: {e}")
@@ -71,6 +76,7 @@ def worker_main(spec: WorkerSpec, death_pipe: Connection, ready_pipe: Connection
         raise SystemExit(1)
     finally:
         worker.close()
+        life.close()
 
 
 class _Worker:
@@ -81,10 +87,8 @@ class _Worker:
         self.kv_name = segment_name(spec.run_id, f"kv-r{spec.rank}")
         self.kv_segment = self.runner = self.ring = self.out = self.kv_sender = None
         self.decoder = msgspec.msgpack.Decoder(StepBatch)
-        self.component = f"{spec.te_id}/worker{spec.rank}"
-        self.heartbeat = HeartbeatSender.from_env(self.ctx, self.component)
-        self.hooks = FaultHooks.from_env(self.component)
-        self.num_steps = 0
+        self.num_steps = 0  # steps completed: the progress counter
+        self.in_step = False  # a batch taken off the ring, its StepDone not yet put
 
     def start(self) -> None:
         cfg = self.spec.config
@@ -98,8 +102,9 @@ class _Worker:
         pool = torch.frombuffer(self.kv_segment.buf, dtype=model.config.dtype).view(shape)
         self.runner = ModelRunner(model, cfg.num_kv_blocks, cfg.block_size, cfg.seed, pool)
         self.ring = self._attach_ring(time.monotonic() + cfg.startup_timeout_s)
-        self.kv_sender = KVSender(pool, self.kv_name, self.tp.rank, cfg, self.ctx, self.hooks)
-        self.out.put(WorkerReady(rank=self.tp.rank, pid=os.getpid(), kv_segment=self.kv_name,
+        self.kv_sender = KVSender(pool, self.kv_name, self.tp.rank, cfg, self.ctx,
+                                  self.life.faults)
+        self.out.put(WorkerReady(rank=self.tp.rank, pid=os.getpid(),
                                  kv_endpoint=self.kv_sender.endpoint))
 
     def _attach_ring(self, deadline: float) -> BroadcastRing:
@@ -113,43 +118,47 @@ class _Worker:
                     raise
                 time.sleep(0.05)
 
-    def loop(self) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.ready()
-        while not self.life.should_stop():
-            self._beat(holds_work=False)
-            try:
-                data = self.ring.get(timeout=0.2)
-            except TimeoutError:
-                continue
-            batch = self.decoder.decode(data)
-            if batch.step_id == SHUTDOWN_STEP_ID:
-                return
-            start = time.monotonic()
-            if batch.transfers:
-                output, sent = self.kv_sender.execute(self.runner, batch)
-                for msg in sent:
-                    self.out.put(msg)
-            else:
-                output = self.runner.execute(batch)
-            end = time.monotonic()
-            self.num_steps += 1
-            if self.hooks is not None:
-                self._drill_faults()
-            if self.tp.rank == 0:
-                self.out.put(StepDone(output=output, forward_start=start, forward_end=end))
+    # -- the loop (ActorLife.run beats between steps) ---------------------------
+    def progress(self) -> dict[str, int]:
+        return {"steps": self.num_steps}
 
-    def _beat(self, holds_work: bool) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.beat({"steps": self.num_steps}, holds_work)
+    def holds_work(self) -> bool:
+        return self.in_step
+
+    def step(self) -> bool:
+        """One batch off the ring (or a 0.2 s wait); False on the shutdown batch."""
+        try:
+            data = self.ring.get(timeout=0.2)
+        except TimeoutError:
+            return True
+        batch = self.decoder.decode(data)
+        if batch.step_id == SHUTDOWN_STEP_ID:
+            return False
+        self.in_step = True
+        start = time.monotonic()
+        if batch.transfers:
+            output, sent = self.kv_sender.execute(self.runner, batch)
+            for msg in sent:
+                self.out.put(msg)
+        else:
+            output = self.runner.execute(batch)
+        end = time.monotonic()
+        self._drill_faults()
+        if self.tp.rank == 0:
+            self.out.put(StepDone(output=output, forward_start=start, forward_end=end))
+        self.in_step = False
+        self.num_steps += 1
+        return True
 
     def _drill_faults(self) -> None:
-        """Drill-only: a stalled step (alive, beating, no progress) or a slow one."""
-        while self.hooks.active("stall") is not None and not self.life.should_stop():
-            self._beat(holds_work=True)
+        """Drill-only, inside a step: stalled (alive, beating with the real
+        holds_work, no progress) or slow."""
+        faults = self.life.faults
+        while faults.active("stall") is not None and not self.life.should_stop():
+            self.life.beat(self.progress(), self.holds_work())
             time.sleep(0.05)
-        delay = self.hooks.active("slow")
-        if delay:
+        delay = faults.active("slow")
+        if delay:  # "" (an empty file) is no delay
             time.sleep(float(delay))
 
     def report_failure(self, message: str) -> None:
@@ -172,8 +181,6 @@ class _Worker:
                 unlink_segment(self.kv_name)
         if self.out is not None:
             self.out.close()
-        if self.heartbeat is not None:
-            self.heartbeat.close()
         self.ctx.term()
         if self.tp.is_parallel:
             destroy_tensor_parallel()

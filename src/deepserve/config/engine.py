@@ -1,6 +1,7 @@
-"""Configuration: frozen dataclasses, validated at construction.
-
-EngineConfig holds what one TE needs to run one model. Fields left None are
+"""EngineConfig: what one TE needs to run one model; a frozen dataclass,
+validated at construction, read from an [engine] table (conf/engine.toml) or
+from a node's [[te]] tables (config/node.py builds their schema from the
+fields here, so the two never disagree). Fields left None are
 derived from the model (`resolve`) before the engine starts; after that the
 config never changes.
 """
@@ -111,7 +112,10 @@ def load_config(path: str | Path, overrides: dict | None = None) -> EngineConfig
     model = Path(options.pop("model"))
     if not model.is_absolute():  # relative to the repository root, like conf/ itself
         model = Path(path).resolve().parent.parent / model
-    return EngineConfig.from_options(str(model), **options)
+    try:
+        return EngineConfig.from_options(str(model), **options)
+    except (TypeError, ValueError) as e:  # the field's name leads the message
+        raise ValueError(f"{path}: [engine] {e}") from None
 
 
 def _positive(name: str, value) -> None:

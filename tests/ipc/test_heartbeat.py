@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -14,15 +11,8 @@ import zmq
 
 from deepserve.ipc.sockets import PullSocket, ipc_address
 from deepserve.messages.health import Heartbeat, Ready, ToSupervisor
-from deepserve.supervisor import heartbeat as hb_mod
-from deepserve.supervisor.heartbeat import ENV_VAR, HeartbeatSender
-
-
-@pytest.fixture
-def short_dir() -> Path:
-    path = Path(tempfile.mkdtemp(prefix="ds", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+from deepserve.ipc import heartbeat as hb_mod
+from deepserve.ipc.heartbeat import ENV_VAR, HeartbeatSender
 
 
 @pytest.fixture

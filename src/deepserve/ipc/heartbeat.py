@@ -26,6 +26,8 @@ from deepserve.messages.health import HealthEvent, Heartbeat, Ready
 
 ENV_VAR = "DEEPSERVE_HEARTBEAT"
 SEND_HWM = 16  # a few heartbeats queue at most; older ones are worthless anyway
+EVENT_WAIT_S = 0.5
+CLOSE_LINGER_MS = 200
 
 
 class HeartbeatSender:
@@ -86,24 +88,56 @@ class HeartbeatSender:
                                 time=time.monotonic(), details=details or {}))
 
     def event(self, event: str, **details) -> bool:
-        """A health-log event, written by the supervisor (dropped if it is not listening)."""
+        """A health-log event, written by the supervisor. Events are rare and
+        are evidence (a drill's proof that its fault fired), so unlike beats
+        they wait up to EVENT_WAIT_S for the connection (a process that
+        reports a fault right after it started, then exits, is the case);
+        dropped only if the supervisor is not listening by then."""
         return self._send(HealthEvent(component=self.component, pid=self.pid, event=event,
-                                      details=details))
+                                      details=details), wait_s=EVENT_WAIT_S)
 
-    def _send(self, msg: Heartbeat | Ready | HealthEvent) -> bool:
-        try:
-            self.socket.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            self.num_dropped += 1
-            return False
+    def _send(self, msg: Heartbeat | Ready | HealthEvent, wait_s: float = 0.0) -> bool:
+        data = self._encoder.encode(msg)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.socket.send(data, flags=zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                if time.monotonic() >= deadline:
+                    self.num_dropped += 1
+                    return False
+                time.sleep(0.01)
         self.num_sent += 1
         return True
 
     def close(self) -> None:
-        self.socket.close(linger=0)
+        # A short linger: what is queued (only ever to a connected supervisor,
+        # IMMEDIATE) leaves before exit, e.g. an event sent just before it.
+        self.socket.close(linger=CLOSE_LINGER_MS)
 
     def __enter__(self) -> HeartbeatSender:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class NullHeartbeat:
+    """The sender of an actor with no supervisor: every call is a no-op, so
+    actors never test `heartbeat is not None`."""
+
+    num_sent = num_dropped = 0
+
+    def beat(self, progress: dict[str, int], holds_work: bool, force: bool = False,
+             details: dict | None = None) -> bool:
+        return False
+
+    def ready(self, details: dict | None = None) -> bool:
+        return False
+
+    def event(self, event: str, **details) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass

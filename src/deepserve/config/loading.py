@@ -1,0 +1,143 @@
+"""Reading a node's TOML (conf/*.toml) and writing / reading the resolved
+config a node hands its children.
+
+    conf/node.toml --load_node_config--> NodeConfig --(node: + RunAddresses)-->
+        <run dir>/node.json (0600) --read_run_config--> every child, which takes its part
+
+Every error names the file, the section and the key:
+    conf/x.toml: [supervisor] heartbeat_deadline_s: Expected `float` > 0.0, got -1
+Relative paths (model, pd_heatmap, pd_predictor, log_dir) are relative to the
+repository root: the folder above conf/.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+
+import msgspec
+
+from deepserve.config.node import (_SECTION_TYPES, ENGINE_OPTIONS, NodeConfig, RunAddresses,
+                                   TESpec)
+
+_PATHS = {"node": ("model",), "router": ("pd_heatmap", "pd_predictor"), "supervisor": ("log_dir",)}
+"""Keys holding paths, resolved against the repository root."""
+
+
+def load_node_config(path: str | Path, overrides: dict | None = None) -> NodeConfig:
+    """Read a node's TOML. `overrides`: flat keys (port=..., model=...) that
+    win over the file, e.g. from the command line; checked like the file's."""
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    unknown = sorted(set(raw) - set(_SECTION_TYPES))
+    if unknown:
+        known = ", ".join(f"[{s}]" for s in _SECTION_TYPES if s != "te") + ", [[te]]"
+        raise ValueError(f"{path}: unknown section(s) {', '.join(f'[{s}]' for s in unknown)}; "
+                         f"known: {known}")
+    _apply_overrides(raw, overrides or {}, path)
+    if "model" not in raw.get("node", {}):
+        raise ValueError(f'{path}: [node] model: required (model = "DIR")')
+    root = Path(path).resolve().parent.parent
+    parts = {}
+    for section in ("node", "gateway", "router", "supervisor"):
+        table = _absolute_paths(section, dict(raw.get(section, {})), root)
+        parts[section] = _decode(path, f"[{section}]", table, _SECTION_TYPES[section])
+    tes = tuple(_te_specs(path, raw.get("te", [])))
+    try:
+        return NodeConfig(tes=tes, **parts)
+    except ValueError as e:
+        raise ValueError(f"{path}: {_section_of(str(e))}") from None
+
+
+def _apply_overrides(raw: dict, overrides: dict, path) -> None:
+    for key, value in overrides.items():
+        owner = [s for s in ("node", "gateway", "router")
+                 if key in _SECTION_TYPES[s].__struct_fields__]
+        if not owner:
+            raise ValueError(f"{path}: override {key!r}: not a [node], [gateway] or [router] key")
+        raw.setdefault(owner[0], {})[key] = value
+
+
+def _absolute_paths(section: str, table: dict, root: Path) -> dict:
+    for key in _PATHS.get(section, ()):
+        if isinstance(table.get(key), str) and not Path(table[key]).is_absolute():
+            table[key] = str(root / table[key])
+    return table
+
+
+def _te_specs(path, tables) -> list[TESpec]:
+    if not isinstance(tables, list):
+        raise ValueError(f"{path}: [te]: write TEs as [[te]] tables (an array), not [te]")
+    specs: list[TESpec] = []
+    for i, table in enumerate(tables):
+        te = _decode(path, f"[[te]] #{i + 1}", table, _SECTION_TYPES["te"])
+        options = {k: getattr(te, k) for k in table if k in ENGINE_OPTIONS and k != "processes"}
+        for _ in range(te.count):
+            specs.append(TESpec(f"te{len(specs)}", te.type, options, te.priority))
+    return specs
+
+
+def _decode(path, where: str, table, struct_type):
+    """One section, with the file, section and key in any error."""
+    try:
+        return msgspec.convert(table, struct_type)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        m = re.fullmatch(r"Object contains unknown field `(.+?)`(?: - at `\$(.*)`)?", text)
+        if m:
+            inner = [part for part in (m[2] or "").split(".") if part]
+            known = ", ".join(sorted(_nested(struct_type, inner).__struct_fields__))
+            key = ".".join([*inner, m[1]])
+            raise ValueError(f"{path}: {where} {key}: unknown key; known: {known}") from None
+        m = re.fullmatch(r"(.*) - at `\$\.(\w+)(.*)`", text)
+        if m:
+            why = m[1] if "got" in m[1] else f"{m[1]}, got {_value_at(table, m[2] + m[3])!r}"
+            raise ValueError(f"{path}: {where} {m[2]}{m[3]}: {why}") from None
+        raise ValueError(f"{path}: {where} {text}") from None
+
+
+def _value_at(table, dotted: str):
+    for key in dotted.split("."):
+        table = table.get(key) if isinstance(table, dict) else None
+    return table
+
+
+def _nested(struct_type, keys: list[str]):
+    """The Struct type at keys inside struct_type ([router] pd_options -> PDOptions)."""
+    for key in keys:
+        [struct_type] = [f.type for f in msgspec.structs.fields(struct_type) if f.name == key]
+    return struct_type
+
+
+def _section_of(message: str) -> str:
+    """NodeConfig's and EngineConfig's own checks ("te: ...", "block_size must
+    be ...") as "[[te]] key: ..."."""
+    head, _, rest = message.partition(" ")
+    if head == "te:":
+        return f"[[te]] {rest}"
+    if head in ENGINE_OPTIONS:
+        return f"[[te]] {head}: {rest}"
+    return message
+
+
+# -- the resolved config a node writes for its children -------------------------------
+
+def write_run_config(config: NodeConfig, path: str | Path) -> Path:
+    """Write the resolved config (API keys included) readable by its owner only."""
+    if config.run is None:
+        raise ValueError("write_run_config needs the run's addresses (NodeConfig.with_run)")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(msgspec.json.encode(config))
+    return Path(path)
+
+
+def read_run_config(path: str | Path) -> tuple[NodeConfig, RunAddresses]:
+    """A child's view of its node: the whole resolved config and the run's addresses."""
+    with open(path, "rb") as f:
+        config = msgspec.json.decode(f.read(), type=NodeConfig)
+    if config.run is None:
+        raise ValueError(f"{path}: not a resolved node config (no run addresses)")
+    return config, config.run

@@ -1,0 +1,240 @@
+"""The node's schema: one msgspec Struct per TOML section of conf/node.toml.
+
+    [node]        NodeSection        the model, the HTTP address, node-wide limits
+    [gateway]     GatewaySection     auth, admission, request limits
+    [router]      RouterSection      routing and PD policy (PDOptions: [router] pd_options)
+    [supervisor]  SupervisorConfig   deadlines, restart budget, health log, drills
+    [[te]]        TESection          type, count, priority + every EngineConfig option
+    (resolved)    RunAddresses       the run's sockets, written by the node, never in TOML
+
+Decoding forbids unknown keys and checks ranges (Meta constraints); the
+loader (config/loading.py) turns a failure into "FILE: [section] key: why".
+NodeConfig is the resolved whole: paths absolute, [[te]] counts expanded
+into TESpecs, and, once the node has made its run directory, `run`. The node
+writes it to the run directory; every child reads it back and takes its part.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from deepserve.config.engine import EngineConfig
+
+Positive = Annotated[float, Meta(gt=0)]
+NonNegative = Annotated[float, Meta(ge=0)]
+Count = Annotated[int, Meta(ge=1)]
+TEType = Literal["colocated", "prefill", "decode"]
+TE_TYPES = typing.get_args(TEType)
+
+
+class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A TOML section: immutable, unknown keys are errors."""
+
+
+class NodeSection(Section):
+    model: str
+    """Model directory every TE serves (and the job executor tokenizes with)."""
+    served_model: str = ""
+    """Name clients put in `model`; "" (resolved on load): the model directory's name."""
+    host: str = "127.0.0.1"
+    """Interface the gateway's HTTP server listens on."""
+    port: Annotated[int, Meta(ge=1, le=65535)] = 8000
+    """TCP port of the gateway's HTTP server."""
+    startup_timeout_s: Positive = 180.0
+    """Seconds for every process to come up and the gateway to list every TE (node)."""
+    te_timeout_s: Positive = 10.0
+    """Seconds without a report after which the cluster manager drops a TE from the list."""
+    num_devices: Count | None = None
+    """Devices this node can give TEs (a TE takes tp of them, gang scheduled); None: no limit."""
+    max_attempts: Count = 3
+    """TEs one request may run on (job executor): it resumes elsewhere when its TE is lost."""
+
+    def __post_init__(self):
+        if not self.served_model:  # derived before anyone reads it; frozen after
+            msgspec.structs.force_setattr(self, "served_model", Path(self.model).name)
+
+
+class GatewaySection(Section):
+    api_keys: dict[str, str] = {}
+    """API key -> tenant (the tenant salts the prefix cache); empty: no auth, one tenant."""
+    max_open_requests: Count = 256
+    """Sub-requests open at once at the gateway (n counts n); past it: 429."""
+    request_timeout_s: Positive = 600.0
+    """Seconds from admission to the last token; past it the request is aborted."""
+    max_prompt_chars: Count = 1_000_000
+    """Characters (or token ids) of prompt / messages at most; past it: 400."""
+    default_max_tokens: Count = 16
+    """max_tokens of a request that gives none."""
+
+
+class PDOptions(Section):
+    """Thresholds of the "threshold" PD policy (control/pd_policy.py)."""
+
+    margin: float = 0.0
+    """Heatmap gain (fraction) a layout must beat the other by to be chosen."""
+    min_prompt_len: Annotated[int, Meta(ge=0)] = 1024
+    """Prompt tokens from which a request may go disaggregated."""
+    max_decode_len: Annotated[int, Meta(ge=0)] = 128
+    """Predicted output tokens up to which a long prompt goes disaggregated."""
+
+
+class RouterSection(Section):
+    policy: Literal["combined", "locality", "load", "round_robin"] = "combined"
+    """Which TE of a type serves a request (control/router.py)."""
+    balance_threshold: NonNegative | None = None
+    """Load difference (tokens) under which cache locality decides; None: the router's default."""
+    pd_policy: Literal["heatmap", "threshold", "colocated", "disaggregated"] | None = None
+    """Colocated or disaggregated per request; None: colocated while a colocated TE exists."""
+    pd_heatmap: str | None = None
+    """JSON heatmap written by tools/profile_pd.py (pd_policy "heatmap")."""
+    pd_predictor: str | None = None
+    """JSON decode-length predictor written by tools/train_predictor.py."""
+    pd_options: PDOptions = PDOptions()
+    """Thresholds of the PD policy, an inline table: { margin = 0.0, min_prompt_len = 1024 }."""
+
+
+class SupervisorConfig(Section):
+    heartbeat_deadline_s: Positive = 3.0
+    """Seconds a watched process may stay silent (after startup) before it is replaced."""
+    progress_deadline_s: Positive = 5.0
+    """Seconds a process holding work may show no progress before it counts as hung."""
+    startup_grace_s: Positive = 120.0
+    """Seconds a process may take to send its first heartbeat."""
+    memory_limit_mb: Positive | None = None
+    """Resident memory (MiB) per watched process past which it is a fault (oom); None: no limit."""
+    restart_base_delay_s: NonNegative = 0.5
+    """Seconds before the first restart; doubles per restart up to restart_max_delay_s."""
+    restart_max_delay_s: NonNegative = 30.0
+    """Longest wait (seconds) before a restart."""
+    max_restarts: Annotated[int, Meta(ge=0)] = 5
+    """Restarts allowed within restart_window_s; one more failure leaves the component down."""
+    restart_window_s: Positive = 60.0
+    """Seconds over which restarts are counted."""
+    kill_grace_s: NonNegative = 1.0
+    """Seconds between SIGTERM and SIGKILL when replacing a process (its state is soft)."""
+    log_dir: str | None = None
+    """Where health.jsonl goes; None: the node's run directory."""
+    drill: bool = False
+    """Enable fault hooks (faults.py) in every process; never in production."""
+
+
+_ENGINE_HINTS = typing.get_type_hints(EngineConfig)
+ENGINE_OPTIONS = tuple(f.name for f in fields(EngineConfig) if f.name != "model")
+"""The engine options a [[te]] table takes: EngineConfig's fields, not a copy."""
+
+TESection = msgspec.defstruct(
+    "TESection",
+    [("type", TEType, "colocated"), ("count", Count, 1),
+     ("priority", int, 0)]
+    + [(f.name, _ENGINE_HINTS[f.name], f.default) for f in fields(EngineConfig)
+       if f.name != "model" and f.default is not MISSING],
+    bases=(Section,), module=__name__)
+TESection.__doc__ = """One [[te]] table: `count` TEs (>= 1) of `type` (colocated, prefill or
+decode) with gang-scheduling `priority` (a TE may evict lower ones), and any
+EngineConfig option (documented there; `processes` is implied)."""
+
+
+class TESpec(msgspec.Struct, frozen=True):
+    """One TE of the node, after [[te]] counts are expanded (te0, te1, ...)."""
+
+    te_id: str
+    te_type: str
+    options: dict = {}
+    """EngineConfig options given for this TE (model is the node's)."""
+    priority: int = 0
+    """Gang scheduling: a TE may evict TEs of lower priority to get its devices."""
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.options.get("tp", 1))
+
+    def engine_config(self, model: str) -> EngineConfig:
+        return EngineConfig.from_options(model, **{**self.options, "processes": True})
+
+
+class RunAddresses(msgspec.Struct, frozen=True, kw_only=True):
+    """The sockets of one run (all ipc:// in the run directory); the node
+    derives them, children read them from the resolved config file."""
+
+    run_id: str
+    cm: str
+    """The cluster manager's inbox (TEUp / TEDown / TEReport)."""
+    cm_pub: str
+    """The cluster manager's PUB (TEList, TEReport) for JEs, gateways, the supervisor."""
+    je: str
+    """The job executor's inbox (SubmitRequest / AbortRequest from gateways)."""
+    gw_reply: str
+    """The gateway's reply inbox (RequestDelta / RequestFailed)."""
+    hb: str
+    """The supervisor's heartbeat inbox (also in $DEEPSERVE_HEARTBEAT, which ActorLife reads)."""
+    tes: dict[str, str] = {}
+    """TE id -> the inbox its tokenizer binds."""
+
+    @classmethod
+    def in_dir(cls, run_dir: str | Path, run_id: str, te_ids) -> "RunAddresses":
+        at = lambda name: f"ipc://{run_dir}/{name}.sock"  # noqa: E731
+        return cls(run_id=run_id, cm=at("cm"), cm_pub=at("cm-pub"), je=at("je"),
+                   gw_reply=at("gw-reply"), hb=at("hb"), tes={t: at(t) for t in te_ids})
+
+
+FLAT_SECTIONS = ("node", "gateway", "router")
+"""Sections whose keys NodeConfig also answers flat (config.port is config.node.port)."""
+
+
+class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """A node, resolved: one field per section, TEs expanded, paths absolute.
+    Every process of the node reads this one object (from the run directory);
+    none re-parses TOML or receives options as flags."""
+
+    node: NodeSection
+    gateway: GatewaySection = GatewaySection()
+    router: RouterSection = RouterSection()
+    supervisor: SupervisorConfig = SupervisorConfig()
+    tes: tuple[TESpec, ...] = ()
+    run: RunAddresses | None = None
+    """Set by the node once its run directory exists (None in what conf/ files give)."""
+
+    def __post_init__(self):
+        if not self.tes:
+            raise ValueError("te: a node needs at least one [[te]]")
+        for te in self.tes:  # fail now, not in a child process
+            if te.te_type not in TE_TYPES:
+                raise ValueError(f"te: type must be one of {TE_TYPES}, got {te.te_type!r}")
+            te.engine_config(self.node.model)
+
+    def __getattr__(self, name: str):
+        """Flat reads of [node], [gateway] and [router] keys (their names are unique)."""
+        if not name.startswith("_") and name not in self.__struct_fields__:
+            for section in FLAT_SECTIONS:
+                part = getattr(self, section)
+                if name in part.__struct_fields__:
+                    return getattr(part, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @classmethod
+    def build(cls, *, tes=(), supervisor: SupervisorConfig | None = None,
+              **keys) -> "NodeConfig":
+        """From flat keys (model=..., port=..., policy=...), each put in the
+        section that has it, decoded with the same checks as a TOML file."""
+        sections: dict[str, dict] = {name: {} for name in FLAT_SECTIONS}
+        for key, value in keys.items():
+            owner = [s for s in FLAT_SECTIONS if key in _SECTION_TYPES[s].__struct_fields__]
+            if not owner:
+                raise ValueError(f"unknown node config key {key!r}")
+            sections[owner[0]][key] = value
+        parts = {name: msgspec.convert(raw, _SECTION_TYPES[name]) for name, raw in sections.items()}
+        return cls(tes=tuple(tes), supervisor=supervisor or SupervisorConfig(), **parts)
+
+    def with_run(self, run: RunAddresses) -> "NodeConfig":
+        return msgspec.structs.replace(self, run=run)
+
+
+_SECTION_TYPES = {"node": NodeSection, "gateway": GatewaySection, "router": RouterSection,
+                  "supervisor": SupervisorConfig, "te": TESection}
+"""TOML section name -> its Struct (the loader's only list of sections)."""

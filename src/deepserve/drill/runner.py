@@ -1,0 +1,262 @@
+"""One drill against a running node: load, fault, proof, recovery, report.
+
+    wait until /health lists every TE (and a signal target has a pid)
+    -> reference: each prompt once, greedy  (drop-cache: the cache probe, twice)
+    -> load in a thread -> warm-up -> inject (injection.py)
+    -> watch, every POLL_S:
+         proof (proof.py)       settled: proven, or failed -> stop at once
+         detection              the first DETECT_EVENTS event of the TE
+         recovery               restarting: the TE's "recovered" (or "failed": gave up)
+                                slow: lifted after hold_s, then a success after that
+                                one-shot hooks: file consumed, then a success after that
+       at most RECOVERY_BOUND = 6 x the largest deadline + 30 s after the fault,
+       and at least `duration_s` of load in all, `settle_s` more after recovery
+    -> stop load -> final proof look -> report (report.py)
+
+Load and clock: stream.now (epoch seconds), the health log's clock too.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from deepserve.drill.health_events import HealthEvents
+from deepserve.drill.injection import Injection, wait_pid
+from deepserve.drill.load import LoadDriver
+from deepserve.drill.prompts import make_probe_prompt, make_prompts, token_counter
+from deepserve.drill.proof import (CacheMissed, FaultProof, HookFired, Proofs, SignalDetected,
+                                   TransferResumed)
+from deepserve.drill.report import DrillReport, build_report
+from deepserve.drill.scenarios import (DETECT_EVENTS, RECOVERED, Scenario, deadline_of,
+                                       target_te, target_tes)
+from deepserve.drill.stream import COMPLETED, RequestRecord, first_success_after, now
+from deepserve.supervisor.node import num_tes
+
+POLL_S = 0.2
+FIRE_BOUND_S = 15.0
+"""A hook fault must show its fault_injected event within this long."""
+
+
+def recovery_bound_s(supervisor) -> float:
+    """How long after the fault the drill waits for recovery at most."""
+    deadlines = [getattr(supervisor, "heartbeat_deadline_s", 3.0),
+                 getattr(supervisor, "progress_deadline_s", 5.0)]
+    return 6 * max(deadlines) + 30
+
+
+def wait_tes(url: str, want: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (n := num_tes(url)) < want:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}/health lists {n} TEs, want {want}, after {timeout_s:.0f} s")
+        time.sleep(POLL_S)
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def run_drill(scenario: Scenario, *, url: str, model: str, config=None,
+              log_dir: str | Path | None = None, drill_dir: str | Path | None = None,
+              duration_s: float = 10.0, concurrency: int = 3, max_tokens: int = 16,
+              warmup_s: float = 2.0, settle_s: float = 2.0, request_timeout_s: float = 30.0,
+              prompts: list[str] | None = None, te: str | None = None,
+              fire_bound_s: float = FIRE_BOUND_S, echo=lambda msg: None) -> DrillReport:
+    """One drill against the node at `url`. config: its NodeConfig (TE types,
+    supervisor deadlines, PD threshold); None: the health log's details and the
+    supervisor defaults. te: the target TE (default: te0, or the first TE of the
+    scenario's te_type). log_dir (the node's health log) is needed by every
+    scenario: it holds the proof. The report's details hold what its keys do not."""
+    drill = Drill(scenario, url=url, model=model, config=config, log_dir=log_dir,
+                  drill_dir=drill_dir, te=te, fire_bound_s=fire_bound_s, echo=echo)
+    drill.prepare(prompts, concurrency=concurrency, max_tokens=max_tokens,
+                  request_timeout_s=request_timeout_s)
+    return drill.run(duration_s=duration_s, warmup_s=warmup_s, settle_s=settle_s)
+
+
+class Drill:
+    """The state of one drill run; run_drill is its one caller."""
+
+    def __init__(self, scenario: Scenario, *, url: str, model: str, config, log_dir, drill_dir,
+                 te: str | None, fire_bound_s: float, echo):
+        if log_dir is None:
+            raise RuntimeError(f"{scenario.name}: the fault's proof, detection and recovery "
+                               "come from the health log: give --log-dir")
+        self.scenario, self.url, self.model, self.config = scenario, url, model, config
+        self.events = HealthEvents(log_dir)
+        self.drill_dir, self.fire_bound_s, self.echo = drill_dir, fire_bound_s, echo
+        self.supervisor = getattr(config, "supervisor", None)
+        if config is not None:
+            self.te_types = {spec.te_id: spec.te_type for spec in config.tes}
+        else:
+            self.te_types = self.events.te_types()
+        self.te = te or target_te(scenario, self.te_types)
+        components = [f"{t}/{scenario.part}" for t in target_tes(scenario, self.te,
+                                                                 self.te_types)]
+        self.injection = Injection(scenario, self.te, components)
+        self.deadline_s = deadline_of(scenario, self.supervisor)
+        self.bound_s = recovery_bound_s(self.supervisor)
+        self.detected: dict | None = None
+        self.recovered: dict | None = None
+        self.gave_up: dict | None = None
+        self.consumed_at: float | None = None
+        self.done_at: float | None = None
+        self.proof: FaultProof | None = None
+        self.driver: LoadDriver | None = None
+        self.reference: dict[int, list[int]] = {}
+        self.probe_prompt = ""
+        self.probe_before: int | None = None
+
+    # -- before the fault -------------------------------------------------------------
+    def prepare(self, prompts: list[str] | None, **driver_options) -> None:
+        config = self.config
+        min_len = (config.router.pd_options.min_prompt_len
+                   if config is not None and config.router.pd_policy is not None else None)
+        counter = token_counter(config.model) if config is not None else None
+        if prompts is None:
+            prompts = make_prompts(min_len, counter)
+        self.echo(f"drill {self.scenario.name}: {self.scenario.description}; "
+                  f"target {', '.join(self.injection.components)}")
+        wait_tes(self.url, len(config.tes) if config is not None else 1, self.bound_s)
+        if self.scenario.is_signal:
+            wait_pid(self.events, self.injection.component, self.bound_s)
+        self.driver = LoadDriver(self.url, self.model, prompts=prompts, **driver_options)
+        self.reference = self.driver.reference_sync()
+        if self.scenario.fault == "drop-cache":
+            self.probe_prompt = make_probe_prompt(min_len, counter)
+            self.driver.send_sync(self.probe_prompt)  # fills the cache
+            self.probe_before = self.driver.send_sync(self.probe_prompt).cached_tokens
+            self.echo(f"cache probe: {self.probe_before} cached tokens before the drop")
+
+    def _make_proof(self, fault_at: float) -> FaultProof:
+        inj, s = self.injection, self.scenario
+        if s.is_signal:
+            return SignalDetected(self.events, self.te, inj.component, inj.pid, inj.te_pid,
+                                  fault_at)
+        fired = HookFired(self.events, inj.components, s.fault, fault_at, self.fire_bound_s)
+        if s.fault == "drop-cache":
+            return Proofs([fired, CacheMissed(fired, lambda: self.driver.send_sync(
+                self.probe_prompt), self.probe_before)])
+        if s.fault == "kv-fail":
+            return Proofs([fired, TransferResumed(self.events, fault_at)])
+        return fired
+
+    # -- the fault, under load ----------------------------------------------------------
+    def run(self, *, duration_s: float, warmup_s: float, settle_s: float) -> DrillReport:
+        result: dict = {}
+
+        def load() -> None:
+            try:
+                result["records"] = self.driver.run_sync()
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=load, name="drill-load", daemon=True)
+        load_start = now()
+        thread.start()
+        try:
+            time.sleep(warmup_s)
+            fault_at = self.injection.inject(self.events, self.drill_dir)
+            self.proof = self._make_proof(fault_at)
+            pid = f", pid {self.injection.pid}" if self.injection.pid else ""
+            self.echo(f"fault injected at {fault_at:.3f} ({self.scenario.fault} -> "
+                      f"{', '.join(self.injection.components)}{pid})")
+            while thread.is_alive() and self._watch(now(), fault_at, load_start + duration_s,
+                                                    settle_s):
+                time.sleep(POLL_S)
+        finally:
+            self.injection.cleanup()
+            self.driver.stop()
+            thread.join()
+        if "error" in result:
+            raise RuntimeError(f"load failed: {result['error']!r}") from result["error"]
+        return self._report(result["records"], fault_at)
+
+    def _watch(self, t: float, fault_at: float, min_end: float, settle_s: float) -> bool:
+        """One look at the proof, the health log and the load; False: stop now."""
+        self.proof.poll(t)
+        if self.proof.failure is not None:
+            self.echo(f"fault not proven: {self.proof.failure}")
+            return False
+        self._look_at_events(fault_at)
+        if self.done_at is None and self.proof.is_settled and self._has_recovered(t, fault_at):
+            self.done_at = t
+        if t >= fault_at + self.bound_s:
+            self.echo(f"no recovery within {self.bound_s:.0f} s of the fault")
+            return False
+        return not (self.done_at is not None and t >= self.done_at + settle_s and t >= min_end)
+
+    def _look_at_events(self, fault_at: float) -> None:
+        te, events = self.te, self.events
+        if self.detected is None:
+            self.detected = events.first(fault_at, DETECT_EVENTS, te)
+            if self.detected is not None:
+                self.echo(f"detected: {self.detected['component']} {self.detected['event']} "
+                          f"after {self.detected['t'] - fault_at:.3f} s")
+                if self.scenario.fault == "stall":
+                    self.injection.lift()  # or the replacement worker stalls too
+        if self.recovered is None and self.scenario.restarts:
+            self.recovered = events.first(fault_at, {RECOVERED}, te)
+            if self.recovered is not None:
+                self.echo(f"recovered: {self.recovered['component']} after "
+                          f"{self.recovered['t'] - fault_at:.3f} s")
+        if self.gave_up is None:
+            self.gave_up = events.first(fault_at, {"failed"}, te)
+            if self.gave_up is not None:
+                self.echo(f"the supervisor gave up on {self.gave_up['component']}")
+
+    def _has_recovered(self, t: float, fault_at: float) -> bool:
+        s, inj = self.scenario, self.injection
+        if s.restarts:
+            return self.recovered is not None or self.gave_up is not None
+        if s.hold_s:  # slow: lift after hold_s, then one success after
+            if inj.lifted_at is None and t >= fault_at + s.hold_s:
+                inj.lift()
+                inj.lifted_at = inj.lifted_at or t
+            return (inj.lifted_at is not None
+                    and first_success_after(list(self.driver.records), inj.lifted_at) is not None)
+        # one-shot hooks: consumed, then one success after that
+        if self.consumed_at is None and inj.hook_consumed():
+            self.consumed_at = t
+        return (self.consumed_at is not None
+                and first_success_after(list(self.driver.records), self.consumed_at) is not None)
+
+    # -- the verdict --------------------------------------------------------------------
+    def _report(self, records: list[RequestRecord], fault_at: float) -> DrillReport:
+        if self.detected is None:  # a last look: logged while the load drained
+            self.detected = self.events.first(fault_at, DETECT_EVENTS, self.te)
+        if self.scenario.restarts:
+            if self.recovered is None:
+                self.recovered = self.events.first(fault_at, {RECOVERED}, self.te)
+            recovered_at = self.recovered["t"] if self.recovered is not None else None
+        else:
+            recovered_at = first_success_after(records, fault_at)
+        self.proof.finish(records)
+        proven = self.proof.is_proven
+        report = build_report(self.scenario.name, records, self.reference, self.deadline_s,
+                              fault_at, self.detected["t"] if self.detected else None,
+                              recovered_at, fault_proven=proven,
+                              proof="; ".join(self.proof.evidence) if proven
+                              else self.proof.failure)
+        report.details.update(self._details(records, fault_at))
+        return report
+
+    def _details(self, records: list[RequestRecord], fault_at: float) -> dict:
+        inj, detected = self.injection, self.detected
+        return dict(
+            te=self.te, component=inj.component, components=inj.components, pid=inj.pid,
+            hooks=[str(h) for h in inj.hooks], evidence=self.proof.evidence,
+            detected_event=detected and {k: detected.get(k) for k in ("component", "event",
+                                                                         "time")},
+            recovered_event=self.recovered is not None, gave_up=self.gave_up is not None,
+            hook_consumed=self.consumed_at is not None, notes=inj.notes,
+            completed_after_fault=sum(1 for r in records
+                                      if r.status == COMPLETED and r.start > fault_at),
+            timeline=[f"+{e['t'] - fault_at:.3f} {e.get('component')} {e.get('event')} "
+                      f"pid={e.get('pid')} {json.dumps(e.get('details') or {})}"
+                      for e in self.events.events(fault_at)])

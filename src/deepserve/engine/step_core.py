@@ -1,0 +1,131 @@
+"""StepCore: one TE's request bookkeeping, shared by both step loops.
+
+    LLMEngine (in-process) ─┐                        ┌─> Scheduler ──> StepBatch
+                            ├─> StepCore: add, finish ┤
+    Master (process mode) ──┘   release, schedule    └─> KVCacheManager
+
+A request enters as `add(request_id, ids, sampling, salt)`: its stop tokens
+(the request's own, plus the model's EOS unless ignore_eos) are assembled
+here and nowhere else. It leaves through `release(seq)` exactly once, after
+it finished (stop, length, abort): the workers hear the sequence id with the
+next batch, so they drop its sampling state. `check_request` is the one
+validation every entry point runs before anything is queued (the tokenizer
+process runs it too, so a bad request never reaches the master).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Hashable, Iterable
+
+from deepserve.cache.kv_manager import KVCacheManager
+from deepserve.config import EngineConfig
+from deepserve.engine.scheduler import Scheduler, SchedulerOutput
+from deepserve.engine.sequence import Sequence
+from deepserve.errors import InvalidRequestError, PromptTooLongError
+from deepserve.messages.sampling import SamplingParams
+from deepserve.messages.step import StepBatch
+
+
+def check_request(ids: list[int], sampling: SamplingParams, vocab_size: int,
+                  max_model_len: int) -> None:
+    """Raise InvalidRequestError (PromptTooLongError) naming the bad field."""
+    sampling.validate(vocab_size)
+    if not ids:
+        raise InvalidRequestError("prompt is empty (no tokens)", "prompt")
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})",
+                                  "prompt")
+    if len(ids) >= max_model_len:
+        raise PromptTooLongError(
+            f"prompt has {len(ids)} tokens; max_model_len is {max_model_len}, which must leave "
+            f"room for at least one generated token", "prompt")
+
+
+class StepCore:
+    """config: resolved (num_kv_blocks and max_model_len set). record_events:
+    keep the prefix tree's insert/evict events and the finished request ids
+    for a cluster manager's reports (else nothing accumulates)."""
+
+    def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int], vocab_size: int,
+                 record_events: bool = False):
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.record_events = record_events
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size,
+                                 config.enable_prefix_caching, record_events=record_events)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.max_model_len)
+        self.seqs: dict[str, Sequence] = {}  # request id -> its sequence, until released
+        self.request_ids: dict[int, str] = {}  # seq id -> request id
+        self.released: list[int] = []  # seq ids the workers drop with the next batch
+        self.finished_ids: list[str] = []  # for reports (record_events only)
+        self.num_prompt_tokens = self.num_cached_tokens = 0  # of released requests
+        self._seq_ids, self._step_ids = itertools.count(), itertools.count()
+
+    # -- requests -----------------------------------------------------------------
+    def check(self, request_id: str, ids: list[int], sampling: SamplingParams) -> None:
+        check_request(ids, sampling, self.vocab_size, self.config.max_model_len)
+        if request_id in self.seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use",
+                                      "request_id")
+
+    def stop_token_ids(self, sampling: SamplingParams) -> frozenset[int]:
+        stops = frozenset(sampling.stop_token_ids)
+        return stops if sampling.ignore_eos else stops | self.eos_token_ids
+
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    def add(self, request_id: str, ids: list[int], sampling: SamplingParams,
+            salt: Hashable = None, schedule: bool = True) -> Sequence:
+        """A tracked sequence for the request, queued unless schedule=False
+        (a decode task waits for its KV from a prefill TE first)."""
+        seq = Sequence(self.new_seq_id(), ids, sampling, self.stop_token_ids(sampling), salt)
+        self.track(request_id, seq)
+        if schedule:
+            self.scheduler.add(seq)
+        return seq
+
+    def track(self, request_id: str, seq: Sequence) -> None:
+        """Bookkeeping for a sequence made elsewhere (a prefill task's)."""
+        self.seqs[request_id] = seq
+        self.request_ids[seq.seq_id] = request_id
+
+    def finish(self, request_id: str, reason: str) -> Sequence | None:
+        """Stop a request (abort, a stop string) and release it; None if unknown."""
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq, reason)
+            self.release(seq)
+        return seq
+
+    def release(self, seq: Sequence) -> str | None:
+        """Forget a finished sequence; its request id (None if released already)."""
+        request_id = self.request_ids.pop(seq.seq_id, None)
+        if request_id is None:
+            return None
+        if self.seqs.get(request_id) is seq:  # else a later attempt holds the id now
+            del self.seqs[request_id]
+        if self.record_events and not seq.keep_kv:  # a prefill task ends on the decode TE
+            self.finished_ids.append(request_id)
+        self.num_prompt_tokens += seq.num_prompt_tokens
+        self.num_cached_tokens += seq.num_cached_tokens or 0
+        if seq.is_known_to_workers:
+            self.released.append(seq.seq_id)
+        return request_id
+
+    # -- steps --------------------------------------------------------------------
+    def schedule(self) -> tuple[SchedulerOutput, StepBatch] | None:
+        """The next step and its wire form, or None when there is nothing to run."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return None
+        batch = scheduled.to_step_batch(next(self._step_ids), self.kv, self.released)
+        self.released = []
+        return scheduled, batch
+
+    def pop_finished(self) -> list[str]:
+        finished, self.finished_ids = self.finished_ids, []
+        return finished

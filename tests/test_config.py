@@ -1,0 +1,420 @@
+"""One config schema: every key of every section reaches the process that
+uses it, through the same code a child runs (`--conf PATH --role NAME`), and
+every bad file is refused with the file, the section and the key named."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from deepserve.config import EngineConfig, load_config
+from deepserve.config.child import parse_child_args
+from deepserve.config.loading import load_node_config, write_run_config
+from deepserve.config.node import (ENGINE_OPTIONS, FLAT_SECTIONS, GatewaySection, NodeConfig,
+                                   NodeSection, PDOptions, RouterSection, RunAddresses,
+                                   SupervisorConfig, TESection, TESpec)
+from deepserve.control import cluster_manager, job_executor
+from deepserve.engine import te_server
+from deepserve.gateway import __main__ as gateway_main
+from deepserve.supervisor.node_config import with_port
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = {"cluster-manager": cluster_manager, "job-executor": job_executor,
+           "gateway": gateway_main, "te": te_server}
+BASE = {"node": {"model": "models/m"}, "te": [{}]}
+
+
+def _toml(value) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value)  # str, int, float, bool: TOML writes them the same way
+
+
+def write_toml(tmp_path: Path, tables: dict) -> Path:
+    """tables: section -> {key: value}; "te": a list of [[te]] tables."""
+    lines = []
+    for section, body in tables.items():
+        for table in (body if section == "te" else [body]):
+            lines.append(f"[[{section}]]" if section == "te" else f"[{section}]")
+            lines += [f"{key} = {_toml(value)}" for key, value in table.items()]
+    (tmp_path / "conf").mkdir(exist_ok=True)
+    path = tmp_path / "conf" / "node.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def resolve(path: Path, run_dir: Path) -> Path:
+    """What the node does before it starts children: resolve, add the run, write."""
+    config = load_node_config(path)
+    run = RunAddresses.in_dir(run_dir, "run1", [te.te_id for te in config.tes])
+    return write_run_config(config.with_run(run), run_dir / "node.json")
+
+
+def effective(role: str, conf: Path):
+    """The child's own config-loading path, given the argv the node gives it."""
+    if role == "node":
+        return load_node_config(conf)
+    if role == "supervisor":
+        return load_node_config(conf).supervisor
+    resolved = resolve(conf, conf.parent.parent)
+    extra = ["--te-id", "te0", "--run-id", "r0"] if role == "te" else []
+    args = parse_child_args(["--conf", str(resolved), "--role", role, *extra], role, "")
+    return MODULES[role].load_settings(args)
+
+
+def at(tmp: Path, rel: str) -> str:
+    return str(tmp / rel)
+
+
+ENGINE_VALUES = {
+    "dtype": "bfloat16", "block_size": 32, "num_kv_blocks": 64, "kv_cache_memory": 1 << 20,
+    "max_num_batched_tokens": 333, "max_num_seqs": 7, "max_model_len": 128,
+    "enable_prefix_caching": False, "seed": 5, "tp": 2, "async_scheduling": False,
+    "num_threads": 3, "startup_timeout_s": 77.0, "kv_transfer_backend": "tcp",
+    "kv_transfer_layerwise": True, "kv_transfer_timeout_s": 9.0}
+"""A valid non-default value of every engine option but `processes` (implied True)."""
+
+# (section, key, value in the TOML, role that uses it, what that role sees -> expected)
+CASES = [
+    ("node", "model", "models/other", "job-executor",
+     lambda s, t: s.model == at(t, "models/other")),
+    ("node", "model", "/abs/m", "te", lambda s, t: s.engine.model == "/abs/m"),
+    ("node", "served_model", "sm", "gateway", lambda s, t: s.served_model == "sm"),
+    ("node", "served_model", "sm", "te", lambda s, t: s.served_model == "sm"),
+    ("node", "host", "127.0.0.2", "gateway", lambda s, t: s.host == "127.0.0.2"),
+    ("node", "port", 8123, "gateway", lambda s, t: s.port == 8123),
+    ("node", "startup_timeout_s", 5.5, "node", lambda s, t: s.node.startup_timeout_s == 5.5),
+    ("node", "te_timeout_s", 2.5, "cluster-manager", lambda s, t: s.te_timeout_s == 2.5),
+    ("node", "num_devices", 4, "node", lambda s, t: s.node.num_devices == 4),
+    ("node", "max_attempts", 7, "job-executor", lambda s, t: s.max_attempts == 7),
+    ("gateway", "api_keys", {"k": "t"}, "gateway", lambda s, t: dict(s.api_keys) == {"k": "t"}),
+    ("gateway", "max_open_requests", 9, "gateway", lambda s, t: s.max_open_requests == 9),
+    ("gateway", "request_timeout_s", 4.5, "gateway", lambda s, t: s.request_timeout_s == 4.5),
+    ("gateway", "max_prompt_chars", 99, "gateway", lambda s, t: s.max_prompt_chars == 99),
+    ("gateway", "default_max_tokens", 3, "gateway", lambda s, t: s.default_max_tokens == 3),
+    ("router", "policy", "load", "job-executor", lambda s, t: s.router.policy == "load"),
+    ("router", "balance_threshold", 12.0, "job-executor",
+     lambda s, t: s.router.balance_threshold == 12.0),
+    ("router", "pd_policy", "threshold", "job-executor",
+     lambda s, t: s.router.pd_policy == "threshold"),
+    ("router", "pd_heatmap", "conf/h.json", "job-executor",
+     lambda s, t: s.router.pd_heatmap == at(t, "conf/h.json")),
+    ("router", "pd_predictor", "conf/p.json", "job-executor",
+     lambda s, t: s.router.pd_predictor == at(t, "conf/p.json")),
+    ("router", "pd_options", {"margin": 0.5, "min_prompt_len": 10, "max_decode_len": 20},
+     "job-executor", lambda s, t: s.router.pd_options == PDOptions(margin=0.5, min_prompt_len=10,
+                                                                   max_decode_len=20)),
+    *[("supervisor", key, value, "supervisor", lambda s, t, k=key, v=value: getattr(s, k) == v)
+      for key, value in {"heartbeat_deadline_s": 1.5, "progress_deadline_s": 2.5,
+                         "startup_grace_s": 30.0, "memory_limit_mb": 512.0,
+                         "restart_base_delay_s": 0.25, "restart_max_delay_s": 9.0,
+                         "max_restarts": 2, "restart_window_s": 20.0, "kill_grace_s": 0.5,
+                         "drill": True}.items()],
+    ("supervisor", "log_dir", "var/logs", "supervisor",
+     lambda s, t: s.log_dir == at(t, "var/logs")),
+    ("te", "type", "decode", "te", lambda s, t: s.te_type == "decode"),
+    ("te", "count", 3, "node", lambda s, t: [te.te_id for te in s.tes] == ["te0", "te1", "te2"]),
+    ("te", "priority", 4, "node", lambda s, t: s.tes[0].priority == 4),
+    ("te", "processes", False, "te", lambda s, t: s.engine.processes is True),  # implied
+    *[("te", key, value, "te", lambda s, t, k=key, v=value: getattr(s.engine, k) == v)
+      for key, value in ENGINE_VALUES.items()],
+]
+SECTION_TYPES = {"node": NodeSection, "gateway": GatewaySection, "router": RouterSection,
+                 "supervisor": SupervisorConfig, "te": TESection}
+
+
+def test_every_key_of_every_section_has_a_case():
+    keys = {(s, f) for s, t in SECTION_TYPES.items() for f in t.__struct_fields__}
+    assert keys == {(section, key) for section, key, *_ in CASES}
+    assert set(ENGINE_VALUES) | {"processes"} == set(ENGINE_OPTIONS)
+
+
+@pytest.mark.parametrize("section, key, value, role, sees", CASES,
+                         ids=[f"{c[0]}.{c[1]}->{c[3]}" for c in CASES])
+def test_key_reaches_its_process(tmp_path, section, key, value, role, sees):
+    tables = {"node": dict(BASE["node"]), "te": [{}]}
+    if section == "te":
+        tables["te"][0][key] = value
+    else:
+        tables.setdefault(section, {})[key] = value
+    settings = effective(role, write_toml(tmp_path, tables))
+    assert sees(settings, tmp_path), settings
+    (tmp_path / "default").mkdir()
+    default = effective(role, write_toml(tmp_path / "default", BASE))
+    assert key == "processes" or not sees(default, tmp_path / "default"), "set a non-default"
+
+
+def test_run_addresses_reach_every_child(tmp_path):
+    conf = write_toml(tmp_path, {"node": {"model": "m"}, "te": [{"count": 2}]})
+    run = RunAddresses.in_dir(tmp_path, "run1", ["te0", "te1"])
+    cm, je = effective("cluster-manager", conf), effective("job-executor", conf)
+    gw, te = effective("gateway", conf), effective("te", conf)
+    assert (cm.inbox, cm.pub) == (run.cm, run.cm_pub)
+    assert (je.inbox, je.cm_pub) == (run.je, run.cm_pub)
+    assert (gw.je_address, gw.cm_address, gw.reply_address) == (run.je, run.cm_pub, run.gw_reply)
+    assert (te.inbox, te.cm, te.run_id) == (run.tes["te0"], run.cm, "r0")
+
+
+@pytest.mark.slow
+def test_real_children_print_their_effective_config(tmp_path):
+    """The same values, read by real child processes from the file the node writes."""
+    conf = write_toml(tmp_path, {
+        "node": {"model": "models/m", "served_model": "sm", "port": 8124, "te_timeout_s": 2.5,
+                 "max_attempts": 7},
+        "gateway": {"api_keys": {"k": "t"}, "max_open_requests": 9},
+        "router": {"policy": "load", "pd_policy": "threshold", "pd_options": {"margin": 0.5}},
+        "te": [{"type": "prefill", "block_size": 32, "tp": 2}]})
+    resolved = resolve(conf, tmp_path)
+    assert resolved.stat().st_mode & 0o777 == 0o600  # it holds the API keys
+    printed = {}
+    for role, module in (("cluster-manager", "deepserve.control.cluster_manager"),
+                         ("job-executor", "deepserve.control.job_executor"),
+                         ("gateway", "deepserve.gateway"), ("te", "deepserve.engine.te_server")):
+        extra = ["--te-id", "te0"] if role == "te" else []
+        out = subprocess.run([sys.executable, "-m", module, "--conf", str(resolved), "--role",
+                              role, *extra, "--print-config"], capture_output=True, text=True,
+                             timeout=120, check=True).stdout
+        printed[role] = json.loads(out)
+    assert printed["cluster-manager"]["te_timeout_s"] == 2.5
+    je = printed["job-executor"]
+    assert je["max_attempts"] == 7 and je["router"]["policy"] == "load"
+    assert je["router"]["pd_options"]["margin"] == 0.5 and je["model"] == at(tmp_path, "models/m")
+    gw = printed["gateway"]
+    assert (gw["port"], gw["served_model"], gw["api_keys"], gw["max_open_requests"]) == (
+        8124, "sm", {"k": "t"}, 9)
+    te = printed["te"]
+    assert (te["te_type"], te["engine"]["block_size"], te["engine"]["tp"]) == ("prefill", 32, 2)
+
+
+def test_job_executor_applies_max_attempts_and_router(tmp_path, tiny_model):
+    """Past the settings: the objects the JE builds from them."""
+    conf = write_toml(tmp_path, {
+        "node": {"model": str(tiny_model), "max_attempts": 7},
+        "router": {"policy": "load", "balance_threshold": 12.0, "pd_policy": "threshold",
+                   "pd_options": {"min_prompt_len": 10, "max_decode_len": 20, "margin": 0.5}},
+        "te": [{}]})
+    ctx = zmq.Context()
+    je = job_executor.build(ctx, effective("job-executor", conf))
+    try:
+        assert je.max_attempts == 7
+        assert (je.router.policy, je.router.balance_threshold) == ("load", 12.0)
+        p = je.pd_policy
+        assert (p.mode, p.min_prompt_len, p.max_decode_len, p.margin) == ("threshold", 10, 20, 0.5)
+    finally:
+        je.close()
+        ctx.term()
+
+
+# -- refusals: the file, the section and the key, always --------------------------------------
+
+@pytest.mark.parametrize("tables, where", [
+    ({"bogus": {"a": 1}}, "unknown section(s) [bogus]"),
+    ({"node": {"colour": 1}}, "[node] colour: unknown key"),
+    ({"gateway": {"colour": 1}}, "[gateway] colour: unknown key"),
+    ({"router": {"colour": 1}}, "[router] colour: unknown key"),
+    ({"router": {"pd_options": {"colour": 1}}}, "[router] pd_options.colour: unknown key"),
+    ({"supervisor": {"colour": 1}}, "[supervisor] colour: unknown key"),
+    ({"te": [{}, {"colour": 1}]}, "[[te]] #2 colour: unknown key"),
+    ({"node": {"port": "80"}}, "[node] port: Expected `int`, got `str`"),
+    ({"gateway": {"api_keys": {"k": 1}}}, "[gateway] api_keys"),
+    ({"router": {"balance_threshold": "x"}}, "[router] balance_threshold: Expected `float"),
+    ({"supervisor": {"heartbeat_deadline_s": -1}},
+     "[supervisor] heartbeat_deadline_s: Expected `float` > 0.0, got -1"),
+    ({"node": {"port": 70000}}, "[node] port: Expected `int` <= 65535, got 70000"),
+    ({"node": {"max_attempts": 0}}, "[node] max_attempts: Expected `int` >= 1, got 0"),
+    ({"gateway": {"max_open_requests": 0}}, "[gateway] max_open_requests: Expected `int` >= 1"),
+    ({"router": {"policy": "random"}}, "[router] policy: Invalid enum value 'random'"),
+    ({"router": {"pd_policy": "sometimes"}}, "[router] pd_policy: Invalid enum value"),
+    ({"supervisor": {"max_restarts": -1}}, "[supervisor] max_restarts: Expected `int` >= 0"),
+    ({"te": [{"type": "both"}]}, "[[te]] #1 type: Invalid enum value 'both'"),
+    ({"te": [{"count": 0}]}, "[[te]] #1 count: Expected `int` >= 1, got 0"),
+    ({"te": [{"block_size": 0}]}, "[[te]] block_size: must be a positive integer, got 0"),
+    ({"te": [{"kv_transfer_backend": "pigeon"}]}, "[[te]] kv_transfer_backend: must be"),
+    ({"te": [{"tp": "2"}]}, "[[te]] #1 tp: Expected `int`, got `str`"),
+    ({"te": []}, "[[te]] a node needs at least one [[te]]"),
+])
+def test_bad_files_name_file_section_and_key(tmp_path, tables, where):
+    merged = {"node": {"model": "m", **tables.pop("node", {})}, **tables}
+    merged.setdefault("te", [{}])
+    path = write_toml(tmp_path, merged)
+    with pytest.raises(ValueError) as info:
+        load_node_config(path)
+    assert str(info.value).startswith(f"{path}: ") and where in str(info.value), str(info.value)
+
+
+def test_te_must_be_an_array_and_model_is_required(tmp_path):
+    (tmp_path / "conf").mkdir()
+    path = tmp_path / "conf" / "x.toml"
+    path.write_text('[node]\nmodel = "m"\n[te]\ncount = 1\n')
+    with pytest.raises(ValueError, match=r"\[te\]: write TEs as \[\[te\]\]"):
+        load_node_config(path)
+    path.write_text("[node]\nport = 1\n[[te]]\n")
+    with pytest.raises(ValueError, match=r"x.toml: \[node\] model: required"):
+        load_node_config(path)
+
+
+def test_overrides_and_command_line_port_are_checked_and_reach_children(tmp_path):
+    conf = write_toml(tmp_path, BASE)
+    with pytest.raises(ValueError, match=r"\[node\] port: Expected `int` <= 65535"):
+        load_node_config(conf, overrides={"port": 99999})
+    with pytest.raises(ValueError, match="override 'colour'"):
+        load_node_config(conf, overrides={"colour": 1})
+    config = with_port(load_node_config(conf, overrides={"max_open_requests": 5}), "0.0.0.0", 9)
+    run = RunAddresses.in_dir(tmp_path, "r", ["te0"])
+    resolved = write_run_config(config.with_run(run), tmp_path / "node.json")
+    gw = gateway_main.load_settings(parse_child_args(
+        ["--conf", str(resolved), "--role", "gateway"], "gateway", ""))
+    assert (gw.host, gw.port, gw.max_open_requests) == ("0.0.0.0", 9, 5)
+
+
+def test_child_refuses_another_role_and_an_unresolved_file(tmp_path):
+    with pytest.raises(SystemExit):
+        parse_child_args(["--conf", "x", "--role", "gateway"], "job-executor", "")
+    conf = write_toml(tmp_path, BASE)
+    unresolved = tmp_path / "plain.json"
+    unresolved.write_bytes(msgspec.json.encode(load_node_config(conf)))
+    args = parse_child_args(["--conf", str(unresolved), "--role", "cluster-manager"],
+                            "cluster-manager", "")
+    with pytest.raises(ValueError, match="no run addresses"):
+        cluster_manager.load_settings(args)
+
+
+def test_flat_view_and_build():
+    names = [f for s in FLAT_SECTIONS for f in SECTION_TYPES[s].__struct_fields__]
+    assert len(names) == len(set(names))  # config.port is unambiguous
+    assert not set(names) & set(NodeConfig.__struct_fields__)
+    config = NodeConfig.build(model="/m", port=9, max_open_requests=4, policy="load",
+                              tes=[TESpec("te0", "colocated", {"tp": 2})])
+    assert (config.port, config.max_open_requests, config.policy) == (9, 4, "load")
+    assert config.node.served_model == "m" and config.tes[0].num_devices == 2
+    with pytest.raises(AttributeError):
+        config.colour
+    with pytest.raises(ValueError, match="unknown node config key 'colour'"):
+        NodeConfig.build(model="/m", colour=1, tes=[TESpec("te0", "colocated")])
+    with pytest.raises(msgspec.ValidationError, match="port"):
+        NodeConfig.build(model="/m", port=0, tes=[TESpec("te0", "colocated")])
+    with pytest.raises(ValueError, match="type must be one of"):
+        NodeConfig.build(model="/m", tes=[TESpec("te0", "sideways")])
+
+
+@pytest.mark.parametrize("name", ["node", "pd", "drill"])
+def test_shipped_node_confs_load(name):
+    config = load_node_config(ROOT / "conf" / f"{name}.toml")
+    assert config.node.model == str(ROOT / "models" / "tiny") and config.tes
+
+
+@pytest.mark.parametrize("name, tp", [("engine", 1), ("engine-tp2", 2)])
+def test_shipped_engine_confs_load(name, tp):
+    config = load_config(ROOT / "conf" / f"{name}.toml")
+    assert isinstance(config, EngineConfig) and config.tp == tp and config.processes
+
+
+def test_conf_node_toml_documents_every_key_and_only_real_ones():
+    """conf/node.toml is the reference: each section's keys (set or commented
+    out) are exactly its Struct's fields; [[te]] lists every engine option."""
+    text = (ROOT / "conf" / "node.toml").read_text()
+    documented: dict[str, set[str]] = {}
+    section = None
+    for line in text.splitlines():
+        header = re.match(r"^\[\[?(\w+)\]\]?", line)
+        if header:
+            section = header[1]
+            continue
+        key = re.match(r"^#?\s*(\w+)\s*=", line)
+        if key and section is not None:
+            documented.setdefault(section, set()).add(key[1])
+    for name, struct_type in SECTION_TYPES.items():
+        if name == "te":
+            assert documented[name] <= set(struct_type.__struct_fields__)
+            assert {"type", "count", "priority"} <= set(text.split("`")) | documented[name]
+            missing = [o for o in ENGINE_OPTIONS if o != "processes" and o not in text]
+            assert not missing, missing
+        else:
+            assert documented[name] == set(struct_type.__struct_fields__), name
+
+
+@pytest.mark.parametrize("body, where", [
+    ('model = "m"\ncolour = 1', "[engine] unknown engine option(s) ['colour']"),
+    ('model = "m"\nblock_size = 0', "[engine] block_size must be a positive integer, got 0"),
+    ("tp = 1", '[engine] needs model = "PATH"'),
+])
+def test_engine_files_name_file_section_and_key(tmp_path, body, where):
+    path = tmp_path / "engine.toml"
+    path.write_text(f"[engine]\n{body}\n")
+    with pytest.raises(ValueError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: ") and where in str(info.value)
+
+
+@pytest.mark.slow
+def test_real_job_executor_uses_max_attempts_and_reports_migrations(tmp_path, tiny_model):
+    """[node] max_attempts = 2 in a real JE process started as the node starts
+    it: attempt 1 resumes on a TE (and the JE's ActorLife reports
+    request_migrated to the supervisor), attempt 2 is refused."""
+    from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
+    from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
+    from deepserve.messages.control import TEInfo, TEList
+    from deepserve.messages.engine import AbortRequest, RequestFailed, SubmitRequest, ToClient
+    from deepserve.messages.health import HealthEvent, Ready, ToSupervisor
+    from deepserve.messages.sampling import SamplingParams
+
+    conf = write_toml(tmp_path, {"node": {"model": str(tiny_model), "max_attempts": 2},
+                                 "te": [{}]})
+    resolved = resolve(conf, tmp_path)
+    run = RunAddresses.in_dir(tmp_path, "run1", ["te0"])
+    ctx = zmq.Context()
+    cm = PubSocket(ctx, run.cm_pub, bind=True)
+    supervisor = PullSocket(ctx, run.hb, bind=True, type=ToSupervisor)
+    te = PullSocket(ctx, run.tes["te0"], bind=True, type=SubmitRequest | AbortRequest)
+    gw = PullSocket(ctx, run.gw_reply, bind=True, type=ToClient)
+    to_je = PushSocket(ctx, run.je, bind=False)
+    je = subprocess.Popen([sys.executable, "-m", "deepserve.control.job_executor", "--conf",
+                           str(resolved), "--role", "job-executor", "--parent-pid",
+                           str(os.getpid())], env={**os.environ, HEARTBEAT_ENV: run.hb})
+    heard: list = []
+
+    def until(pred, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            heard.extend(supervisor.drain() or [])
+            got = pred()
+            if got:
+                return got
+            time.sleep(0.05)
+        raise AssertionError(f"timed out; the supervisor heard {heard}")
+
+    def submit(attempt):
+        to_je.put(SubmitRequest(request_id=f"r{attempt}", prompt_token_ids=[1, 2, 3],
+                                sampling=SamplingParams(max_tokens=2), reply_to=run.gw_reply,
+                                attempt=attempt))
+    try:
+        until(lambda: any(isinstance(m, Ready) and m.component == "job-executor" for m in heard))
+        info = TEInfo(te_id="te0", model="m", address=run.tes["te0"])
+
+        def routed():
+            cm.put(TEList(tes=[info]))
+            submit(1)
+            return te.drain()
+        task = until(routed)[0]
+        assert task.attempt == 1
+        until(lambda: [m for m in heard if isinstance(m, HealthEvent)
+                       and m.event == "request_migrated" and m.details["attempt"] == 1])
+        submit(2)
+        [failed] = until(gw.drain)
+        assert isinstance(failed, RequestFailed) and failed.error == "engine_dead"
+        assert "after 2 attempts" in failed.message
+    finally:
+        je.terminate()
+        assert je.wait(15) == 0
+        for sock in (cm, supervisor, te, gw, to_je):
+            sock.close()
+        ctx.term()
