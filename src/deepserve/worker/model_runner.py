@@ -91,7 +91,9 @@ class ModelRunner:
             p = new.sampling
             gen = self._default_generator
             if p.seed is not None:
-                gen = torch.Generator().manual_seed(p.seed)
+                # Modulo 2**64: the same generator for every seed torch takes, and
+                # no crash on one it would refuse (validate() refuses those too).
+                gen = torch.Generator().manual_seed(p.seed % 2**64)
             self._sampling[new.seq_id] = (p, gen)
 
     def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SampledToken]:
