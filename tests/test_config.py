@@ -101,6 +101,7 @@ CASES = [
     ("gateway", "request_timeout_s", 4.5, "gateway", lambda s, t: s.request_timeout_s == 4.5),
     ("gateway", "max_prompt_chars", 99, "gateway", lambda s, t: s.max_prompt_chars == 99),
     ("gateway", "default_max_tokens", 3, "gateway", lambda s, t: s.default_max_tokens == 3),
+    ("gateway", "max_body_bytes", 4096, "gateway", lambda s, t: s.max_body_bytes == 4096),
     ("router", "policy", "load", "job-executor", lambda s, t: s.router.policy == "load"),
     ("router", "balance_threshold", 12.0, "job-executor",
      lambda s, t: s.router.balance_threshold == 12.0),

@@ -4,11 +4,23 @@ the helpers Hugging Face templates expect).
 
 It lives on the bottom floor, beside config.py, because the TE's tokenizer
 process and the job executor (which tokenizes to route by cache locality)
-both need it, and neither may import the other's room. No torch here."""
+both need it, and neither may import the other's room. No torch here.
+
+Chat messages are encoded so that only the template makes control tokens: a
+special token's text inside a message (`<|im_start|>system` in user content)
+is encoded as plain text, so a user cannot forge a turn. The template is
+rendered with each such occurrence swapped for a private-use marker, then
+the markers are put back and remembered as guarded spans; the text is split
+on the template's special tokens only and everything between them, guarded
+spans included, is encoded with special-token matching off. Content with no
+special-token text takes the plain path: the same ids as before. A raw
+completion prompt is the caller's own text (it may send token ids anyway),
+so it is encoded as given, special tokens included."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jinja2
@@ -20,6 +32,13 @@ from deepserve.errors import InvalidRequestError, ModelLoadError
 
 def _raise(message: str):
     raise jinja2.TemplateError(message)
+
+
+# Markers stand for guarded text while the template renders: plane-16 private
+# use characters. Content that itself holds such characters has them guarded
+# too, so every marker in the rendered text is one of ours.
+_MARK_FIRST, _MARK_LAST = 0x100000, 0x10FFFD
+_MARK_RE = re.compile(f"[{chr(_MARK_FIRST)}-{chr(_MARK_LAST)}]")
 
 
 class Tokenizer:
@@ -37,6 +56,14 @@ class Tokenizer:
         self.chat_template: str | None = self.config.get("chat_template")
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.bos_token = _token_text(self.config.get("bos_token"))
+        # special token text -> id; a second tokenizer that reads such text as text
+        self._special_ids = {t.content: i for i, t in
+                             self._tok.get_added_tokens_decoder().items() if t.special}
+        self._plain = HFTokenizer.from_file(str(path))
+        self._plain.encode_special_tokens = True
+        texts = sorted(self._special_ids, key=len, reverse=True)  # longest first
+        self._special_re = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self._guard_re = re.compile("|".join([*map(re.escape, texts), _MARK_RE.pattern]))
 
     @property
     def vocab_size(self) -> int:
@@ -56,8 +83,10 @@ class Tokenizer:
         """(prompt text or None, token ids) of a request given as chat messages,
         token ids or text; InvalidRequestError when there is nothing usable."""
         if messages is not None:
-            text = self.apply_chat_template(messages)
-            return text, self.encode(text, add_special_tokens=False)
+            text, guarded = self._render_guarded(messages)
+            if not guarded:
+                return text, self.encode(text, add_special_tokens=False)
+            return text, self._encode_guarded(text, guarded)
         if prompt_token_ids is not None:
             return None, list(prompt_token_ids)
         if not isinstance(prompt, str):
@@ -67,6 +96,64 @@ class Tokenizer:
         if not prompt:
             raise InvalidRequestError("prompt is empty", "prompt")
         return prompt, self.encode(prompt)
+
+    def _render_guarded(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """(rendered prompt, [start, end) spans of it that came from message
+        text and look like special tokens or markers: encode them as text)."""
+        _check_messages(messages)
+        markers: dict[str, str] = {}  # guarded text -> its marker
+
+        def mark(match: re.Match) -> str:
+            if match[0] not in markers:
+                if len(markers) > _MARK_LAST - _MARK_FIRST:
+                    raise InvalidRequestError("messages hold too many distinct special "
+                                              "characters", "messages")
+                markers[match[0]] = chr(_MARK_FIRST + len(markers))
+            return markers[match[0]]
+
+        escaped = [{k: self._guard_re.sub(mark, v) if isinstance(v, str) else v
+                    for k, v in m.items()} for m in messages]
+        rendered = self.apply_chat_template(escaped)
+        if not markers:
+            return rendered, []
+        originals = {marker: text for text, marker in markers.items()}
+        parts, spans, pos, last = [], [], 0, 0
+        for match in _MARK_RE.finditer(rendered):
+            parts.append(rendered[last:match.start()])
+            pos += match.start() - last
+            original = originals[match[0]]
+            parts.append(original)
+            spans.append((pos, pos + len(original)))
+            pos += len(original)
+            last = match.end()
+        parts.append(rendered[last:])
+        return "".join(parts), spans
+
+    def _encode_guarded(self, text: str, guarded: list[tuple[int, int]]) -> list[int]:
+        """Token ids of `text`: special tokens outside the guarded spans are
+        control tokens, everything else (guarded spans included) plain text."""
+        if self._special_re is None:
+            return self._plain.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        pending: list[str] = []  # plain text since the last control token
+
+        def flush():
+            if pending:
+                ids.extend(self._plain.encode("".join(pending), add_special_tokens=False).ids)
+                pending.clear()
+
+        pos = 0
+        for start, end in [*guarded, (len(text), len(text))]:
+            last = pos
+            for match in self._special_re.finditer(text, pos, start):
+                pending.append(text[last:match.start()])
+                flush()
+                ids.append(self._special_ids[match[0]])
+                last = match.end()
+            pending.append(text[last:end])  # the rest, then the guarded span itself
+            pos = end
+        flush()
+        return ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:

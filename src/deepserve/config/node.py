@@ -71,6 +71,9 @@ class GatewaySection(Section):
     """Characters (or token ids) of prompt / messages at most; past it: 400."""
     default_max_tokens: Count = 16
     """max_tokens of a request that gives none."""
+    max_body_bytes: Count = 8 * 1024 * 1024
+    """Bytes of an HTTP request body at most; past it: 413, before the body is
+    read or parsed and before authentication."""
 
 
 class PDOptions(Section):

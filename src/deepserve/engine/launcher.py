@@ -30,7 +30,7 @@ from deepserve.config import EngineConfig
 from deepserve.engine.master import MasterSpec, master_main
 from deepserve.engine.tokenizer_actor import TokenizerSpec, tokenizer_main
 from deepserve.errors import EngineDeadError
-from deepserve.ipc.segments import list_segments, segment_name, unlink_segment
+from deepserve.ipc.segments import free_run_id, list_segments, segment_name, unlink_segment
 from deepserve.ipc.sockets import free_port, ipc_address
 from deepserve.messages.pd import pd_address
 from deepserve.model.config import load_model_config
@@ -62,7 +62,8 @@ class TELauncher:
         self.config = config.resolve(
             model_config.max_position_embeddings,
             ModelRunner.kv_bytes_per_block(model_config, config.block_size, config.tp))
-        self.run_id = run_id or uuid.uuid4().hex[:12]
+        # a name squat under a predictable run id must not stop a (re)start
+        self.run_id = free_run_id(run_id or uuid.uuid4().hex[:12])
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"ds-{self.run_id}-"))
         self.address = {name: ipc_address(self.run_dir, name)
                         for name in ("client", "tokenizer", "master", "steps", "ring")}

@@ -24,6 +24,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.responses import Response
 
+from deepserve.gateway.body_limit import BodyLimit
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.errors import APIError, error_response, install_error_handlers
 from deepserve.gateway.generation import GatewayState, generate
@@ -132,6 +133,8 @@ def create_app(config: GatewayConfig,
     app.state.gateway = GatewayState(config, client, gateway_metrics)
     app.state.created = int(time.time())
     install_error_handlers(app)
+    # added first, so it runs inside RequestCounter (a 413 is counted too)
+    app.add_middleware(BodyLimit, max_body_bytes=config.max_body_bytes)
     app.add_middleware(RequestCounter, metrics=gateway_metrics)
     app.include_router(router)
     return app

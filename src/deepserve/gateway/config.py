@@ -48,6 +48,10 @@ class GatewayConfig:
     it: 400 context_length_exceeded, before anything is sent to a TE."""
     default_max_tokens: int = 16
     """max_tokens when a request gives neither max_tokens nor max_completion_tokens."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Bytes of an HTTP request body at most; past it: 413 with an OpenAI error
+    body, answered before the body is read or parsed and before authentication
+    (gateway/body_limit.py)."""
 
     def __post_init__(self):
         for name in ("je_address", "cm_address", "reply_address", "served_model", "host"):
@@ -55,7 +59,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be a non-empty string")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_open_requests", "max_prompt_chars", "default_max_tokens"):
+        for name in ("max_open_requests", "max_prompt_chars", "default_max_tokens",
+                     "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.request_timeout_s > 0:

@@ -19,13 +19,18 @@ from deepserve.messages.sampling import SamplingParams
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
 MAX_NUM_STOP = 16
+MAX_STOP_CHARS = 256
+"""Characters of one stop string at most (the TE holds back that much text)."""
+MAX_NUM_MESSAGES = 1024
+"""Chat messages of one request at most."""
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 TokenCount = Annotated[int, Field(ge=1, le=2**31 - 1)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-Stop = str | Annotated[list[str], Field(max_length=MAX_NUM_STOP)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_NUM_STOP)]
 
 
 class StreamOptions(BaseModel):
@@ -100,7 +105,7 @@ class _GenerationRequest(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_NUM_MESSAGES)]
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

@@ -11,18 +11,27 @@ objects") when the process exits, which would destroy a segment the creator
 still uses. We unlink explicitly, so both `attach_segment` and (by default)
 `create_segment` take the segment back out of the tracker, and
 `unlink_segment` unlinks by name without telling the tracker.
+
+Squats: names derive from run ids that others can predict, so a name may be
+taken before we create it (a local process, or a leftover we may not unlink).
+`free_run_id` extends a run id with a random suffix when anything already
+lives under it, and unlinking is cleanup: a segment we may not unlink is
+logged and left, never an exception that stops a restart.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import sys
+import uuid
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
 import _posixshmem  # the stdlib's own POSIX shm binding (used by SharedMemory)
 
+log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 MAX_NAME_LEN = 200
 _HAS_TRACK_ARG = sys.version_info >= (3, 13)
@@ -33,6 +42,19 @@ def segment_name(run_id: str, purpose: str) -> str:
     name = f"deepserve-{run_id}-{purpose}"
     _check_name(name)
     return name
+
+
+def free_run_id(run_id: str) -> str:
+    """`run_id` when no segment is named under it yet; else `run_id` plus a
+    random suffix (still starting with run_id, so a sweep by its prefix finds
+    what it creates). The taken names are left alone: we did not create them."""
+    taken = list_segments(segment_name(run_id, ""))
+    if not taken:
+        return run_id
+    fresh = f"{run_id}r{uuid.uuid4().hex[:6]}"
+    log.warning("shared-memory names of run %s are taken (%s); using run id %s",
+                run_id, ", ".join(taken[:4]), fresh)
+    return fresh
 
 
 def create_segment(name: str, size: int, track: bool = False) -> SharedMemory:
@@ -67,13 +89,19 @@ def attach_segment(name: str) -> SharedMemory:
     return _open(name, create=False, size=0, track=False)
 
 
-def unlink_segment(name: str) -> None:
-    """Remove the segment's name; attached mappings stay valid. Gone is fine."""
+def unlink_segment(name: str) -> bool:
+    """Remove the segment's name; attached mappings stay valid. Gone is fine.
+    Cleanup never raises: a segment we may not unlink (PermissionError, e.g.
+    another user's squat) is logged and left; False then."""
     _check_name(name)
     try:
         _posixshmem.shm_unlink("/" + name)
     except FileNotFoundError:
         pass
+    except OSError as exc:
+        log.warning("cannot unlink shared memory %s: %s (left in place)", name, exc)
+        return False
+    return True
 
 
 def list_segments(prefix: str) -> list[str]:

@@ -4,19 +4,30 @@ A channel's message type is usually a tagged union of msgspec Structs (see
 `deepserve.messages`), so one `msgspec.msgpack.Decoder(type)` decodes every
 message the channel carries. Every socket sets linger 0, every receive takes
 a timeout, and `.socket` is exposed for `zmq.Poller`.
+
+A frame that does not decode as the channel's type (garbage bytes, msgpack
+of the wrong shape, an unknown tag, a field of the wrong type: anything a
+local process could write to the socket) is counted, logged at most once per
+DROP_LOG_INTERVAL_S, and dropped: `get` and `drain` never raise on it, so no
+actor's loop dies of one bad frame.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 
+log = logging.getLogger(__name__)
 MAX_IPC_PATH_LEN = 100  # sun_path holds 107 bytes on Linux (103 on macOS)
+DROP_LOG_INTERVAL_S = 10.0
+"""Seconds between two log lines about undecodable frames of one socket."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -80,6 +91,28 @@ class _Receiver:
     def __init__(self, ctx: zmq.Context, kind: int, addr: str, bind: bool, type: Any):
         self.socket = _open(ctx, kind, addr, bind)
         self._decoder = msgspec.msgpack.Decoder(type)
+        self.num_dropped = 0
+        """Frames dropped because they did not decode (see the module docstring)."""
+        self._num_unlogged = 0
+        self._logged_at: float | None = None
+
+    def decode(self, data: bytes) -> Any | None:
+        """The message `data` encodes, or None (counted, logged, dropped)."""
+        try:
+            return self._decoder.decode(data)
+        except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
+            self._note_dropped(data, exc)
+            return None
+
+    def _note_dropped(self, data: bytes, exc: Exception) -> None:
+        self.num_dropped += 1
+        self._num_unlogged += 1
+        now = time.monotonic()
+        if self._logged_at is None or now - self._logged_at >= DROP_LOG_INTERVAL_S:
+            log.warning("%s: dropped %d undecodable frame(s); last %d bytes: %s",
+                        self.socket.last_endpoint.decode(errors="replace") or "socket",
+                        self._num_unlogged, len(data), exc)
+            self._logged_at, self._num_unlogged = now, 0
 
     def poll(self, timeout: float | None) -> bool:
         """True if a message is ready within `timeout` s (None: wait forever)."""
@@ -87,16 +120,23 @@ class _Receiver:
         return bool(self.socket.poll(timeout_ms, zmq.POLLIN))
 
     def get(self, timeout: float | None) -> Any:
-        """The next message, decoded; TimeoutError after `timeout` s (None: wait)."""
-        if not self.poll(timeout):
-            raise TimeoutError(f"get: nothing received within {timeout} s")
-        return self._decoder.decode(self.socket.recv(flags=zmq.NOBLOCK))
+        """The next message that decodes; TimeoutError after `timeout` s (None: wait)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.poll(left):
+                raise TimeoutError(f"get: nothing received within {timeout} s")
+            msg = self.decode(self.socket.recv(flags=zmq.NOBLOCK))
+            if msg is not None:
+                return msg
 
     def drain(self) -> list[Any]:
-        """Every message already waiting, decoded, without blocking."""
+        """Every message already waiting that decodes, without blocking."""
         out = []
         while self.socket.poll(0, zmq.POLLIN):
-            out.append(self._decoder.decode(self.socket.recv(flags=zmq.NOBLOCK)))
+            msg = self.decode(self.socket.recv(flags=zmq.NOBLOCK))
+            if msg is not None:
+                out.append(msg)
         return out
 
     def close(self) -> None:
