@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Callable
 
 ENV_VAR = "DEEPSERVE_DRILL_DIR"
-FAULTS = ("stall", "slow", "drop-cache", "kv-fail", "crash")
 
 
 class FaultHooks:

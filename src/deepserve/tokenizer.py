@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import cached_property
 from pathlib import Path
 
 import jinja2
@@ -59,8 +60,7 @@ class Tokenizer:
         # special token text -> id; a second tokenizer that reads such text as text
         self._special_ids = {t.content: i for i, t in
                              self._tok.get_added_tokens_decoder().items() if t.special}
-        self._plain = HFTokenizer.from_file(str(path))
-        self._plain.encode_special_tokens = True
+        self._path = path
         texts = sorted(self._special_ids, key=len, reverse=True)  # longest first
         self._special_re = re.compile("|".join(map(re.escape, texts))) if texts else None
         self._guard_re = re.compile("|".join([*map(re.escape, texts), _MARK_RE.pattern]))
@@ -128,6 +128,14 @@ class Tokenizer:
             last = match.end()
         parts.append(rendered[last:])
         return "".join(parts), spans
+
+    @cached_property
+    def _plain(self) -> HFTokenizer:
+        """A second tokenizer that reads special-token text as text; loaded the
+        first time guarded content shows up, not at every start-up."""
+        plain = HFTokenizer.from_file(str(self._path))
+        plain.encode_special_tokens = True
+        return plain
 
     def _encode_guarded(self, text: str, guarded: list[tuple[int, int]]) -> list[int]:
         """Token ids of `text`: special tokens outside the guarded spans are

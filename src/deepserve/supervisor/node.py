@@ -58,8 +58,8 @@ class Node:
         self.config = config
         self.run_id = uuid.uuid4().hex[:8]
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"ds-n{self.run_id}-"))
-        self.address = {name: f"ipc://{self.run_dir}/{name}.sock"
-                        for name in ("cm", "cm-pub", "je", "gw-reply", "hb")}
+        self.run = RunAddresses.in_dir(self.run_dir, self.run_id,
+                                       [te.te_id for te in config.tes])
         sup = config.supervisor
         self.log_dir = Path(sup.log_dir) if sup.log_dir else self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -102,9 +102,8 @@ class Node:
             raise
 
     def _supervisor(self) -> Supervisor:
-        a = self.address
         return Supervisor(self.table, self.health, self.config.supervisor, tes=self.te_ids,
-                          inbox=a["hb"], cm_pub=a["cm-pub"], cm=a["cm"])
+                          inbox=self.run.hb, cm_pub=self.run.cm_pub, cm=self.run.cm)
 
     def _place(self, te: TESpec) -> bool:
         """Gang scheduling (placement.py): True when all of te's devices are
@@ -129,19 +128,14 @@ class Node:
     def _write_run_config(self) -> Path:
         """The resolved config (the command line's --host / --port included)
         plus the run's addresses, 0600 in the run directory: it holds the API keys."""
-        a = self.address
-        run = RunAddresses(run_id=self.run_id, cm=a["cm"], cm_pub=a["cm-pub"], je=a["je"],
-                           gw_reply=a["gw-reply"], hb=a["hb"],
-                           tes={t.te_id: f"ipc://{self.run_dir}/{t.te_id}.sock"
-                                for t in self.config.tes})
-        return write_run_config(self.config.with_run(run), self.run_dir / RUN_CONFIG)
+        return write_run_config(self.config.with_run(self.run), self.run_dir / RUN_CONFIG)
 
     def _gateway_args(self) -> list[str]:
         return child_argv(self.run_dir / RUN_CONFIG, "gateway")
 
     def _spawn(self, name: str, module: str, *args: str, env: dict | None = None) -> None:
         cmd = [sys.executable, "-m", module, *args, "--parent-pid", str(os.getpid())]
-        env = {**os.environ, **(env or {}), HEARTBEAT_ENV: self.address["hb"]}
+        env = {**os.environ, **(env or {}), HEARTBEAT_ENV: self.run.hb}
         if self.drill_dir is not None:
             env[DRILL_ENV] = str(self.drill_dir)
         if "--run-id" not in cmd:
