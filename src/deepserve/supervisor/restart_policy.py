@@ -173,10 +173,16 @@ def _has_exited(proc: psutil.Process, popen: subprocess.Popen | None) -> bool:
         proc.wait(timeout=0)  # reaps it if it is our child
         return True
     except psutil.TimeoutExpired:
-        try:  # someone else's zombie: dead, just not reaped by its parent yet
-            return proc.status() == psutil.STATUS_ZOMBIE
+        try:  # a zombie is dead: ours if it died since the wait above (reap it),
+            if proc.status() != psutil.STATUS_ZOMBIE:  # or someone else's
+                return False
         except psutil.NoSuchProcess:
             return True
+        try:
+            proc.wait(timeout=0)
+        except (psutil.TimeoutExpired, psutil.NoSuchProcess):
+            pass
+        return True
     except psutil.NoSuchProcess:
         return True
 
