@@ -37,6 +37,7 @@ from deepserve.config.node import RouterSection
 from deepserve.control.pd_policy import PDPolicy
 from deepserve.control.router import NoTEAvailable, Router
 from deepserve.errors import InvalidRequestError
+from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, PushSocket, SubSocket
 from deepserve.messages.control import FromClusterManager, TEList, TEReport
 from deepserve.messages.engine import AbortRequest, RequestFailed, SubmitRequest
@@ -79,7 +80,7 @@ class JobExecutor:
         self.num_migrated = 0
         self.te_sockets: dict[str, PushSocket] = {}
         self.te_addresses: dict[str, str] = {}
-        self.replies: dict[str, PushSocket] = {}
+        self.replies = Outboxes(ctx)  # to reply_to addresses: never blocks for long
         self.tasks: dict[str, Task] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.socket, zmq.POLLIN)
@@ -147,9 +148,7 @@ class JobExecutor:
     def _reply(self, address: str | None, msg) -> None:
         if address is None:
             return
-        if address not in self.replies:
-            self.replies[address] = PushSocket(self.ctx, address, bind=False)
-        self.replies[address].put(msg)
+        self.replies.put(address, msg)
 
     # -- cluster state ------------------------------------------------------------
     def _on_cm(self, msg) -> None:
@@ -188,7 +187,7 @@ class JobExecutor:
                         + ("" if retry else f" (attempt {task.attempt + 1} of {self.max_attempts})")))
 
     def close(self) -> None:
-        for sock in [self.inbox, self.cm, *self.te_sockets.values(), *self.replies.values()]:
+        for sock in [self.inbox, self.cm, *self.te_sockets.values(), self.replies]:
             sock.close()
 
 

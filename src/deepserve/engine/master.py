@@ -31,11 +31,11 @@ import zmq
 from deepserve.actor import ActorLife
 from deepserve.config import EngineConfig
 from deepserve.engine.pd import Effects, PDCoordinator
-from deepserve.engine.peers import PeerSockets
 from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.step_core import StepCore
 from deepserve.ipc.shm_ring import BroadcastRing
+from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.control import TEReport
 from deepserve.messages.engine import (AddRequest, EngineStats, FinishRequest, FromWorker,
@@ -110,7 +110,7 @@ class Master:
         self.steps = PullSocket(self.ctx, s.steps_address, bind=True, type=FromWorker)
         self.to_tokenizer = PushSocket(self.ctx, s.tokenizer_address, bind=False)
         self.to_client = PushSocket(self.ctx, s.client_address, bind=False)
-        self.peers = PeerSockets(self.ctx)
+        self.peers = Outboxes(self.ctx)
         self.ring = BroadcastRing.create(s.ring_name, num_readers=s.config.tp,
                                          overflow_address=s.ring_overflow)
         if s.report_address is not None:

@@ -25,6 +25,7 @@ from deepserve.engine.output_processor import RequestState
 from deepserve.engine.step_core import check_request
 from deepserve.tokenizer import Tokenizer
 from deepserve.errors import InvalidRequestError, PromptTooLongError
+from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.engine import (AbortRequest, AddRequest, FinishRequest, GetStats,
                                        NewTokens, RequestDelta, RequestFailed, StepTokens,
@@ -73,7 +74,7 @@ class TokenizerActor:
         self.inbox = PullSocket(ctx, spec.listen_address, bind=True, type=ToTokenizer)
         self.to_master = PushSocket(ctx, spec.master_address, bind=False)
         self.ctx, self.client_address = ctx, spec.client_address
-        self.replies = {spec.client_address: PushSocket(ctx, spec.client_address, bind=False)}
+        self.replies = Outboxes(ctx)  # a gone or bogus reply_to drops, never blocks
         self.reply_to: dict[str, str] = {}  # request id -> its caller's address
         self.attempts: dict[str, int] = {}  # request id -> attempt (resumed requests)
         self.states: dict[str, RequestState] = {}
@@ -89,15 +90,13 @@ class TokenizerActor:
         self.num_handled += 1
 
     def close(self) -> None:
-        for sock in [self.inbox, self.to_master, *self.replies.values()]:
+        for sock in [self.inbox, self.to_master, self.replies]:
             sock.close()
 
     def _reply(self, request_id: str, msg) -> None:
         """Send to the caller that submitted request_id (one socket per caller)."""
         address = self.reply_to.get(request_id, self.client_address)
-        if address not in self.replies:
-            self.replies[address] = PushSocket(self.ctx, address, bind=False)
-        self.replies[address].put(msg)
+        self.replies.put(address, msg)
 
     def _forget(self, request_id: str) -> None:
         self.reply_to.pop(request_id, None)

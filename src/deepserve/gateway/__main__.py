@@ -24,7 +24,7 @@ import uvicorn
 from deepserve.actor import ActorLife
 from deepserve.config.child import ChildArgs, parse_child_args, print_config
 from deepserve.config.loading import read_run_config
-from deepserve.gateway.app import serve
+from deepserve.gateway.server import serve
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.generation import GatewayState
 

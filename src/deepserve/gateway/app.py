@@ -1,4 +1,4 @@
-"""The gateway's HTTP app (OpenAI API) and its uvicorn server.
+"""The gateway's HTTP app (OpenAI API); gateway/server.py runs it under uvicorn.
 
     POST /v1/chat/completions, /v1/completions   auth -> validate -> generation.generate
     GET  /v1/models, /v1/models/{model}           the one served model
@@ -14,13 +14,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import signal
-import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Awaitable, Callable
 
-import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.responses import Response
 
@@ -35,9 +32,6 @@ from deepserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
 logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
-GRACEFUL_SHUTDOWN_S = 5
-"""Seconds uvicorn lets open connections finish after SIGTERM before cancelling them."""
-
 router = APIRouter()
 
 
@@ -138,24 +132,3 @@ def create_app(config: GatewayConfig,
     app.add_middleware(RequestCounter, metrics=gateway_metrics)
     app.include_router(router)
     return app
-
-
-def serve(config: GatewayConfig, log_level: str = "info",
-          background: Callable[[uvicorn.Server, GatewayState], Awaitable[None]] | None = None
-          ) -> None:
-    """Run the gateway until SIGTERM / SIGINT (or `background` sets the
-    server's should_exit); returns after a clean shutdown."""
-    run_beside = (lambda state: background(server, state)) if background else None
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(config, run_beside), host=config.host, port=config.port, log_level=log_level,
-        lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-    if threading.current_thread() is threading.main_thread():
-        # uvicorn catches SIGTERM while it runs and raises it again once it has
-        # shut down; with this flag-only handler in place that second delivery
-        # is a no-op, so the process exits 0 instead of dying by the signal.
-        signal.signal(signal.SIGTERM, _note_sigterm)
-    server.run()
-
-
-def _note_sigterm(signum, frame) -> None:
-    logger.info("SIGTERM: gateway stopped")

@@ -1,0 +1,84 @@
+"""Outboxes: PUSH sockets to many peers, one per address, that never block for long.
+
+    actor ──put(address, msg)──> PUSH (connected on first use) ──> the peer's PULL
+
+Every reply path (a TE's tokenizer to the gateway that submitted, the JE to
+a request's reply_to, a master to a peer master) sends through one of these,
+because the address comes from a message and the peer may be gone:
+
+- an address ZeroMQ refuses (malformed, unknown transport, a path too long)
+  is logged once and every message to it is dropped: a crafted reply_to
+  never kills the sender;
+- a put waits at most `timeout_s` for a peer that does not take it (its
+  queue full, or nobody connected); after one timeout the address is
+  *stalled* and later puts do not wait at all until one goes through again,
+  so a dead gateway costs the sender one timeout, not one per token.
+
+put() returns False for a dropped message; the caller decides what that
+means (a stream the client no longer reads, a peer that will time out).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import zmq
+
+from deepserve.ipc.sockets import PushSocket
+
+log = logging.getLogger(__name__)
+
+
+class Outboxes:
+    def __init__(self, ctx: zmq.Context, timeout_s: float = 1.0):
+        self.ctx, self.timeout_s = ctx, timeout_s
+        self._sockets: dict[str, PushSocket] = {}
+        self._refused: set[str] = set()
+        self._stalled: set[str] = set()
+        self.num_dropped = 0
+        """Messages not sent: refused address or a peer that did not take them in time."""
+
+    def put(self, address: str, msg: Any) -> bool:
+        sock = self._socket(address)
+        if sock is None:
+            self.num_dropped += 1
+            return False
+        try:
+            sock.put(msg, timeout=0.0 if address in self._stalled else self.timeout_s)
+        except TimeoutError:
+            if address not in self._stalled:
+                log.warning("peer %s does not take %s: dropping until it does", address,
+                            type(msg).__name__)
+                self._stalled.add(address)
+            self.num_dropped += 1
+            return False
+        self._stalled.discard(address)
+        return True
+
+    def is_stalled(self, address: str) -> bool:
+        return address in self._stalled or address in self._refused
+
+    def _socket(self, address: str) -> PushSocket | None:
+        sock = self._sockets.get(address)
+        if sock is not None or address in self._refused:
+            return sock
+        try:
+            sock = self._sockets[address] = PushSocket(self.ctx, address, bind=False)
+        except (zmq.ZMQError, ValueError, TypeError, UnicodeError) as exc:
+            log.warning("cannot send to %r (%s): its messages are dropped", address[:200], exc)
+            if len(self._refused) < 10_000:
+                self._refused.add(address)
+        return sock
+
+    def forget(self, address: str) -> None:
+        """Close the socket to `address` (its peer left for good)."""
+        sock = self._sockets.pop(address, None)
+        if sock is not None:
+            sock.close()
+        self._stalled.discard(address)
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close()
+        self._sockets = {}
