@@ -29,7 +29,12 @@ class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     prefill_from: set on the decode task of a disaggregated job, the prefill
     TE's inbox (see messages/pd.py);
     attempt: 0 for a new request; n when it resumes after its TE was lost
-    (prompt_token_ids then end with the tokens already streamed)."""
+    (prompt_token_ids then end with the tokens already streamed);
+    resumed_output_ids: on a resumed attempt, how many of prompt_token_ids (at
+    the end) are output the caller already received tokens of, and
+    resumed_text_chars how many characters of their text it received: the
+    TE detokenizes from those ids on and streams only the text past that
+    point, so the caller's text has no gap and no repeat."""
 
     request_id: str
     prompt: str | None = None
@@ -40,6 +45,8 @@ class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     reply_to: str | None = None
     prefill_from: str | None = None
     attempt: int = 0
+    resumed_output_ids: int = 0
+    resumed_text_chars: int = 0
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_STRUCT):
