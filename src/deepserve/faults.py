@@ -12,6 +12,11 @@ and not at all when drills are off: `FaultHooks.from_env` returns `NoFaults`.
     drop-cache  master      wipe the RTC prefix cache once (file removed)
     kv-fail     worker      fail the next KV transfer mid-way (file removed)
     crash       TE host     exit at start (crash-loop drills)
+    poison      worker      exit 13 (as a segfault) on any step whose new tokens
+                            of a sequence contain the file's comma-separated
+                            token ids (a request of death; drill `poison`)
+    bad-sampling worker     a new sequence seeded <file content> gets a sampling
+                            state that raises: a per-request error, not a crash
 
 A fault that takes effect calls `on_fired(fault, value)` once per activation
 (ActorLife turns that into a `fault_injected` health event), so a drill can

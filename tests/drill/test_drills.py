@@ -61,7 +61,9 @@ RESTART_DELAY_S = 2.0
 
 def test_scenarios_by_name_alias_and_mode():
     assert set(SCENARIOS) == {"kill-worker", "kill-master", "kill-tokenizer", "hang-worker",
-                              "stall-worker", "slow-worker", "drop-cache", "kv-transfer-fail"}
+                              "stall-worker", "slow-worker", "drop-cache", "kv-transfer-fail",
+                              "poison", "kill-cm", "kill-je"}
+    assert get_scenario("kill-je").node_process and get_scenario("poison").every_te_of_type
     assert get_scenario("hang-worker").fault == "SIGSTOP"
     assert get_scenario("hang-worker", "stall").name == "stall-worker"
     assert get_scenario("hang-worker", "sigstop").name == "hang-worker"
@@ -496,3 +498,42 @@ def test_drill(drill_node, name, te):
         if name in ("drop-cache", "kv-transfer-fail"):
             assert report.details["hook_consumed"], "the engine never used the fault file"
     assert time.monotonic() - started < 120
+
+
+def _control_plane_and_poison(node) -> list[str]:
+    """kill-cm, kill-je, then poison on one node (issue 11); the reports' lines."""
+    lines = []
+    for name in ("kill-cm", "kill-je", "poison"):
+        report = run_drill(
+            get_scenario(name), url=node.url, model=node.config.served_model,
+            config=node.config, log_dir=node.log_dir, drill_dir=node.drill_dir,
+            duration_s=3, concurrency=3, max_tokens=16, warmup_s=1.0, request_timeout_s=60,
+            echo=print)
+        print(report.to_json())
+        lines.append(f"{name}: {drill_main._describe(report).splitlines()[0]}")
+        assert report.fault_proven is True, report.proof  # the fault happened, first
+        # a control-plane restart refuses nothing and loses nothing; neither does poison
+        assert report.sent > 0 and report.lost == 0 and report.bad_streams == 0, report.details
+        assert report.failed == 0, report.details
+        assert report.recover_s is not None, report.details
+        if name == "poison":
+            poison = report.details["poison"]
+            assert poison["poison"]["error_code"] == "request_crashed_engine", poison
+            assert poison["load_503"] == 0, poison  # availability: healthy requests served
+            # resume-once costs two restarts, both of the TE it first crashed
+            # ([router] isolate_suspects: back where it crashed; suspects.py)
+            assert poison["num_tes_restarted"] == 1 and poison["te_restarts"] <= 2, poison
+        else:
+            assert report.details["restarts"] == [get_scenario(name).part], report.details
+        if name == "kill-cm":  # the new CM listed every TE at once: no task was failed over
+            assert not [line for line in report.details["timeline"]
+                        if " request_migrated " in line], report.details["timeline"]
+    assert not list(Path(node.drill_dir).glob("te*.*")), "a fault file was left behind"
+    return lines
+
+
+@pytest.mark.slow
+def test_control_plane_and_poison_drills(drill_node):
+    """bin/deepserve-drill kill-cm / kill-je / poison: restarts, lost = 0,
+    bad_streams = 0, nothing refused; the request of death quarantined."""
+    print("\n".join(_control_plane_and_poison(drill_node)))

@@ -3,14 +3,15 @@ a fake clock, no processes. Every test ends with the cache's integrity check."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.pd import PDCoordinator
 from deepserve.engine.scheduler import Scheduler
 from deepserve.engine.sequence import Sequence, SequenceStatus
-from deepserve.messages.pd import (KVAck, KVEndpoint, KVReady, KVSent, PrefillOrder,
-                                   pd_address)
+from deepserve.messages.pd import (CancelOrder, KVAck, KVEndpoint, KVReady, KVSent,
+                                   PrefillOrder, pd_address)
 from deepserve.messages.sampling import SamplingParams
 from deepserve.messages.step import SampledToken
 
@@ -78,12 +79,15 @@ def test_decode_kv_that_never_arrives_fails_at_the_deadline(env):
     [fail] = fx.failed
     assert (fail.request_id, fail.error) == ("r", "kv_transfer_failed")
     assert "did not arrive" in fail.message
-    assert fx.released == [seq] and seq.is_finished and not env.kv.has_seq(seq.seq_id)
-    assert env.kv.num_free_blocks == 8
+    assert fx.released == [seq] and seq.is_finished
+    # the prefill TE is told, and the blocks stay fenced: it may still write them
+    assert fx.sends == [(PEER, CancelOrder(request_id="r", order_id=order.order_id))]
+    assert env.kv.has_seq(seq.seq_id) and env.kv.num_free_blocks == 5
     late = env.pd.on_kv_ready(KVReady(request_id="r", order_id=order.order_id, token_id=7,
                                       reply_to=PEER))
     assert late.sends == [(PEER, KVAck(request_id="r", order_id=order.order_id))]
     assert not (late.emit or late.released or late.failed)
+    assert not env.kv.has_seq(seq.seq_id) and env.kv.num_free_blocks == 8  # unfenced
 
 
 def test_kv_ready_with_an_error_fails_the_request(env):
@@ -144,19 +148,21 @@ def test_prefix_hits_are_skipped_only_under_the_same_salt(env, salt, skip):
 def test_abort_while_awaiting_frees_and_a_late_answer_is_only_acked(env):
     seq, effects = env.decode()
     order = _order(effects)
-    assert env.pd.drop_decode("unknown") is None
-    fx = env.pd.drop_decode("r")
-    assert fx.released == [seq] and not fx.failed and not env.kv.has_seq(seq.seq_id)
+    assert env.pd.drop_decode("unknown", 1.0) is None
+    fx = env.pd.drop_decode("r", 1.0)
+    assert fx.released == [seq] and not fx.failed and env.kv.has_seq(seq.seq_id)  # fenced
+    assert fx.sends == [(PEER, CancelOrder(request_id="r", order_id=order.order_id))]
     assert seq.is_finished and not env.pd.has_work
     late = env.pd.on_kv_ready(KVReady(request_id="r", order_id=order.order_id, token_id=3,
                                       reply_to=PEER))
     assert [type(m) for _, m in late.sends] == [KVAck] and not late.emit
+    assert not env.kv.has_seq(seq.seq_id) and not env.pd.fenced
 
 
 def test_a_late_answer_to_an_earlier_attempt_never_reaches_the_next(env):
     first, effects = env.decode()
     first_order = _order(effects)
-    env.pd.drop_decode("r")  # e.g. the JE retried the request
+    env.pd.drop_decode("r", 0.0)  # e.g. the JE retried the request
     second, effects = env.decode()
     second_order = _order(effects)
     assert second_order.order_id != first_order.order_id
@@ -224,11 +230,12 @@ def test_unacked_prefill_copy_is_freed_at_the_timeout(env):
 def test_failed_transfer_before_the_token_stops_the_prefill_task(env):
     fx = env.pd.add_prefill(_prefill_order(), seq_id=50)
     [(_, seq)] = fx.started
+    scheduled = env.scheduler.schedule()
+    env.pd.attach_transfers(scheduled.to_step_batch(0, env.kv, []))
     fx = env.pd.on_kv_sent(KVSent(rank=0, seq_id=50, error="link down"), 1.0)
     assert fx.sends == []  # the token is not in yet
     seq_token = env.pd.on_first_token(seq, 1.0)  # not finished: nothing happens
     assert not seq_token
-    scheduled = env.scheduler.schedule()
     env.scheduler.on_dispatched(scheduled)
     env.scheduler.on_sampled(scheduled, [SampledToken(50, 4)])
     fx = env.pd.on_first_token(seq, 1.5)
@@ -252,3 +259,111 @@ def test_pd_address_is_derived_from_the_inbox():
     assert pd_address("tcp://10.0.0.2:5000") == "tcp://10.0.0.2:5001"
     with pytest.raises(ValueError):
         pd_address("inproc://x")
+
+
+# -- dropped orders: cancel, fence, never a write into someone else's blocks ---------
+def test_dropped_order_blocks_go_to_no_one_until_the_prefill_side_answers():
+    env = Env(num_blocks=4)
+    first, effects = env.decode("r1")
+    order = _order(effects)
+    fx = env.pd.drop_decode("r1", 1.0)  # the client went away
+    assert fx.sends == [(PEER, CancelOrder(request_id="r1", order_id=order.order_id))]
+    second, effects = env.decode("r2", ids=list(range(200, 209)), now=1.0)
+    assert not effects.sends and env.pd.blocked  # the fenced blocks are not handed out
+    assert not env.pd.poll(1.5).sends
+    done = env.pd.on_kv_ready(KVReady(request_id="r1", order_id=order.order_id,
+                                      error="cancelled"))
+    assert not done.sends and not done.failed  # nothing to ack, nobody to fail
+    assert not env.kv.has_seq(first.seq_id)
+    order2 = _order(env.pd.poll(1.6))
+    assert order2.request_id == "r2" and set(order2.dst_block_ids) & set(order.dst_block_ids)
+    env.kv.check_integrity()
+
+
+def test_fence_without_an_answer_lifts_after_one_more_timeout():
+    env = Env(num_blocks=4)
+    seq, effects = env.decode("r1")
+    env.pd.drop_decode("r1", 5.0)
+    env.pd.poll(5.0 + TIMEOUT)
+    assert env.kv.has_seq(seq.seq_id)
+    env.pd.poll(5.0 + TIMEOUT + 0.01)
+    assert not env.kv.has_seq(seq.seq_id) and not env.pd.fenced
+    assert env.kv.num_free_blocks == 4
+    env.kv.check_integrity()
+
+
+def test_a_blocked_order_dropped_before_it_went_out_needs_no_cancel():
+    env = Env(num_blocks=2)
+    seq, effects = env.decode("r1")  # 3 blocks needed, 2 in the pool: blocked
+    assert not effects
+    fx = env.pd.drop_decode("r1", 1.0)
+    assert fx.sends == [] and not env.pd.fenced and fx.released == [seq]
+    env.kv.check_integrity()
+
+
+def test_cancel_before_dispatch_stops_the_prefill_and_answers_at_once(env):
+    fx = env.pd.add_prefill(_prefill_order(), seq_id=50)
+    [(_, seq)] = fx.started
+    fx = env.pd.on_cancel(CancelOrder(request_id="p", order_id=6), 1.0)
+    assert not fx and env.pd.is_prefill(seq)  # another attempt's cancel: ignored
+    fx = env.pd.on_cancel(CancelOrder(request_id="p", order_id=7), 1.0)
+    [(address, ready)] = fx.sends
+    assert address == PEER and ready.error == "cancelled" and ready.order_id == 7
+    assert fx.released == [seq] and seq.is_finished and not env.scheduler.has_unfinished
+    assert not env.kv.has_seq(50) and not env.pd.is_prefill(seq)
+    batch = env.scheduler.schedule()
+    assert batch.is_empty  # never runs, so never transfers
+
+
+def test_cancel_after_dispatch_answers_only_once_every_rank_has_written():
+    env = Env(tp=2)
+    fx = env.pd.add_prefill(_prefill_order(tp=2), seq_id=50)
+    [(_, seq)] = fx.started
+    scheduled = env.scheduler.schedule()
+    batch = scheduled.to_step_batch(0, env.kv, [])
+    env.pd.attach_transfers(batch)
+    env.scheduler.on_dispatched(scheduled)
+    fx = env.pd.on_cancel(CancelOrder(request_id="p", order_id=7), 1.0)
+    assert fx.sends == [] and fx.released == [seq]  # rank writes may be under way
+    assert env.scheduler.on_sampled(scheduled, [SampledToken(50, 4)]) == []  # stopped
+    assert not env.pd.on_kv_sent(KVSent(rank=0, seq_id=50, nbytes=1), 1.1).sends
+    fx = env.pd.on_kv_sent(KVSent(rank=1, seq_id=50, nbytes=1), 1.2)
+    [(_, ready)] = fx.sends
+    assert ready.error == "cancelled" and ready.reply_to == ""  # never adopted, no ack
+    assert not env.kv.has_seq(50) and not env.pd.orders
+    env.kv.check_integrity()
+
+
+def test_cancel_of_an_answered_order_frees_the_copy_like_an_ack(env):
+    seq = _run_prefill(env, _prefill_order())
+    env.pd.on_kv_sent(KVSent(rank=0, seq_id=50, nbytes=1, seconds=0.1), 1.0)
+    assert [m.error for _, m in env.pd.on_first_token(seq, 1.0).sends] == [None]
+    fx = env.pd.on_cancel(CancelOrder(request_id="p", order_id=7), 1.5)
+    assert not fx.sends and not env.kv.has_seq(50) and not env.pd.orders
+
+
+def test_a_duplicate_order_is_ignored(env):
+    order = _prefill_order()
+    assert env.pd.add_prefill(order, seq_id=50).started
+    fx = env.pd.add_prefill(order, seq_id=51)
+    assert not fx and list(env.pd.orders) == [50] and len(env.scheduler.waiting) == 1
+
+
+def test_a_prefill_failed_in_a_worker_answers_with_an_error(env):
+    fx = env.pd.add_prefill(_prefill_order(), seq_id=50)
+    [(_, seq)] = fx.started
+    scheduled = env.scheduler.schedule()
+    env.pd.attach_transfers(scheduled.to_step_batch(0, env.kv, []))
+    env.scheduler.on_dispatched(scheduled)
+    fx = env.pd.on_prefill_failed(seq, "TypeError: bad top_k")
+    assert fx.sends == [] and fx.released == [seq]  # rank 0 has not reported yet
+    fx = env.pd.on_kv_sent(KVSent(rank=0, seq_id=50, nbytes=1), 1.0)
+    [(_, ready)] = fx.sends
+    assert ready.error == "prefill failed: TypeError: bad top_k" and not env.kv.has_seq(50)
+    assert not ready.is_retryable  # the decode side fails the request for good:
+    decode = Env()
+    seq, effects = decode.decode("p")
+    fx = decode.pd.on_kv_ready(msgspec.structs.replace(ready, order_id=_order(effects).order_id))
+    [fail] = fx.failed
+    assert fail.error == "request_failed" and "bad top_k" in fail.message
+    assert not decode.kv.has_seq(seq.seq_id)

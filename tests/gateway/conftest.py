@@ -18,6 +18,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from openai import OpenAI
 
 from deepserve.gateway import GatewayConfig, create_app
+from deepserve.gateway.server import server_config
 from deepserve.ipc.sockets import ipc_address
 from tests.gateway.fake_backend import FakeBackend
 
@@ -58,8 +59,8 @@ def running_stack(**overrides):
         config = GatewayConfig(je_address=backend.je_address, cm_address=backend.cm_address,
                                reply_address=ipc_address(run_dir, "reply"), port=port,
                                served_model=MODEL, **overrides)
-        server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="warning",
-                                               log_config=None, timeout_graceful_shutdown=2))
+        server = uvicorn.Server(server_config(config, create_app(config), log_level="warning",
+                                             log_config=None, timeout_graceful_shutdown=2))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                                   name="gateway-uvicorn", daemon=True)
         thread.start()

@@ -13,7 +13,14 @@ Stop strings are cut like the TE does (text before the stop string, held
 back while it could still be the start of one; finish "stop"); max_tokens
 ends with "length". Magic words in the prompt steer one request:
 "[slow]" (0.2 s per delta), "[hang]" (nothing after the first delta),
-"[mute]" (no reply at all), "[invalid]" / "[dead]" (RequestFailed).
+"[mute]" (no reply at all), "[invalid]" / "[dead]" (RequestFailed),
+"[lose3]" (te_lost after its third delta, as the JE says when a TE died).
+
+Resumed attempts are served like a TE does: the words of the output ids
+already streamed (resumed_output_ids) are re-derived, the PRNG is advanced
+past them, and only the text past resumed_text_chars is sent, so a resumed
+stream's text equals an uninterrupted one's when the gateway passes the
+right counts. Deltas carry their SubmitRequest's attempt.
 """
 
 from __future__ import annotations
@@ -59,6 +66,17 @@ class _Job:
     num_sent_chars: int = 0
     num_tokens: int = 0
     is_first: bool = True
+    lose_after: int | None = None  # "[lose3]": te_lost after this many tokens
+    num_resumed: int = 0  # output tokens a resumed attempt started from
+
+
+def _resume(job: _Job, output_ids: list[int]) -> None:
+    """Start where the lost attempt's stream was (as the TE's tokenizer does)."""
+    for _ in output_ids:
+        job.rng.randrange(len(WORDS))  # the same words as an uninterrupted run
+    job.text = " ".join(WORDS[t - TOKEN_BASE] for t in output_ids)
+    job.num_tokens = job.num_resumed = len(output_ids)
+    job.num_sent_chars = job.submit.resumed_text_chars
 
 
 @dataclass
@@ -73,6 +91,10 @@ class FakeBackend:
     """TEs the fake CM lists; assign a new list to change what it publishes."""
     submits: list[SubmitRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    hold_submits: bool = False
+    """Record submits but run none (a JE that took them and has not routed them)."""
+    lost: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Request id -> (tokens, characters) it had sent when "[lose3]" failed it."""
 
     def __post_init__(self):
         self._stop = threading.Event()
@@ -84,6 +106,8 @@ class FakeBackend:
         self._num_cached_tokens = 0
         self._unseeded = itertools.count(12345)
         self._thread = threading.Thread(target=self._run, name="fake-backend", daemon=True)
+        self._restart_je_s: float | None = None
+        self.num_je_restarts = 0
 
     # -- control from the test thread -------------------------------------------
     def start(self, timeout_s: float = 5.0) -> "FakeBackend":
@@ -109,6 +133,13 @@ class FakeBackend:
             time.sleep(0.01)
         return predicate()
 
+    def restart_je(self, down_s: float = 0.2, timeout_s: float = 5.0) -> None:
+        """Play a JE crash + restart: close the inbox (what was queued in it dies
+        with it), rebind after down_s. Running jobs (the TEs' work) go on."""
+        before = self.num_je_restarts
+        self._restart_je_s = down_s
+        assert self.wait_for(lambda: self.num_je_restarts > before, timeout_s)
+
     def submits_for(self, request_id_prefix: str) -> list[SubmitRequest]:
         return [s for s in list(self.submits) if s.request_id.startswith(request_id_prefix)]
 
@@ -128,7 +159,8 @@ class FakeBackend:
             self._error = exc
             self._ready.set()
         finally:
-            for sock in socks + list(getattr(self, "_outboxes", {}).values()):
+            inbox = [self._inbox] if socks else []  # the latest one (restart_je)
+            for sock in inbox + socks[1:] + list(getattr(self, "_outboxes", {}).values()):
                 sock.close()
             ctx.term()
 
@@ -138,6 +170,13 @@ class FakeBackend:
             if self._inbox.poll(0.005):
                 self._handle(ctx, self._inbox.get(0))
             self._emit_due()
+            if self._restart_je_s is not None:
+                self._inbox.close()
+                time.sleep(self._restart_je_s)
+                self._inbox = PullSocket(ctx, self.je_address, bind=True,
+                                         type=SubmitRequest | AbortRequest)
+                self._restart_je_s = None
+                self.num_je_restarts += 1
             if time.monotonic() >= next_publish:
                 self._publish()
                 next_publish = time.monotonic() + self.publish_interval_s
@@ -148,6 +187,8 @@ class FakeBackend:
             self._jobs.pop(msg.request_id, None)
             return
         self.submits.append(msg)
+        if self.hold_submits:
+            return
         if msg.reply_to not in self._outboxes:
             self._outboxes[msg.reply_to] = PushSocket(ctx, msg.reply_to, bind=False)
         prompt_ids = prompt_ids_of(msg)
@@ -160,8 +201,11 @@ class FakeBackend:
             return
         seed = msg.sampling.seed if msg.sampling.seed is not None else next(self._unseeded)
         delay_s = SLOW_DELAY_S if "[slow]" in text else self.delay_s
-        self._jobs[msg.request_id] = _Job(msg, prompt_ids, random.Random(seed), delay_s,
-                                          time.monotonic() + delay_s, "[hang]" in text)
+        job = _Job(msg, prompt_ids, random.Random(seed), delay_s, time.monotonic() + delay_s,
+                   "[hang]" in text, lose_after=3 if "[lose3]" in text else None)
+        if msg.resumed_output_ids:
+            _resume(job, prompt_ids[len(prompt_ids) - msg.resumed_output_ids:])
+        self._jobs[msg.request_id] = job
 
     def _failure(self, msg: SubmitRequest, prompt_ids: list[int]) -> RequestFailed | None:
         text = _magic_text(msg)
@@ -182,6 +226,12 @@ class FakeBackend:
         for request_id, job in list(self._jobs.items()):
             if job.next_at > now:
                 continue
+            if job.lose_after is not None and job.num_tokens >= job.lose_after:
+                self.lost[request_id] = (job.num_tokens, job.num_sent_chars)
+                self._reply(job.submit, RequestFailed(request_id=request_id, error="te_lost",
+                                                      message="TE te-0 left the list"))
+                del self._jobs[request_id]
+                continue
             delta = self._step(job)
             self._reply(job.submit, delta)
             job.next_at = now + job.delay_s
@@ -201,13 +251,14 @@ class FakeBackend:
         cut = min((i for i in (job.text.find(s) for s in sampling.stop) if i >= 0), default=-1)
         if cut >= 0:
             finish, visible = "stop", cut
-        elif job.num_tokens >= sampling.max_tokens:
+        elif job.num_tokens - job.num_resumed >= sampling.max_tokens:
             finish = "length"
         else:
             visible -= _held_back(job.text, sampling.stop)
         delta = RequestDelta(request_id=job.submit.request_id,
                              text=job.text[job.num_sent_chars:visible], token_ids=[token_id],
-                             finish_reason=finish, logprobs=_logprobs(token_id, sampling))
+                             finish_reason=finish, logprobs=_logprobs(token_id, sampling),
+                             attempt=job.submit.attempt)
         job.num_sent_chars = max(job.num_sent_chars, visible)
         if job.is_first:
             job.is_first = False

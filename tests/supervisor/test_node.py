@@ -48,7 +48,9 @@ def _client(node, key="key-a") -> OpenAI:
 
 
 def _metrics(node) -> dict:
-    with urllib.request.urlopen(f"{node.url}/metrics", timeout=5) as r:
+    request = urllib.request.Request(f"{node.url}/metrics",  # keyed: not for anonymous callers
+                                     headers={"Authorization": "Bearer key-a"})
+    with urllib.request.urlopen(request, timeout=5) as r:
         text = r.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}

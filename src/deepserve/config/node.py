@@ -74,6 +74,19 @@ class GatewaySection(Section):
     max_body_bytes: Count = 8 * 1024 * 1024
     """Bytes of an HTTP request body at most; past it: 413, before the body is
     read or parsed and before authentication."""
+    max_connections: Count = 1024
+    """HTTP connections open at once at most; one past it is answered 503 (an
+    OpenAI error body) and closed."""
+    read_timeout_s: Positive = 15.0
+    """Seconds a connection has to send a whole request (head and body) from
+    when it opened or its previous response ended; past it: closed (half-open,
+    slow-header and slow-body clients)."""
+    write_timeout_s: Positive = 30.0
+    """Seconds a client may leave response bytes unread; past it the connection
+    is cut off and its sub-requests aborted."""
+    max_queued_replies: Count = 1024
+    """Replies (token deltas) one request may have waiting for its HTTP writer;
+    past it the client is cut off as not reading and its sub-requests aborted."""
 
 
 class PDOptions(Section):
@@ -100,6 +113,12 @@ class RouterSection(Section):
     """JSON decode-length predictor written by tools/train_predictor.py."""
     pd_options: PDOptions = PDOptions()
     """Thresholds of the PD policy, an inline table: { margin = 0.0, min_prompt_len = 1024 }."""
+    isolate_suspects: bool = False
+    """Resume a request whose TE crashed only in isolation (control/suspects.py): never
+    beside another suspect, only while another TE stays free of suspects, back on the TE
+    it crashed once that is up. A request of death then restarts one TE (twice) and never
+    the node, but every request of a crashed TE waits for its restart (seconds). False:
+    resume at once on any TE (a second crash still quarantines the request)."""
 
 
 class SupervisorConfig(Section):

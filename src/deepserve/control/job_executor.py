@@ -1,9 +1,9 @@
 """Job executor: request -> job -> task(s), routed to a TE, tracked to its end.
 
     gateways ──SubmitRequest/AbortRequest──> [inbox PULL]
-                                                 │ tokenize, route (control/router.py)
+                                                 │ tokenize (admission.py), route (router.py)
                                                  ▼
-                              TE tokenizer inboxes (one PUSH per TE)
+                              TE tokenizer inboxes (te_links.py: a timeout per put)
     CM ──TEList / TEReport (SUB)──> router: TE set, loads, cached blocks, finished tasks
     JE ──RequestFailed──> the request's reply_to (no TE, bad input, its TE went down)
 
@@ -16,6 +16,16 @@ output streams from one TE straight to the gateway; the JE only learns that
 the job ended (TEReport.finished of that TE), or that one of its TEs left
 the list, which fails it (and aborts the other task).
 
+Parked: a request that finds no TE to take it (no complete TE list yet: the
+JE or the CM just restarted; or every TE of its kind is restarting) waits up
+to PARK_S, routed as soon as a TE list allows, instead of being refused.
+
+Requests of death (control/suspects.py has the rules and the trade-off):
+a request in flight on a TE that leaves the list is a suspect; its first
+crash is te_lost (resumed by the gateway; with [router] isolate_suspects run
+isolated: `_hold`), the second request_crashed_engine (final;
+`request_quarantined` logged; the id refused from then on).
+
 `python -m deepserve.control.job_executor --conf RUN_DIR/node.json --role
 job-executor`: its sockets are the run's, [router] and [node] model /
 max_attempts come from the resolved config (load_settings).
@@ -24,6 +34,7 @@ max_attempts come from the resolved config (load_settings).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,17 +45,25 @@ from deepserve.actor import ActorLife
 from deepserve.config.child import ChildArgs, parse_child_args, print_config
 from deepserve.config.loading import read_run_config
 from deepserve.config.node import RouterSection
+from deepserve.control.admission import PromptTokens
 from deepserve.control.pd_policy import PDPolicy
 from deepserve.control.router import NoTEAvailable, Router
-from deepserve.errors import InvalidRequestError
+from deepserve.control.suspects import HeldSuspects, SuspectBook
+from deepserve.control.te_links import TELinks
+from deepserve.errors import InvalidRequestError, PromptTooLongError
 from deepserve.ipc.outboxes import Outboxes
-from deepserve.ipc.sockets import PullSocket, PushSocket, SubSocket
+from deepserve.ipc.sockets import PullSocket, SubSocket
 from deepserve.messages.control import FromClusterManager, TEList, TEReport
 from deepserve.messages.engine import AbortRequest, RequestFailed, SubmitRequest
 from deepserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 _IN = SubmitRequest | AbortRequest
+PARK_S = 10.0
+"""Seconds a request that no TE can take waits for one (module doc)."""
+PARK_MAX = 4096
+CRASHED = "request_crashed_engine"
+"""RequestFailed.error of a quarantined request (the gateway: 500, this code)."""
 
 
 class EventSink(Protocol):
@@ -64,27 +83,37 @@ class Task:
     reply_to: str | None
     prefill_te: str | None = None  # disaggregated: where its KV is computed
     attempt: int = 0
+    is_suspect: bool = False  # resumed isolated after a crash (module doc)
 
 
 class JobExecutor:
     def __init__(self, ctx: zmq.Context, inbox: str, cm_pub: str, model: str, router: Router,
-                 pd_policy=None, max_attempts: int = 3, events: EventSink = _no_event):
+                 pd_policy=None, max_attempts: int = 3, events: EventSink = _no_event,
+                 isolate_suspects: bool = False):
         self.ctx = ctx
         self.inbox = PullSocket(ctx, inbox, bind=True, type=_IN)
         self.cm = SubSocket(ctx, cm_pub, bind=False, type=FromClusterManager)
-        self.tokenizer = Tokenizer(model)
+        self.prompts = PromptTokens.for_model(model, Tokenizer(model))  # bounded, cached
         self.router = router
         self.pd_policy = pd_policy  # None: colocated unless only PD pairs exist
         self.max_attempts = max_attempts  # a request runs on at most this many TEs
         self.events = events  # health events (request_migrated) to the supervisor
         self.num_migrated = 0
-        self.te_sockets: dict[str, PushSocket] = {}
-        self.te_addresses: dict[str, str] = {}
+        self.links = TELinks(ctx)  # the listed TEs and sends to them
         self.replies = Outboxes(ctx)  # to reply_to addresses: never blocks for long
         self.tasks: dict[str, Task] = {}
+        self.suspects = SuspectBook()
+        self.isolate_suspects = isolate_suspects  # [router] isolate_suspects: _hold
+        self.held = HeldSuspects()  # resumed suspects waiting to run isolated
+        self.parked: list[tuple[float, SubmitRequest, list[int]]] = []  # _dispatch
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.socket, zmq.POLLIN)
         self.poller.register(self.cm.socket, zmq.POLLIN)
+
+    @property
+    def te_sockets(self) -> dict[str, str]:
+        """The listed TEs' inboxes (te id -> address)."""
+        return self.links.addresses
 
     def step(self, timeout_ms: int = 200) -> None:
         events = dict(self.poller.poll(timeout_ms))
@@ -94,37 +123,123 @@ class JobExecutor:
         if self.inbox.socket in events:
             for msg in self.inbox.drain():
                 self._submit(msg) if isinstance(msg, SubmitRequest) else self._abort(msg)
+        if self.parked:
+            self._unpark()
+        if self.held:
+            self._release_held()
 
     # -- requests ----------------------------------------------------------------
     def _submit(self, msg: SubmitRequest) -> None:
+        if self.suspects.is_quarantined(msg.request_id):
+            return self._fail(msg, CRASHED, _crashed_text(self.suspects.crashes(msg.request_id)))
         if msg.attempt >= self.max_attempts:
             return self._fail(msg, "engine_dead", f"the request's TE failed {msg.attempt} times; "
                               f"giving up after {self.max_attempts} attempts")
-        prefill_te = prefill_from = None
         try:
-            _, ids = self.tokenizer.request_ids(msg.prompt, msg.prompt_token_ids, msg.messages)
-            if self._job_layout(ids) == "disaggregated":
-                prefill_te = self.router.route(ids, msg.salt, te_type="prefill")
-                prefill_from = self.te_addresses[prefill_te]
-                te_id = self.router.route(ids, msg.salt, te_type="decode")
-            else:
-                te_id = self.router.route(ids, msg.salt)
+            ids = self.prompts.ids(msg)
         except InvalidRequestError as e:
-            return self._fail(msg, "invalid_request", str(e), e.param)
+            error = "prompt_too_long" if isinstance(e, PromptTooLongError) else "invalid_request"
+            return self._fail(msg, error, str(e), e.param)
+        if self.isolate_suspects and self.suspects.is_suspect(msg.request_id):
+            return self._hold(msg, ids)
+        self._dispatch(msg, ids, time.monotonic() + PARK_S)
+
+    def _dispatch(self, msg: SubmitRequest, ids: list[int], park_until: float) -> bool:
+        """Route and send the job, or park it until park_until; False: parked."""
+        try:
+            if not self.links.has_list:
+                raise NoTEAvailable("no TE list from the cluster manager yet")
+            te_id, prefill_te = self._route(ids, msg.salt)
         except NoTEAvailable as e:
-            return self._fail(msg, "engine_dead", f"no TE can take the request: {e}")
+            if time.monotonic() < park_until and len(self.parked) < PARK_MAX:
+                self.parked.append((park_until, msg, ids))
+                return False
+            self._fail(msg, "engine_dead", f"no TE can take the request: {e}")
+            return True
+        if self._send_task(msg, ids, te_id, prefill_te) and msg.attempt:
+            self._note_migrated(msg, te_id, len(ids))
+        return True
+
+    def _route(self, ids: list[int], salt: str | None,
+               exclude: frozenset[str] = frozenset()) -> tuple[str, str | None]:
+        """(TE, prefill TE or None) for a job, never one in `exclude`."""
+        if self._job_layout(ids) == "disaggregated":
+            prefill_te = self.router.route(ids, salt, te_type="prefill", exclude=exclude)
+            return self.router.route(ids, salt, te_type="decode", exclude=exclude), prefill_te
+        return self.router.route(ids, salt, exclude=exclude), None
+
+    def _send_task(self, msg: SubmitRequest, ids: list[int], te_id: str, prefill_te: str | None,
+                   is_suspect: bool = False) -> bool:
+        """Send the task; a TE that does not take it in time fails it (retryable)."""
+        prefill_from = self.links.addresses[prefill_te] if prefill_te is not None else None
         task = SubmitRequest(request_id=msg.request_id, prompt_token_ids=ids,
                              sampling=msg.sampling, salt=msg.salt, reply_to=msg.reply_to,
-                             prefill_from=prefill_from, attempt=msg.attempt)
+                             prefill_from=prefill_from, attempt=msg.attempt,
+                             resumed_output_ids=msg.resumed_output_ids,
+                             resumed_text_chars=msg.resumed_text_chars)
+        if not self.links.put(te_id, task):
+            self._fail(msg, "te_lost", "the engine chosen for the request did not take it in "
+                                       "time; retry")
+            return False
         self.tasks[msg.request_id] = Task(msg.request_id, te_id, msg.reply_to, prefill_te,
-                                          msg.attempt)
-        self.te_sockets[te_id].put(task)
-        if msg.attempt:
-            self.num_migrated += 1
-            log.warning("request %s resumed on %s (attempt %d, %d tokens of context)",
-                        msg.request_id, te_id, msg.attempt, len(ids))
-            self.events("request_migrated", request_id=msg.request_id, te_id=te_id,
-                        attempt=msg.attempt, prompt_tokens=len(ids))
+                                          msg.attempt, is_suspect)
+        return True
+
+    def _note_migrated(self, msg: SubmitRequest, te_id: str, num_tokens: int) -> None:
+        self.num_migrated += 1
+        log.warning("request %s resumed on %s (attempt %d, %d tokens of context)",
+                    msg.request_id, te_id, msg.attempt, num_tokens)
+        self.events("request_migrated", request_id=msg.request_id, te_id=te_id,
+                    attempt=msg.attempt, prompt_tokens=num_tokens)
+
+    def _unpark(self) -> None:
+        """Route parked requests, oldest first, once a TE can take them; a
+        request past its park deadline fails (in _dispatch)."""
+        parked, self.parked = self.parked, []
+        for park_until, msg, ids in parked:
+            self._dispatch(msg, ids, park_until)
+
+    # -- suspects (module doc) ------------------------------------------------------
+    def _hold(self, msg: SubmitRequest, ids: list[int]) -> None:
+        """A resumed suspect waits here until it can run isolated (suspects.py)."""
+        pushed_out = self.held.add(msg, ids)
+        if pushed_out is not None:
+            self._fail(pushed_out.msg, "engine_dead", "too many resumed requests wait for an engine")
+        self._release_held()
+
+    def _release_held(self) -> None:
+        """Send waiting suspects, oldest first, while isolation allows."""
+        busy = frozenset(te for t in self.tasks.values() if t.is_suspect
+                         for te in (t.te_id, t.prefill_te) if te is not None)
+        for held, is_expired, needs_spare in self.held.due(self._job_layout):
+            if is_expired:
+                self.held.remove(held)
+                self._fail(held.msg, "engine_dead", "no engine could take the resumed request")
+                continue
+            if needs_spare and not self._has_spare(held.ids, busy):
+                continue
+            crashed = set(self.suspects.crashes(held.msg.request_id))
+            try:  # back on a TE it crashed if that one is up: the others stay untouched
+                te_id, prefill_te = self._route(held.ids, held.msg.salt,
+                                                exclude=busy | (set(self.router.tes) - crashed))
+            except NoTEAvailable:
+                try:
+                    te_id, prefill_te = self._route(held.ids, held.msg.salt, exclude=busy)
+                except NoTEAvailable:
+                    continue
+            self.held.remove(held)
+            log.warning("suspect %s runs isolated on %s (crashed before on %s)",
+                        held.msg.request_id, te_id, ", ".join(crashed))
+            if self._send_task(held.msg, held.ids, te_id, prefill_te, is_suspect=True):
+                self._note_migrated(held.msg, te_id, len(held.ids))
+                busy |= {te_id, prefill_te} - {None}
+
+    def _has_spare(self, ids: list[int], busy: frozenset[str]) -> bool:
+        """Another TE able to take the job's kind stays free of suspects."""
+        if self._job_layout(ids) == "disaggregated":
+            return len(set(self.router.tes) - busy) >= 3
+        return sum(1 for te in self.router.tes.values()
+                   if te.te_type == "colocated" and te.te_id not in busy) >= 2
 
     def _job_layout(self, ids: list[int]) -> str:
         """colocated or disaggregated: the policy's choice among what exists."""
@@ -137,9 +252,11 @@ class JobExecutor:
         return "colocated" if self.pd_policy is None else self.pd_policy.choose(ids)
 
     def _abort(self, msg: AbortRequest) -> None:
+        self.held.drop(msg.request_id)
+        self.parked = [p for p in self.parked if p[1].request_id != msg.request_id]
         task = self.tasks.get(msg.request_id)
-        if task is not None and task.te_id in self.te_sockets:
-            self.te_sockets[task.te_id].put(msg)
+        if task is not None:
+            self.links.put(task.te_id, msg)
 
     def _fail(self, msg: SubmitRequest, error: str, text: str, param: str | None = None) -> None:
         self._reply(msg.reply_to, RequestFailed(request_id=msg.request_id, error=error,
@@ -158,37 +275,52 @@ class JobExecutor:
                 task = self.tasks.get(request_id)
                 if task is not None and task.te_id == msg.te_id:
                     del self.tasks[request_id]
+                    self.suspects.forget(request_id)  # it completed: not poison
         elif isinstance(msg, TEList):
             self._update_tes(msg)
 
     def _update_tes(self, msg: TEList) -> None:
-        live = {te.te_id: te for te in msg.tes}
-        for te_id in set(self.te_sockets) - set(live):
-            self.te_sockets.pop(te_id).close()
-            self.te_addresses.pop(te_id, None)
+        update = self.links.update(msg)
+        if update is None:
+            return  # an incomplete list (te_links.py)
+        live, left = update
+        self.router.update_tes(live)  # first: nothing routes to a TE that left
+        self.held.note_listed([te.te_type for te in live])
+        for te_id in left:
             self._fail_tasks_of(te_id)
-        for te_id, te in live.items():
-            if self.te_addresses.get(te_id) != te.address:
-                if te_id in self.te_sockets:
-                    self.te_sockets.pop(te_id).close()
-                self.te_sockets[te_id] = PushSocket(self.ctx, te.address, bind=False)
-                self.te_addresses[te_id] = te.address
-        self.router.update_tes(msg.tes)
 
     def _fail_tasks_of(self, te_id: str) -> None:
         for task in [t for t in self.tasks.values() if te_id in (t.te_id, t.prefill_te)]:
             del self.tasks[task.request_id]
-            if task.te_id != te_id and task.te_id in self.te_sockets:
-                self.te_sockets[task.te_id].put(AbortRequest(request_id=task.request_id))
+            if task.te_id != te_id:
+                self.links.put(task.te_id, AbortRequest(request_id=task.request_id))
+            crashes = self.suspects.crashed(task.request_id, te_id)
+            if self.suspects.is_quarantined(task.request_id):
+                self._quarantine(task, crashes)
+                continue
             retry = task.attempt + 1 < self.max_attempts
             self._reply(task.reply_to, RequestFailed(
                 request_id=task.request_id, error="te_lost" if retry else "engine_dead",
-                message=f"TE {te_id} went down while serving the request"
+                message="the engine serving the request went down"
                         + ("" if retry else f" (attempt {task.attempt + 1} of {self.max_attempts})")))
 
+    def _quarantine(self, task: Task, crashes: list[str]) -> None:
+        log.error("request %s quarantined: in flight at %d TE crashes (%s)", task.request_id,
+                  len(crashes), ", ".join(crashes))
+        self.events("request_quarantined", request_id=task.request_id, crashed_tes=crashes,
+                    crashes=len(crashes))
+        self._reply(task.reply_to, RequestFailed(request_id=task.request_id, error=CRASHED,
+                                                 message=_crashed_text(crashes)))
+
     def close(self) -> None:
-        for sock in [self.inbox, self.cm, *self.te_sockets.values(), self.replies]:
+        for sock in [self.inbox, self.cm, self.links, self.replies]:
             sock.close()
+
+
+def _crashed_text(crashes: list[str]) -> str:
+    """For the tenant: what happened, without naming TEs (the event names them)."""
+    return (f"The request was in flight each time an engine crashed ({len(crashes)} crashes); "
+            "it is quarantined as a likely cause and will not be retried.")
 
 
 class JESettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -218,7 +350,7 @@ def build(ctx: zmq.Context, s: JESettings, events: EventSink = _no_event) -> Job
         pd_policy = PDPolicy.from_files(r.pd_policy, r.pd_heatmap, r.pd_predictor,
                                         **msgspec.structs.asdict(r.pd_options))
     return JobExecutor(ctx, s.inbox, s.cm_pub, s.model, Router(r.policy, **options), pd_policy,
-                       s.max_attempts, events)
+                       s.max_attempts, events, r.isolate_suspects)
 
 
 def main(argv: list[str] | None = None) -> None:

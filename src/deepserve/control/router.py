@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 from deepserve.cache.block_hash import prompt_block_hashes
 from deepserve.control.prompt_index import GlobalPromptIndex
@@ -113,15 +113,17 @@ class Router:
 
     # -- routing ---------------------------------------------------------------------
     def route(self, prompt_token_ids: Sequence[int], salt: str | None = None,
-              te_type: str = "colocated") -> str:
-        return self.decide(prompt_token_ids, salt, te_type).te_id
+              te_type: str = "colocated", exclude: Collection[str] = ()) -> str:
+        return self.decide(prompt_token_ids, salt, te_type, exclude).te_id
 
     def decide(self, prompt_token_ids: Sequence[int], salt: str | None = None,
-               te_type: str = "colocated") -> RouteDecision:
-        candidates = [t for t in self.tes.values() if t.te_type == te_type]
+               te_type: str = "colocated", exclude: Collection[str] = ()) -> RouteDecision:
+        """exclude: TE ids not to choose (the JE's isolation of suspects)."""
+        candidates = [t for t in self.tes.values()
+                      if t.te_type == te_type and t.te_id not in exclude]
         if not candidates:
             raise NoTEAvailable(f"no {te_type} TE in the TE list "
-                                f"({len(self.tes)} TE(s) of other types)")
+                                f"({len(self.tes)} TE(s) of other types or excluded)")
         hashes = _HashCache(prompt_token_ids, salt)
         if self.policy == "round_robin":
             decision = RouteDecision(self._round_robin(candidates).te_id, "round_robin",

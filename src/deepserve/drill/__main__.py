@@ -51,6 +51,11 @@ def _describe(report: DrillReport) -> str:
                                                  list(d["bad"].items())[:10]))
     if d.get("lost_ids"):
         lines.append(f"lost: {d['lost_ids'][:20]}")
+    if "restarts" in d:
+        lines.append(f"restarts: {len(d['restarts'])} {d['restarts']}; lost: {report.lost}; "
+                     f"bad_streams: {report.bad_streams}")
+    if d.get("poison"):
+        lines.append(f"poison: {d['poison']}")
     if d.get("detected_event"):
         lines.append(f"detected by: {d['detected_event']}")
     if d.get("timeline"):

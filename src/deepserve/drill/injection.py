@@ -23,6 +23,9 @@ import psutil
 from deepserve.drill.health_events import HealthEvents
 from deepserve.drill.scenarios import Scenario
 
+REUSE_SLACK_S = 5.0
+"""A pid whose process started this long after its started event was reused."""
+
 
 def hook_path(drill_dir: str | os.PathLike, component: str, fault: str) -> Path:
     return Path(drill_dir) / f"{component.replace('/', '.')}.{fault}"
@@ -131,7 +134,10 @@ def current_pid(events: HealthEvents, component: str) -> int:
     pid, t = found
     try:
         proc = psutil.Process(pid)
-        if proc.create_time() > t + 1.0:
+        # create_time() comes from boot time + start ticks (whole-second boot
+        # time, a container's clock): only a process born well after the event
+        # is a reuse
+        if proc.create_time() > t + REUSE_SLACK_S:
             raise LookupError(f"pid {pid} of {component} was reused (created after {t})")
         if proc.status() == psutil.STATUS_ZOMBIE:
             raise LookupError(f"pid {pid} of {component} is a zombie")

@@ -18,20 +18,22 @@ Load and clock: stream.now (epoch seconds), the health log's clock too.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-from deepserve.drill.health_events import HealthEvents
+from deepserve.drill.health_events import HealthEvents, te_of
 from deepserve.drill.injection import Injection, wait_pid
 from deepserve.drill.load import LoadDriver
+from deepserve.drill.poison import PoisonRequest, Quarantined, has_recovered, poison_ids, summary
 from deepserve.drill.prompts import make_probe_prompt, make_prompts, token_counter
 from deepserve.drill.proof import (CacheMissed, FaultProof, HookFired, Proofs, SignalDetected,
                                    TransferResumed)
 from deepserve.drill.report import DrillReport, build_report
-from deepserve.drill.scenarios import (DETECT_EVENTS, RECOVERED, Scenario, deadline_of,
+from deepserve.drill.scenarios import (DETECT_EVENTS, Scenario, deadline_of,
                                        target_te, target_tes)
 from deepserve.drill.stream import COMPLETED, RequestRecord, first_success_after, now
 from deepserve.supervisor.node import num_tes
@@ -87,6 +89,11 @@ class Drill:
         if log_dir is None:
             raise RuntimeError(f"{scenario.name}: the fault's proof, detection and recovery "
                                "come from the health log: give --log-dir")
+        self.poison: PoisonRequest | None = None  # the poison drill's request of death
+        self.poison_prompt: list[int] = []
+        if scenario.fault == "poison":  # the hook file holds the marker's token ids
+            marker, self.poison_prompt = poison_ids(getattr(config, "model", None))
+            scenario = dataclasses.replace(scenario, hook_content=",".join(map(str, marker)))
         self.scenario, self.url, self.model, self.config = scenario, url, model, config
         self.events = HealthEvents(log_dir)
         self.drill_dir, self.fire_bound_s, self.echo = drill_dir, fire_bound_s, echo
@@ -95,12 +102,17 @@ class Drill:
             self.te_types = {spec.te_id: spec.te_type for spec in config.tes}
         else:
             self.te_types = self.events.te_types()
-        self.te = te or target_te(scenario, self.te_types)
-        components = [f"{t}/{scenario.part}" for t in target_tes(scenario, self.te,
-                                                                 self.te_types)]
+        if scenario.node_process:  # kill-cm / kill-je: the process is its own "TE"
+            self.te, components = scenario.part, [scenario.part]
+        else:
+            self.te = te or target_te(scenario, self.te_types)
+            components = [f"{t}/{scenario.part}" for t in target_tes(scenario, self.te,
+                                                                     self.te_types)]
         self.injection = Injection(scenario, self.te, components)
         self.deadline_s = deadline_of(scenario, self.supervisor)
         self.bound_s = recovery_bound_s(self.supervisor)
+        if scenario.fault == "poison":  # resume-once: up to two TE restarts, one after the other
+            self.bound_s *= 2
         self.detected: dict | None = None
         self.recovered: dict | None = None
         self.gave_up: dict | None = None
@@ -127,6 +139,8 @@ class Drill:
             wait_pid(self.events, self.injection.component, self.bound_s)
         self.driver = LoadDriver(self.url, self.model, prompts=prompts, **driver_options)
         self.reference = self.driver.reference_sync()
+        if self.scenario.fault == "poison":
+            self.poison = PoisonRequest(self.driver, self.poison_prompt)
         if self.scenario.fault == "drop-cache":
             self.probe_prompt = make_probe_prompt(min_len, counter)
             self.driver.send_sync(self.probe_prompt)  # fills the cache
@@ -144,6 +158,8 @@ class Drill:
                 self.probe_prompt), self.probe_before)])
         if s.fault == "kv-fail":
             return Proofs([fired, TransferResumed(self.events, fault_at)])
+        if s.fault == "poison":
+            return Proofs([fired, Quarantined(self.events, self.poison, fault_at)])
         return fired
 
     # -- the fault, under load ----------------------------------------------------------
@@ -163,6 +179,8 @@ class Drill:
             time.sleep(warmup_s)
             fault_at = self.injection.inject(self.events, self.drill_dir)
             self.proof = self._make_proof(fault_at)
+            if self.poison is not None:
+                self.poison.start()
             pid = f", pid {self.injection.pid}" if self.injection.pid else ""
             self.echo(f"fault injected at {fault_at:.3f} ({self.scenario.fault} -> "
                       f"{', '.join(self.injection.components)}{pid})")
@@ -173,6 +191,8 @@ class Drill:
             self.injection.cleanup()
             self.driver.stop()
             thread.join()
+            if self.poison is not None:
+                self.poison.join(self.driver.deadline_s + 1.0)
         if "error" in result:
             raise RuntimeError(f"load failed: {result['error']!r}") from result["error"]
         return self._report(result["records"], fault_at)
@@ -194,14 +214,14 @@ class Drill:
     def _look_at_events(self, fault_at: float) -> None:
         te, events = self.te, self.events
         if self.detected is None:
-            self.detected = events.first(fault_at, DETECT_EVENTS, te)
+            self.detected = self._first_detection(fault_at)
             if self.detected is not None:
                 self.echo(f"detected: {self.detected['component']} {self.detected['event']} "
                           f"after {self.detected['t'] - fault_at:.3f} s")
                 if self.scenario.fault == "stall":
                     self.injection.lift()  # or the replacement worker stalls too
         if self.recovered is None and self.scenario.restarts:
-            self.recovered = events.first(fault_at, {RECOVERED}, te)
+            self.recovered = events.first(fault_at, {self.scenario.recovered_event}, te)
             if self.recovered is not None:
                 self.echo(f"recovered: {self.recovered['component']} after "
                           f"{self.recovered['t'] - fault_at:.3f} s")
@@ -210,8 +230,22 @@ class Drill:
             if self.gave_up is not None:
                 self.echo(f"the supervisor gave up on {self.gave_up['component']}")
 
+    def _first_detection(self, fault_at: float) -> dict | None:
+        """The first fault the supervisor saw in the target TE (poison: in any
+        TE it was injected into: the request of death may land on either)."""
+        if self.poison is None:
+            return self.events.first(fault_at, DETECT_EVENTS, self.te)
+        tes = {te_of(c) for c in self.injection.components}
+        return self.events.first_where(fault_at, lambda e: e.get("event") in DETECT_EVENTS
+                                       and te_of(str(e.get("component", ""))) in tes)
+
     def _has_recovered(self, t: float, fault_at: float) -> bool:
         s, inj = self.scenario, self.injection
+        if self.poison is not None:  # and the node whole again: the last restart may be
+            # logged seconds after the TE left the list (its host saw the crash first)
+            want = len(self.config.tes) if self.config is not None else 1
+            return (has_recovered(self.events, self.poison, fault_at, list(self.driver.records))
+                    and num_tes(self.url) >= want)
         if s.restarts:
             return self.recovered is not None or self.gave_up is not None
         if s.hold_s:  # slow: lift after hold_s, then one success after
@@ -229,11 +263,14 @@ class Drill:
     # -- the verdict --------------------------------------------------------------------
     def _report(self, records: list[RequestRecord], fault_at: float) -> DrillReport:
         if self.detected is None:  # a last look: logged while the load drained
-            self.detected = self.events.first(fault_at, DETECT_EVENTS, self.te)
+            self.detected = self._first_detection(fault_at)
         if self.scenario.restarts:
             if self.recovered is None:
-                self.recovered = self.events.first(fault_at, {RECOVERED}, self.te)
+                self.recovered = self.events.first(fault_at, {self.scenario.recovered_event},
+                                                   self.te)
             recovered_at = self.recovered["t"] if self.recovered is not None else None
+        elif self.poison is not None:  # every restarted TE back, then a success (poison.py)
+            recovered_at = self.done_at
         else:
             recovered_at = first_success_after(records, fault_at)
         self.proof.finish(records)
@@ -244,6 +281,8 @@ class Drill:
                               proof="; ".join(self.proof.evidence) if proven
                               else self.proof.failure)
         report.details.update(self._details(records, fault_at))
+        if self.poison is not None:
+            report.details["poison"] = summary(self.events, self.poison, fault_at, records)
         return report
 
     def _details(self, records: list[RequestRecord], fault_at: float) -> dict:
@@ -257,6 +296,8 @@ class Drill:
             hook_consumed=self.consumed_at is not None, notes=inj.notes,
             completed_after_fault=sum(1 for r in records
                                       if r.status == COMPLETED and r.start > fault_at),
+            restarts=[e.get("component") for e in self.events.events(fault_at)
+                      if e.get("event") == "restarting"],
             timeline=[f"+{e['t'] - fault_at:.3f} {e.get('component')} {e.get('event')} "
                       f"pid={e.get('pid')} {json.dumps(e.get('details') or {})}"
                       for e in self.events.events(fault_at)])

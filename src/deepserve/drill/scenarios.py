@@ -13,6 +13,18 @@ proving it proof.py.
     drop-cache        teN/master, every hook file teN.master.drop-cache     -
                       TE of te0's type
     kv-transfer-fail  <prefill>/worker0 hook file <prefill>.worker0.kv-fail -
+    poison            teN/worker0,      hook file teN.worker0.poison        -
+                      every TE of       (the marker's token ids), then one
+                      te0's type        request ending in them (poison.py)
+    kill-cm           cluster-manager   SIGKILL (node process)              heartbeat_deadline_s
+    kill-je           job-executor      SIGKILL (node process)              heartbeat_deadline_s
+
+kill-cm / kill-je hit a node-level process (node_process: the target is the
+process itself, not a part of a TE). Detection is its "crashed" event; recovery
+is the replacement's recovered_event: the new CM's first complete TE list
+(te_list_complete), the new JE's "started". The verdict that matters is the
+load's: lost = 0 and bad_streams = 0 (issue 11: control-plane restarts lose
+nothing).
 
 deadline_s is the supervisor deadline that bounds detection: a dead or
 SIGSTOPped process sends no heartbeat, so it is found within the heartbeat
@@ -32,6 +44,9 @@ Proof that the fault took effect (a drill without it fails, proof.py):
   kv-fail     + a `request_migrated` event after the fault, and that request
               completed (the decode side failed it as kv_transfer_failed, the
               gateway resumed it)
+  poison      + exactly one `request_quarantined` event after the fault, and
+              the poison request failed as request_crashed_engine (poison.py;
+              its recovery and restart count are there too)
 
 Detection (restarting scenarios): the first "crashed", "killed", "hung" or
 "heartbeat_missed" event of the target TE (component "teN" or "teN/...")
@@ -77,6 +92,10 @@ class Scenario:
     """Inject into the part of every TE of the target's type (drop-cache: so the
     cache probe cannot land on a TE that kept its cache)."""
     description: str = ""
+    node_process: bool = False
+    """part is a node-level process (cluster-manager, job-executor), not a TE's."""
+    recovered_event: str = RECOVERED
+    """The health event (of the target) that says the replacement is back."""
 
     @property
     def is_signal(self) -> bool:
@@ -100,6 +119,15 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              description="every master of the target TE's type wipes its prefix cache once"),
     Scenario("kv-transfer-fail", "worker0", "kv-fail", None, False, te_type="prefill",
              description="the prefill TE's next KV transfer fails mid-way"),
+    Scenario("poison", "worker0", "poison", None, False, every_te_of_type=True,
+             description="one request of death under load (every worker of the type exits "
+                         "on its marker): quarantined, at most the TEs it crashed restart"),
+    Scenario("kill-cm", "cluster-manager", "SIGKILL", HEARTBEAT, True, node_process=True,
+             recovered_event="te_list_complete",
+             description="SIGKILL the cluster manager under load (in-flight streams go on)"),
+    Scenario("kill-je", "job-executor", "SIGKILL", HEARTBEAT, True, node_process=True,
+             recovered_event="started",
+             description="SIGKILL the job executor under load (nothing hangs or is refused)"),
 )}
 
 ALIASES = {"hang-worker-sigstop": "hang-worker", "hang-worker-stall": "stall-worker"}

@@ -70,7 +70,15 @@ class LLMEngine:
         scheduled, batch = step
         output = self.runner.execute(batch)
         advanced = self.scheduler.update(scheduled, output.sampled)
-        return [self._emit(seq) for seq in advanced]
+        outputs = [self._emit(seq) for seq in advanced]
+        for failure in output.failed:  # that request alone ends, finish_reason "error"
+            seq = scheduled.seqs[failure.seq_id]
+            request_id = self.core.fail(seq)
+            if request_id is not None:
+                state = self._states.pop(request_id)
+                state.finish_reason = "error"
+                outputs.append(self._output(state, seq, ""))
+        return outputs
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         request_id = self.core.request_ids[seq.seq_id]

@@ -1,7 +1,7 @@
 """The TE master: scheduler and RTC control, one step ahead of the workers.
 
     tokenizer ──AddRequest/FinishRequest/GetStats──> [requests PULL]
-    other TEs' masters ──PrefillOrder/KVReady/KVAck──> [pd PULL]   (messages/pd.py)
+    other TEs' masters ──PrefillOrder/KVReady/KVAck/CancelOrder──> [pd PULL] (messages/pd.py)
                                                   │
                 StepCore (Scheduler + KVCacheManager) · PDCoordinator (effects)
                                                   │ StepBatch, encoded once
@@ -33,7 +33,8 @@ from deepserve.config import EngineConfig
 from deepserve.engine.pd import Effects, PDCoordinator
 from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.engine.sequence import Sequence
-from deepserve.engine.step_core import StepCore
+from deepserve.engine.step_core import StepCore, check_request
+from deepserve.errors import InvalidRequestError
 from deepserve.ipc.shm_ring import BroadcastRing
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, PushSocket
@@ -41,7 +42,8 @@ from deepserve.messages.control import TEReport
 from deepserve.messages.engine import (AddRequest, EngineStats, FinishRequest, FromWorker,
                                        GetStats, NewTokens, RequestFailed, StepDone,
                                        StepTokens, ToMaster, WorkerFailed, WorkerReady)
-from deepserve.messages.pd import KVAck, KVReady, KVSent, PrefillOrder, ToPeer, pd_address
+from deepserve.messages.pd import (CancelOrder, FailRequest, KVAck, KVReady, KVSent,
+                                   PrefillOrder, ToPeer, pd_address)
 from deepserve.messages.step import SHUTDOWN_STEP_ID, StepBatch
 from deepserve.model.config import load_model_config
 
@@ -81,6 +83,20 @@ def master_main(spec: MasterSpec, death_pipe: Connection, ready_pipe: Connection
         life.close()
 
 
+def _answers(done: StepDone, step_id: int, scheduled: SchedulerOutput,
+             sampling_ids: frozenset[int]) -> bool:
+    """Is `done` rank 0's answer to this step? Its id, and one token or one
+    failure for each sequence the step samples, except sequences finished
+    already (a seq failed earlier is not reported again)."""
+    out = done.output
+    if out.step_id != step_id:
+        return False
+    answered = [t.seq_id for t in out.sampled] + [f.seq_id for f in out.failed]
+    if len(set(answered)) != len(answered) or not set(answered) <= sampling_ids:
+        return False
+    return all(scheduled.seqs[i].is_finished for i in sampling_ids.difference(answered))
+
+
 def _remaining_tokens(seq: Sequence) -> int:
     """Load a sequence still puts on the TE: tokens to compute + tokens to generate."""
     return (seq.num_uncomputed_tokens
@@ -95,7 +111,8 @@ class Master:
                              record_events=spec.report_address is not None)
         self.kv, self.scheduler = self.core.kv, self.core.scheduler
         self.depth = 2 if cfg.async_scheduling else 1
-        self.in_flight: deque[tuple[int, SchedulerOutput]] = deque()
+        # (step id, what it scheduled, the seq ids it samples), oldest first
+        self.in_flight: deque[tuple[int, SchedulerOutput, frozenset[int]]] = deque()
         self.forward_spans: deque[tuple[float, float]] = deque(maxlen=100_000)
         self.last_report = 0.0
         self.ctx = zmq.Context()
@@ -170,7 +187,8 @@ class Master:
             self.pd.attach_transfers(batch)
             self.ring.put(self.encoder.encode(batch), timeout=30)
             self.scheduler.on_dispatched(scheduled)
-            self.in_flight.append((batch.step_id, scheduled))
+            self.in_flight.append((batch.step_id, scheduled,
+                                   frozenset(s.seq_id for s in batch.seqs if s.do_sample)))
 
     def _recv_requests(self) -> None:
         for msg in self.requests.drain():
@@ -183,6 +201,23 @@ class Master:
                                                num_preemptions=self.scheduler.num_preemptions))
 
     def _add(self, msg: AddRequest) -> None:
+        """The tokenizer checked the request; a forged or stale AddRequest is
+        checked again here (a bad id would fail the workers' forward), and a
+        request id still live here is an abandoned earlier request: it ends."""
+        try:
+            check_request(msg.prompt_token_ids, msg.sampling, self.core.vocab_size,
+                          self.spec.config.max_model_len)
+            if msg.prefill_from is not None:
+                pd_address(msg.prefill_from)
+        except (InvalidRequestError, ValueError) as e:
+            log.warning("AddRequest %r refused: %s", msg.request_id, e)
+            self.to_tokenizer.put(FailRequest(request_id=msg.request_id,
+                                              error="invalid_request", message=str(e)))
+            return
+        if msg.request_id in self.core.seqs:
+            log.warning("request id %r is live here already: the older one ends",
+                        msg.request_id)
+            self.finish(msg.request_id, "abort")
         is_decode_task = msg.prefill_from is not None
         seq = self.core.add(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.salt,
                             schedule=not is_decode_task)
@@ -193,14 +228,26 @@ class Master:
     def _recv_peers(self) -> None:
         for msg in self.from_peers.drain():
             if isinstance(msg, PrefillOrder):
-                self._apply(self.pd.add_prefill(msg, self.core.new_seq_id()))
+                self._add_prefill(msg)
             elif isinstance(msg, KVReady):
                 self._apply(self.pd.on_kv_ready(msg))
             elif isinstance(msg, KVAck):
                 self._apply(self.pd.on_kv_ack(msg))
+            elif isinstance(msg, CancelOrder):
+                self._apply(self.pd.on_cancel(msg, time.monotonic()))
+
+    def _add_prefill(self, order: PrefillOrder) -> None:
+        try:  # what the tokenizer checks for our own requests
+            check_request(order.prompt_token_ids, order.sampling, self.core.vocab_size,
+                          self.spec.config.max_model_len)
+        except InvalidRequestError as e:
+            self.peers.put(order.reply_to, KVReady(request_id=order.request_id,
+                                                   order_id=order.order_id, error=str(e)))
+            return
+        self._apply(self.pd.add_prefill(order, self.core.new_seq_id()))
 
     def finish(self, request_id: str, reason: str) -> None:
-        effects = self.pd.drop_decode(request_id)
+        effects = self.pd.drop_decode(request_id, time.monotonic())
         if effects is not None:
             self._apply(effects)
         else:
@@ -212,8 +259,8 @@ class Master:
             return
         for address, msg in effects.sends:
             self.peers.put(address, msg)
-        for request_id, seq in effects.started:
-            self.core.track(request_id, seq)
+        for request_id, seq in effects.started:  # prefill tasks: not our requests
+            self.core.track(request_id, seq, is_request=False)
         if effects.emit:
             self._stream([self.new_tokens(seq) for seq in effects.emit])
         for msg in effects.failed:
@@ -231,10 +278,14 @@ class Master:
                 self._apply(self.pd.on_kv_sent(msg, time.monotonic()))
 
     def _on_step_done(self, done: StepDone) -> None:
-        step_id, scheduled = self.in_flight.popleft()
+        if not self.in_flight or not _answers(done, *self.in_flight[0]):
+            log.warning("StepDone for step %d does not answer the oldest step in flight "
+                        "(%s): dropped", done.output.step_id,
+                        self.in_flight[0][0] if self.in_flight else "none")
+            return
+        step_id, scheduled, _ = self.in_flight.popleft()
         self.num_steps += 1
         self.forward_spans.append((done.forward_start, done.forward_end))
-        assert done.output.step_id == step_id, (done.output.step_id, step_id)
         items, now = [], time.monotonic()
         for seq in self.scheduler.on_sampled(scheduled, done.output.sampled):
             if self.pd.is_prefill(seq):  # its token goes to the decode TE in KVReady
@@ -244,6 +295,22 @@ class Master:
             if seq.is_finished:
                 self.core.release(seq)
         self._stream(items)
+        for failure in done.output.failed:
+            self._fail_seq(scheduled.seqs.get(failure.seq_id), failure.message)
+
+    def _fail_seq(self, seq: Sequence | None, message: str) -> None:
+        """A worker failed one sequence for a reason of its own: that request
+        fails (its caller hears why), the batch and the TE carry on."""
+        if seq is None or seq.is_finished:
+            return  # finished (aborted, stopped) while the step ran
+        log.warning("request of seq %d failed in a worker: %s", seq.seq_id, message)
+        if self.pd.is_prefill(seq):  # the decode TE hears it in KVReady
+            self._apply(self.pd.on_prefill_failed(seq, message))
+            return
+        request_id = self.core.fail(seq)
+        if request_id is not None:
+            self.to_tokenizer.put(FailRequest(request_id=request_id, error="request_failed",
+                                              message=f"the request failed: {message}"))
 
     def _stream(self, items: list[NewTokens]) -> None:
         if items:

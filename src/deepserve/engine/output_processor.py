@@ -5,6 +5,14 @@ detokenizes incrementally, cuts the text at the first stop string (which then
 finishes the request), and holds back the last len(longest stop) - 1
 characters while the request runs, so a stop string split across two
 increments never reaches the caller.
+
+A resumed attempt (its TE was lost mid-stream) starts from the ids the
+caller already has tokens of: the last `resumed_output_ids` prompt ids are
+output, detokenized here exactly as the first attempt did (same left
+context), and the first `resumed_text_chars` characters of their text count
+as emitted. So text the first attempt held back (a stop string's prefix, an
+incomplete UTF-8 character) is emitted now, nothing is repeated, and a stop
+string can match across the boundary.
 """
 
 from __future__ import annotations
@@ -16,16 +24,22 @@ from deepserve.messages.sampling import SamplingParams
 
 class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 sampling: SamplingParams, tokenizer: Tokenizer):
+                 sampling: SamplingParams, tokenizer: Tokenizer, resumed_output_ids: int = 0,
+                 resumed_text_chars: int = 0):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
-        self.token_ids: list[int] = []
-        self.text = ""
+        self.token_ids: list[int] = []  # this attempt's
         self.finish_reason: str | None = None
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
-        self._num_emitted = 0  # characters of text already handed out
+        num_resumed = max(0, min(resumed_output_ids, len(prompt_token_ids)))
+        num_context = len(prompt_token_ids) - num_resumed
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids[:num_context])
+        for token_id in prompt_token_ids[num_context:]:
+            self._detok.push(token_id)
+        self.text = self._detok.text  # the resumed output's, then this attempt's
+        self._num_emitted = max(0, resumed_text_chars) if num_resumed else 0
+        """Characters of text already handed out (by an earlier attempt too)."""
         self._holdback = max((len(s) for s in sampling.stop), default=1) - 1
 
     @property

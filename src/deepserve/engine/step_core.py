@@ -88,9 +88,12 @@ class StepCore:
             self.scheduler.add(seq)
         return seq
 
-    def track(self, request_id: str, seq: Sequence) -> None:
-        """Bookkeeping for a sequence made elsewhere (a prefill task's)."""
-        self.seqs[request_id] = seq
+    def track(self, request_id: str, seq: Sequence, is_request: bool = True) -> None:
+        """Bookkeeping for a sequence. is_request=False (a prefill task made by
+        engine/pd_prefill.py for another TE's request): by seq id only, so it
+        never takes the request-id slot of a request this TE serves."""
+        if is_request:
+            self.seqs[request_id] = seq
         self.request_ids[seq.seq_id] = request_id
 
     def finish(self, request_id: str, reason: str) -> Sequence | None:
@@ -100,6 +103,14 @@ class StepCore:
             self.scheduler.finish(seq, reason)
             self.release(seq)
         return seq
+
+    def fail(self, seq: Sequence) -> str | None:
+        """A worker could not serve this sequence (StepOutput.failed): finish it
+        with reason "error" and release it; its request id (None if released)."""
+        if seq.is_finished and seq.seq_id not in self.request_ids:
+            return None
+        self.scheduler.finish(seq, "error")
+        return self.release(seq)
 
     def release(self, seq: Sequence) -> str | None:
         """Forget a finished sequence; its request id (None if released already)."""

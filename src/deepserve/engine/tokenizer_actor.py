@@ -6,7 +6,11 @@
 
 A request is validated here (step_core.check_request, the check the
 in-process engine runs too), before it reaches the batch; a bad one is
-answered with RequestFailed and never reaches the master. Stop strings are
+answered with RequestFailed and never reaches the master. A message that is
+valid but wrong (an unknown or duplicate request id, token ids outside the
+vocabulary) is answered or dropped, never fatal; a request whose caller does
+not take its deltas (Outboxes.put False: gone or stalled) is aborted in the
+TE, so no batch slot generates for nobody. Stop strings are
 found here (on text), so this process also tells the master to stop them.
 PD messages between TEs go master to master (messages/pd.py), not through here.
 """
@@ -79,6 +83,7 @@ class TokenizerActor:
         self.attempts: dict[str, int] = {}  # request id -> attempt (resumed requests)
         self.states: dict[str, RequestState] = {}
         self.num_handled = 0
+        self.num_undeliverable = 0  # requests aborted because their caller took no reply
 
     def step(self) -> None:
         """One message, or a 0.2 s wait (the life loop's bound)."""
@@ -93,10 +98,11 @@ class TokenizerActor:
         for sock in [self.inbox, self.to_master, self.replies]:
             sock.close()
 
-    def _reply(self, request_id: str, msg) -> None:
-        """Send to the caller that submitted request_id (one socket per caller)."""
+    def _reply(self, request_id: str, msg) -> bool:
+        """Send to the caller that submitted request_id (one socket per caller);
+        False if it did not take the message (gone, or not reading)."""
         address = self.reply_to.get(request_id, self.client_address)
-        self.replies.put(address, msg)
+        return self.replies.put(address, msg)
 
     def _forget(self, request_id: str) -> None:
         self.reply_to.pop(request_id, None)
@@ -123,6 +129,11 @@ class TokenizerActor:
                 self._forget(msg.request_id)
 
     def _submit(self, msg: SubmitRequest) -> None:
+        if msg.request_id in self.states:  # before anything of the live one is touched
+            self.replies.put(msg.reply_to or self.client_address, RequestFailed(
+                request_id=msg.request_id, error="invalid_request", param="request_id",
+                message=f"request id {msg.request_id!r} is in use"))
+            return
         if msg.reply_to is not None:
             self.reply_to[msg.request_id] = msg.reply_to
         if msg.attempt:
@@ -131,16 +142,19 @@ class TokenizerActor:
             prompt, ids = self.tokenizer.request_ids(msg.prompt, msg.prompt_token_ids,
                                                      msg.messages)
             check_request(ids, msg.sampling, self.vocab_size, self.config.max_model_len)
-            if msg.request_id in self.states:
-                raise InvalidRequestError(f"request id {msg.request_id!r} is in use", "request_id")
-        except InvalidRequestError as e:
+        except Exception as e:  # InvalidRequestError, or content no tokenizer can take
+            if not isinstance(e, InvalidRequestError):
+                log.warning("request %r refused: %s: %s", msg.request_id, type(e).__name__, e)
+                e = InvalidRequestError(f"the request cannot be tokenized: {e}")
             error = "prompt_too_long" if isinstance(e, PromptTooLongError) else "invalid_request"
             self._reply(msg.request_id, RequestFailed(request_id=msg.request_id, error=error,
                                                       message=str(e), param=e.param))
             self._forget(msg.request_id)
             return
-        self.states[msg.request_id] = RequestState(msg.request_id, prompt, ids, msg.sampling,
-                                                   self.tokenizer)
+        self.states[msg.request_id] = RequestState(
+            msg.request_id, prompt, ids, msg.sampling, self.tokenizer,
+            resumed_output_ids=msg.resumed_output_ids,
+            resumed_text_chars=msg.resumed_text_chars)
         self.to_master.put(AddRequest(request_id=msg.request_id, prompt_token_ids=ids,
                                       sampling=msg.sampling, salt=msg.salt,
                                       prefill_from=msg.prefill_from))
@@ -149,11 +163,14 @@ class TokenizerActor:
         state = self.states.get(item.request_id)
         if state is None:
             return  # aborted, or stopped by a stop string a step ago
+        if not all(0 <= t < self.vocab_size for t in item.token_ids):
+            log.warning("tokens for %r outside the vocabulary: dropped", item.request_id)
+            return  # never from our master: a crafted message
         is_first = not state.token_ids
         delta = state.add_tokens(item.token_ids, item.finish_reason)
         if state.finish_reason == "stop" and item.finish_reason is None:
             self.to_master.put(FinishRequest(request_id=item.request_id, reason="stop"))
-        self._reply(item.request_id, RequestDelta(
+        delivered = self._reply(item.request_id, RequestDelta(
             request_id=item.request_id, text=delta, token_ids=item.token_ids,
             finish_reason=state.finish_reason, cached_tokens=item.cached_tokens,
             prompt=state.prompt if is_first else None,
@@ -162,3 +179,9 @@ class TokenizerActor:
         if state.is_finished:
             del self.states[item.request_id]
             self._forget(item.request_id)
+        elif not delivered:  # its caller is gone or stalled: stop generating for nobody
+            log.warning("caller of %r does not take its stream: aborting it", item.request_id)
+            del self.states[item.request_id]
+            self.to_master.put(FinishRequest(request_id=item.request_id, reason="abort"))
+            self._forget(item.request_id)
+            self.num_undeliverable += 1

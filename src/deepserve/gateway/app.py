@@ -4,6 +4,10 @@
     GET  /v1/models, /v1/models/{model}           the one served model
     GET  /health                                  200 while the CM lists >= 1 TE, else 503
     GET  /metrics                                 Prometheus text of the gateway's registry
+    GET  /openapi.json, /docs, /redoc             the API's description (gateway/openapi.py)
+
+With api_keys set, everything but /health needs a valid key: /metrics and the
+API description are not served to anonymous callers.
 
 The JobClient (ZeroMQ sockets, two receiver tasks) starts and stops with the
 app's lifespan, on the server's event loop.
@@ -27,6 +31,7 @@ from deepserve.gateway.errors import APIError, error_response, install_error_han
 from deepserve.gateway.generation import GatewayState, generate
 from deepserve.gateway.job_client import JobClient
 from deepserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics, RequestCounter
+from deepserve.gateway.openapi import install_openapi
 from deepserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
@@ -89,13 +94,15 @@ def _model_card(request: Request) -> dict:
 
 @router.get("/health", response_model=None)
 async def health(request: Request) -> Response | dict:
-    num_tes = len(_state(request).client.te_ids)
-    if num_tes == 0:
+    """200 only while a request sent now can be routed: a job executor is
+    linked and the cluster manager lists at least one TE; else 503."""
+    client = _state(request).client
+    if not client.can_route:
         return error_response(APIError.unavailable("No engine is available."))
-    return {"status": "ok", "num_tes": num_tes}
+    return {"status": "ok", "num_tes": len(client.te_ids)}
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(tenant_of)])
 async def metrics(request: Request) -> Response:
     state = _state(request)
     client = state.client
@@ -123,7 +130,8 @@ def create_app(config: GatewayConfig,
                 task.cancel()
             await client.close()
 
-    app = FastAPI(title="DeepServe gateway", lifespan=lifespan)
+    app = FastAPI(title="DeepServe gateway", lifespan=lifespan, openapi_url=None,
+                  docs_url=None, redoc_url=None)
     app.state.gateway = GatewayState(config, client, gateway_metrics)
     app.state.created = int(time.time())
     install_error_handlers(app)
@@ -131,4 +139,5 @@ def create_app(config: GatewayConfig,
     app.add_middleware(BodyLimit, max_body_bytes=config.max_body_bytes)
     app.add_middleware(RequestCounter, metrics=gateway_metrics)
     app.include_router(router)
+    install_openapi(app, config, auth=tenant_of)
     return app

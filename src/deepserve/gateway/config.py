@@ -52,6 +52,21 @@ class GatewayConfig:
     """Bytes of an HTTP request body at most; past it: 413 with an OpenAI error
     body, answered before the body is read or parsed and before authentication
     (gateway/body_limit.py)."""
+    max_connections: int = 1024
+    """HTTP connections open at once at most; one past it is answered 503 with
+    an OpenAI error body and closed (gateway/connection_guard.py)."""
+    read_timeout_s: float = 15.0
+    """Seconds a connection has to send a whole request (head and body) from
+    when it opened or its previous response ended; past it the connection is
+    closed: half-open, slow-header and slow-body clients hold nothing for long."""
+    write_timeout_s: float = 30.0
+    """Seconds response bytes may wait unread by the client (the server's send
+    buffer not drained); past it the connection is cut off and the request's
+    sub-requests aborted, so a client that stops reading frees its TE slots."""
+    max_queued_replies: int = 1024
+    """Replies (token deltas) one request may have waiting for its HTTP writer;
+    past it the client counts as not reading: its sub-requests are aborted and
+    its stream ends with an error (gateway/reply_stream.py)."""
 
     def __post_init__(self):
         for name in ("je_address", "cm_address", "reply_address", "served_model", "host"):
@@ -60,11 +75,12 @@ class GatewayConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in ("max_open_requests", "max_prompt_chars", "default_max_tokens",
-                     "max_body_bytes"):
+                     "max_body_bytes", "max_connections", "max_queued_replies"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        for name in ("request_timeout_s", "read_timeout_s", "write_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for key, tenant in self.api_keys.items():
             if not key or not tenant or not isinstance(key, str) or not isinstance(tenant, str):
                 raise ValueError("api_keys must map non-empty key strings to tenant names")

@@ -8,13 +8,20 @@ FastAPI's RequestValidationError (malformed JSON, wrong types, out-of-range
 values), Starlette's HTTPException (404 route, 405 method, undecodable body)
 and, as a last resort, any other exception (500 with a body, never a bare
 traceback page). Bodies are rendered with ensure_ascii so text a client sent
-(lone surrogates included) can always be echoed back.
+(lone surrogates included) can always be echoed back. An exception's headers
+survive (405 keeps its `Allow`, RFC 9110 section 15.5.6).
+
+Tenants never see the platform's insides: a failure of the engine side (a TE
+that died, a lost KV transfer, a quarantined request, an unknown error) is
+answered with a fixed public message per error code; the JE's or TE's own
+message, which names TEs, goes to this process's log only.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from typing import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,14 +32,21 @@ from deepserve.errors import EngineDeadError, InvalidRequestError, PromptTooLong
 
 logger = logging.getLogger(__name__)
 
-# RequestFailed.error (from the JE or a TE) -> (status, type, code)
+_RETRY = "No engine could complete the request; retry it."
+# RequestFailed.error (from the JE or a TE) -> (status, type, code, public message);
+# a None message passes the JE's / TE's text on: it is about the caller's own request.
 _FAILURES = {
-    "invalid_request": (400, "invalid_request_error", None),
-    "prompt_too_long": (400, "invalid_request_error", "context_length_exceeded"),
-    "engine_dead": (503, "service_unavailable", "engine_dead"),
-    "te_lost": (503, "service_unavailable", "engine_dead"),
-    "kv_transfer_failed": (503, "service_unavailable", "kv_transfer_failed"),
+    "invalid_request": (400, "invalid_request_error", None, None),
+    "prompt_too_long": (400, "invalid_request_error", "context_length_exceeded", None),
+    "engine_dead": (503, "service_unavailable", "engine_dead", _RETRY),
+    "te_lost": (503, "service_unavailable", "engine_dead", _RETRY),
+    "kv_transfer_failed": (503, "service_unavailable", "kv_transfer_failed", _RETRY),
+    # the request crashed two TEs (control/job_executor.py): final, never resumed
+    "request_crashed_engine": (500, "server_error", "request_crashed_engine",
+                               "The request crashed the engine serving it more than once; "
+                               "it will not be retried."),
 }
+_INTERNAL = "The server had an error while processing the request."
 _HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                404: "not_found_error", 405: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error"}
@@ -42,13 +56,15 @@ class APIError(Exception):
     """An answer the gateway gives on purpose: status + OpenAI error fields."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type,
@@ -87,14 +103,19 @@ class APIError(Exception):
 
     @classmethod
     def from_failure(cls, error: str, message: str, param: str | None = None):
-        """The error a RequestFailed from the JE / a TE stands for."""
-        status, type_, code = _FAILURES.get(error, (500, "server_error", error))
-        return cls(status, message, type_, param, code)
+        """The error a RequestFailed from the JE / a TE stands for; an engine
+        failure's message is replaced by a public one (the original is logged)."""
+        status, type_, code, public = _FAILURES.get(error, (500, "server_error", error, _INTERNAL))
+        if public is None:
+            return cls(status, message, type_, param, code)
+        logger.warning("request failed (%s): %s", error, message)
+        return cls(status, public, type_, None, code)
 
 
 def error_response(err: APIError) -> Response:
     content = json.dumps(err.body(), ensure_ascii=True).encode("ascii")
-    return Response(content, status_code=err.status, media_type="application/json")
+    return Response(content, status_code=err.status, media_type="application/json",
+                    headers=dict(err.headers) if err.headers else None)
 
 
 def from_exception(exc: BaseException) -> APIError:
@@ -106,14 +127,15 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, InvalidRequestError):
         return APIError.bad_request(str(exc), exc.param)
     if isinstance(exc, EngineDeadError):
-        return APIError.unavailable(str(exc) or "The engine died.", "engine_dead")
+        logger.warning("engine dead: %s", exc)
+        return APIError.unavailable(_RETRY, "engine_dead")
     if isinstance(exc, RequestValidationError):
         return _from_validation(exc)
     if isinstance(exc, StarletteHTTPException):
         return APIError(exc.status_code, str(exc.detail),
-                        _HTTP_TYPES.get(exc.status_code, "invalid_request_error"))
-    return APIError(500, "The server had an error while processing the request.",
-                    "server_error", None, "internal_error")
+                        _HTTP_TYPES.get(exc.status_code, "invalid_request_error"),
+                        headers=exc.headers)
+    return APIError(500, _INTERNAL, "server_error", None, "internal_error")
 
 
 def _from_validation(exc: RequestValidationError) -> APIError:

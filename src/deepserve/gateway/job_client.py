@@ -1,23 +1,39 @@
-"""The gateway's ZeroMQ side: submit to the JE, route replies, follow the CM.
+"""The gateway's ZeroMQ side: submit to the JE, route replies, follow the CM and the JE.
 
     handlers ──submit() / abort()──> PUSH ──SubmitRequest / AbortRequest──> JE
+    PUSH's monitor ──connected / disconnected──> JELink (je_link.py) ──> _on_new_je: resume
     TE tokenizers, JE ──RequestDelta / RequestFailed──> PULL (reply_address)
-        └─ _recv_replies ──> _routes[request_id].queue ──> ReplyStream (one per HTTP request)
-    CM PUB ──TEList / TEReport──> SUB ─ _recv_cluster ──> te_ids, reports (health, metrics)
+        └─ _recv_replies ──> routes (routes.py) ──bounded queue──> ReplyStream (one per HTTP request)
+    CM PUB ──TEList / TEReport──> SUB ──> ClusterView (cluster_view.py): te_ids, reports
 
 Everything runs on the server's event loop thread, which owns every socket.
 The PUSH socket is a plain socket used with NOBLOCK, so submitting and
 aborting never await: an abort can go out from the `finally` of a cancelled
-task. A route lives from submit until its sub-request's last reply or its
-abort; replies for ids without a route (late, after an abort) are dropped.
+task. Replies for wire ids without a route (late, after an abort, or of an
+attempt a JE restart replaced) are dropped.
 
-Resuming: when the JE says a sub-request's TE was lost (or a TE says its KV
-transfer failed: RETRYABLE_ERRORS), the route resubmits it as attempt n+1
-with prompt = its prompt ids + every token already streamed and max_tokens
-reduced by as many, so the stream goes on with no gap and no repeat. Deltas
-of an earlier attempt that arrive late are dropped; the resumed attempt's
-prompt fields are not passed on (the caller's prompt did not change). The JE
-decides when attempts run out (then the error is engine_dead).
+Resuming (routes.next_attempt): when the JE says a sub-request's TE was lost
+(or a TE says its KV transfer failed: RETRYABLE_ERRORS), the route resubmits
+it as attempt n+1 from where its stream is, so the stream goes on with no gap
+and no repeat. Deltas of an earlier attempt that arrive late are dropped; the
+resumed attempt's prompt fields are not passed on (the caller's prompt did
+not change). The JE decides when attempts run out (then: engine_dead).
+
+A JE restart is resumed the same way (je_link.py ends a JE incarnation when
+its process goes): every sub-request sent to an incarnation that ended is
+resubmitted to the next one as attempt n+1 under a new wire id
+`{id}.je{epoch}`, so the old attempt's deltas are dropped here; the old
+attempt is aborted at every listed TE (nobody else knows it now) and at the
+new JE (its submission may still be in the pipe). So nothing lost inside the
+dead JE is lost, and the new JE learns every open task: a TE crash after the
+JE restart still migrates them. Sub-requests sent while no JE is there wait
+in the PUSH's pipe for the next one (bounded by their deadline and the
+pipe's high-water mark): they are not refused.
+
+Admission counts open *streams* (ReplyStream not yet closed), not routes: a
+stream whose TE has finished but whose client has not read it still holds a
+place until its writer closes it (gateway/connection_guard.py cuts such a
+client off after write_timeout_s).
 """
 
 from __future__ import annotations
@@ -25,51 +41,43 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+import weakref
 from typing import Sequence
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from deepserve.gateway.cluster_view import ClusterView
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.errors import APIError
-from deepserve.gateway.metrics import GatewayMetrics, RequestTiming
+from deepserve.gateway.je_link import JELink
+from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.gateway.reply_stream import SHUTDOWN, IsDisconnected, ReplyStream
-from deepserve.ipc.sockets import PushSocket
-from deepserve.messages.control import FromClusterManager, TEInfo, TEList, TEReport
+from deepserve.gateway.routes import Route, RouteTable, next_attempt
+from deepserve.ipc.outboxes import Outboxes
+from deepserve.messages.control import FromClusterManager, TEReport
 from deepserve.messages.engine import (RETRYABLE_ERRORS, AbortRequest, RequestDelta,
-                                       RequestFailed, SubmitRequest)
-from deepserve.messages.engine import ToClient
+                                       RequestFailed, SubmitRequest, ToClient)
 from deepserve.messages.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-REPORT_TTL_S = 10.0
-"""Before the first TEList arrives, a TE that sent a TEReport this recently counts as up."""
-
-
-@dataclass
-class _Route:
-    queue: asyncio.Queue
-    index: int
-    submit: SubmitRequest
-    timing: RequestTiming = field(default_factory=lambda: RequestTiming(time.monotonic()))
-    is_started: bool = False
-    prompt_token_ids: list[int] | None = None  # from the first delta
-    token_ids: list[int] = field(default_factory=list)  # streamed so far
-    attempt: int = 0
+MAX_ORPHANS = 4096
+"""Orphan wire ids remembered (each aborted once): a gateway restarted under
+load gets deltas of its predecessor's streams and stops their TEs."""
 
 
 class JobClient:
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None):
         self.config = config
         self.metrics = metrics
-        self._routes: dict[str, _Route] = {}
-        self._tes: dict[str, TEInfo] = {}
-        self._has_te_list = False
-        self._reports: dict[str, TEReport] = {}
-        self._report_times: dict[str, float] = {}
+        self.cluster = ClusterView(metrics)
+        self._routes = RouteTable()
+        self._orphans: dict[str, None] = {}  # wire ids aborted as orphans (bounded, FIFO)
+        self._streams: weakref.WeakSet[ReplyStream] = weakref.WeakSet()
+        self._je = JELink(self._on_new_je)
+        self._te_outboxes: Outboxes | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._ctx: zmq.asyncio.Context | None = None
         self._sockets: list = []
@@ -79,9 +87,9 @@ class JobClient:
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         try:
-            self._push = PushSocket(zmq.Context.shadow(self._ctx), self.config.je_address,
-                                    bind=False)
-            self._sockets.append(self._push)
+            self._push, monitor = self._je.open(self._ctx, self.config.je_address)
+            self._sockets += [self._push, monitor]
+            self._te_outboxes = Outboxes(zmq.Context.shadow(self._ctx), timeout_s=0.0)
             self._pull = self._open(zmq.PULL, self.config.reply_address, bind=True)
             self._sub = self._open(zmq.SUB, self.config.cm_address, bind=False)
             self._sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -89,7 +97,8 @@ class JobClient:
             await self.close()
             raise
         self._tasks = [asyncio.create_task(self._recv_replies(), name="gateway-replies"),
-                       asyncio.create_task(self._recv_cluster(), name="gateway-cluster")]
+                       asyncio.create_task(self._recv_cluster(), name="gateway-cluster"),
+                       asyncio.create_task(self._je.watch(), name="gateway-je-link")]
 
     async def close(self) -> None:
         """Stop receiving, abort open sub-requests, wake their streams, close sockets."""
@@ -97,11 +106,15 @@ class JobClient:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        for request_id, route in list(self._routes.items()):
-            route.queue.put_nowait((route.index, SHUTDOWN))
-            self.abort(request_id)
+        for route in self._routes:
+            self._deliver(route, SHUTDOWN)
+            self.abort(route.request_id)
+        self._je.close()
+        if self._te_outboxes is not None:
+            self._te_outboxes.close()
+            self._te_outboxes = None
         for sock in reversed(self._sockets):
-            sock.close()  # linger 0, set when opened
+            sock.close(linger=0)
         self._sockets = []
         if self._ctx is not None:
             self._ctx.term()
@@ -120,21 +133,24 @@ class JobClient:
                messages: list[dict] | None = None, salt: str | None = None,
                is_disconnected: IsDisconnected | None = None) -> ReplyStream:
         """Send one SubmitRequest per sampling (ids `{request_id}-{i}`); 503 with
-        no TE, 429 past max_open_requests, 400 for text that cannot be sent."""
+        no TE, 429 past max_open_requests, 400 for text that cannot be sent.
+        While no JE is linked the submissions wait in the PUSH's pipe."""
         if not self.te_ids:
             raise APIError.unavailable("No engine is available to serve the request.")
-        if len(self._routes) + len(samplings) > self.config.max_open_requests:
-            raise APIError.overloaded(len(self._routes))
+        num_open = self.num_open_requests
+        if num_open + len(samplings) > self.config.max_open_requests:
+            raise APIError.overloaded(num_open)
         ids = [f"{request_id}-{i}" for i in range(len(samplings))]
         submits = [SubmitRequest(
             request_id=rid, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
             sampling=sampling, salt=salt, reply_to=self.config.reply_address)
             for rid, sampling in zip(ids, samplings)]
         payloads = [self._encode(submit) for submit in submits]
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.max_queued_replies)
         stream = ReplyStream(ids, queue, self.config.request_timeout_s, self.abort, is_disconnected)
+        self._streams.add(stream)
         for index, (rid, payload) in enumerate(zip(ids, payloads)):
-            self._routes[rid] = _Route(queue, index, submits[index])
+            self._routes.add(Route(rid, stream, index, submits[index], je_epoch=self._je.epoch))
             if not self._send(payload):
                 stream.close()
                 raise APIError.unavailable("The job executor is not accepting requests.",
@@ -143,8 +159,32 @@ class JobClient:
 
     def abort(self, request_id: str) -> None:
         """Forget the sub-request and tell the JE to abort it (if it is open)."""
-        if self._routes.pop(request_id, None) is not None:
-            self._send(self._encoder.encode(AbortRequest(request_id=request_id)))
+        route = self._routes.pop(request_id)
+        if route is None:
+            return
+        abort = AbortRequest(request_id=route.wire_id)
+        self._send(self._encoder.encode(abort))
+        if route.je_epoch < self._je.epoch:  # its JE died: tell its TE directly
+            self._abort_at_tes(abort)
+
+    def _abort_orphan(self, wire_id: str) -> None:
+        """Nobody here waits for wire_id (its gateway died, or its abort was
+        lost): stop its TE generating for nobody, once per id."""
+        if wire_id in self._orphans:
+            return
+        self._orphans[wire_id] = None
+        if len(self._orphans) > MAX_ORPHANS:
+            self._orphans.pop(next(iter(self._orphans)))
+        abort = AbortRequest(request_id=wire_id)
+        self._send(self._encoder.encode(abort))
+        self._abort_at_tes(abort)
+
+    def _abort_at_tes(self, abort: AbortRequest) -> None:
+        """Best effort, never waits: every listed TE; one that lacks the id ignores it."""
+        if self._te_outboxes is None:
+            return
+        for address in self.cluster.addresses:
+            self._te_outboxes.put(address, abort)
 
     def _encode(self, msg: SubmitRequest) -> bytes:
         try:
@@ -154,57 +194,71 @@ class JobClient:
 
     def _send(self, payload: bytes) -> bool:
         try:
-            self._push.socket.send(payload, flags=zmq.NOBLOCK, copy=False)
+            self._push.send(payload, flags=zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:
             logger.warning("JE queue full: dropped a message to %s", self.config.je_address)
             return False
 
-    def _resume(self, request_id: str, route: _Route) -> bool:
-        """Resubmit a sub-request whose TE was lost, from where its stream is."""
-        first = route.submit
-        if route.token_ids and route.prompt_token_ids is None:
-            return False  # cannot happen: the first delta carries the prompt ids
-        sampling = msgspec.structs.replace(
-            first.sampling, max_tokens=first.sampling.max_tokens - len(route.token_ids))
-        if sampling.max_tokens < 1:
+    def _resume(self, route: Route) -> bool:
+        """Resubmit a sub-request whose TE (or JE) was lost, from where its stream is."""
+        resumed = next_attempt(route)
+        if resumed is None:
             return False
-        route.attempt += 1
-        if route.prompt_token_ids is None:  # nothing streamed: the same request again
-            resumed = msgspec.structs.replace(first, attempt=route.attempt)
-        else:
-            resumed = msgspec.structs.replace(
-                first, prompt=None, messages=None, sampling=sampling, attempt=route.attempt,
-                prompt_token_ids=route.prompt_token_ids + route.token_ids)
-        logger.warning("resuming %s (attempt %d) after %d tokens", request_id, route.attempt,
-                       len(route.token_ids))
+        route.je_epoch = self._je.epoch
+        logger.warning("resuming %s as %s (attempt %d) after %d tokens", route.request_id,
+                       route.wire_id, route.attempt, len(route.token_ids))
         return self._send(self._encoder.encode(resumed))
+
+    def _on_new_je(self, epoch: int) -> None:
+        """A JE is linked; resume what was sent to the incarnations before it."""
+        for route in self._routes:
+            if route.je_epoch >= epoch:
+                continue  # sent to this JE (it waited in the PUSH's pipe)
+            orphan = AbortRequest(request_id=route.wire_id)
+            self._abort_at_tes(orphan)  # the old attempt, if a TE still runs it
+            self._send(self._encoder.encode(orphan))  # its submission, if still in the pipe
+            self._routes.rewire(route, f"{route.request_id}.je{epoch}")
+            if not self._resume(route):
+                self._route_reply(RequestFailed(
+                    request_id=route.wire_id, error="engine_dead",
+                    message="The job executor restarted and the request could not be resumed."))
+
+    def _deliver(self, route: Route, item) -> None:
+        """Queue a reply for the route's stream; a full queue cuts the stream off."""
+        try:
+            route.queue.put_nowait((route.index, item))
+        except asyncio.QueueFull:
+            logger.warning("request %s: %d replies unread, its client is cut off",
+                           route.request_id, route.queue.qsize())
+            route.stream.cut_off()
 
     # -- views -----------------------------------------------------------------
     @property
+    def can_route(self) -> bool:
+        """A request sent now is routed: a JE is linked and the CM lists a TE."""
+        return self._je.is_connected and bool(self.te_ids)
+
+    @property
     def num_open_requests(self) -> int:
-        return len(self._routes)
+        """Sub-requests of streams not closed yet (admission; n counts n)."""
+        return sum(len(s.request_ids) for s in list(self._streams) if not s.is_closed)
 
     @property
     def num_running(self) -> int:
-        return sum(route.is_started for route in self._routes.values())
+        return sum(route.is_started for route in self._routes)
 
     @property
     def num_waiting(self) -> int:
-        return self.num_open_requests - self.num_running
+        return len(self._routes) - self.num_running
 
     @property
     def te_ids(self) -> list[str]:
-        """TEs up: those of the latest TEList; before the first one arrives,
-        those that reported within REPORT_TTL_S (a late subscriber's view)."""
-        if self._has_te_list:
-            return list(self._tes)
-        now = time.monotonic()
-        return [te for te, t in self._report_times.items() if now - t < REPORT_TTL_S]
+        return self.cluster.te_ids
 
     @property
     def reports(self) -> dict[str, TEReport]:
-        return dict(self._reports)
+        return self.cluster.reports
 
     # -- receivers -------------------------------------------------------------
     async def _recv_replies(self) -> None:
@@ -215,9 +269,12 @@ class JobClient:
             self._route_reply(msg)  # no await: a reply is routed whole or not at all
 
     def _route_reply(self, msg: RequestDelta | RequestFailed) -> None:
-        route = self._routes.get(msg.request_id)
-        if route is None:
-            return  # aborted or unknown: nobody waits for it
+        route = self._routes.by_wire(msg.request_id)
+        if route is None:  # aborted, unknown, or an attempt a JE restart replaced
+            if isinstance(msg, RequestDelta) and msg.finish_reason is None:
+                self._abort_orphan(msg.request_id)
+            return
+        msg.request_id = route.request_id
         if isinstance(msg, RequestDelta):
             if msg.attempt != route.attempt:
                 return  # a late delta of a lost attempt: its tokens are being redone
@@ -226,7 +283,8 @@ class JobClient:
             elif msg.prompt_token_ids is not None:
                 route.prompt_token_ids = msg.prompt_token_ids
             route.token_ids.extend(msg.token_ids)
-        elif msg.error in RETRYABLE_ERRORS and self._resume(msg.request_id, route):
+            route.num_text_chars += len(msg.text)
+        elif msg.error in RETRYABLE_ERRORS and self._resume(route):
             return
         now = time.monotonic()
         route.is_started = True
@@ -234,28 +292,14 @@ class JobClient:
         if isinstance(msg, RequestDelta) and msg.token_ids:
             route.timing.first_token_at = route.timing.first_token_at or now
             route.timing.num_tokens += len(msg.token_ids)
-        route.queue.put_nowait((route.index, msg))
-        if is_last:
-            del self._routes[msg.request_id]
+        self._deliver(route, msg)
+        if is_last and self._routes.pop(route.request_id) is not None:
             route.timing.finished_at = now
             if self.metrics is not None and isinstance(msg, RequestDelta):
                 self.metrics.observe_request(route.timing)
 
     async def _recv_cluster(self) -> None:
-        await _recv_forever(self._sub, FromClusterManager, self._on_cluster, "cluster")
-
-    def _on_cluster(self, msg) -> None:
-        if isinstance(msg, TEList):
-            self._tes = {te.te_id: te for te in msg.tes}
-            self._has_te_list = True
-            for te_id in set(self._reports) - set(self._tes):
-                del self._reports[te_id]
-                self._report_times.pop(te_id, None)
-        else:
-            self._reports[msg.te_id] = msg
-            self._report_times[msg.te_id] = time.monotonic()
-            if self.metrics is not None:
-                self.metrics.observe_te_report(msg)
+        await _recv_forever(self._sub, FromClusterManager, self.cluster.on_message, "cluster")
 
 
 async def _recv_forever(sock, message_type, handle, what: str) -> None:

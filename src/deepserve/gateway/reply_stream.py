@@ -4,7 +4,12 @@
         ──> ReplyStream: wait_started() / async for (index, delta) / close()
 
 The stream owns the request's deadline and notices a client that went away;
-closing it aborts (JobClient.abort) every sub-request still open.
+closing it aborts (JobClient.abort) every sub-request still open. Its queue
+is bounded (GatewayConfig.max_queued_replies): a reply that finds it full
+means the HTTP writer is stuck on a client that does not read, so the stream
+is cut off: its sub-requests are aborted at once (their TE slots freed) and
+the writer, if it ever gets to read again, meets an error. A stream counts
+toward max_open_requests until it is closed, cut off or not.
 """
 
 from __future__ import annotations
@@ -29,6 +34,13 @@ class ClientDisconnected(APIError):
         super().__init__(499, "The client closed the request.", "client_closed")
 
 
+class ClientTooSlow(APIError):
+    def __init__(self, num_queued: int):
+        super().__init__(503, f"The client did not read its stream ({num_queued} replies "
+                         "waiting); the request was aborted.", "service_unavailable",
+                         None, "client_too_slow")
+
+
 class ReplyStream:
     """Replies of the sub-requests of one HTTP request, as (index, RequestDelta).
 
@@ -41,7 +53,7 @@ class ReplyStream:
                  abort: Callable[[str], None], is_disconnected: IsDisconnected | None):
         self.request_ids = request_ids
         self._abort = abort
-        self._queue = queue
+        self.queue = queue
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
         self.is_disconnected = is_disconnected
@@ -49,7 +61,8 @@ class ReplyStream:
         self._buffer: deque[tuple[int, RequestDelta]] = deque()
         self._started: set[int] = set()
         self._num_finished = 0
-        self._is_closed = False
+        self.is_closed = False
+        self.is_cut_off = False
 
     def __aiter__(self) -> "ReplyStream":
         return self
@@ -67,8 +80,16 @@ class ReplyStream:
             self._buffer.append(await self._next())
 
     def close(self) -> None:
-        if not self._is_closed:
-            self._is_closed = True
+        if not self.is_closed:
+            self.is_closed = True
+            for request_id in self.request_ids:
+                self._abort(request_id)
+
+    def cut_off(self) -> None:
+        """Abort every sub-request now (the client is not reading); the stream
+        stays open, and counted, until its writer closes it."""
+        if not self.is_cut_off:
+            self.is_cut_off = True
             for request_id in self.request_ids:
                 self._abort(request_id)
 
@@ -87,16 +108,18 @@ class ReplyStream:
     async def _get(self) -> tuple[int, object]:
         while True:
             now = time.monotonic()
+            if self.is_cut_off:
+                raise ClientTooSlow(self.queue.qsize())
             if now >= self._deadline:
                 raise APIError.timeout(self._timeout_s)
-            if not self._queue.empty():
-                return self._queue.get_nowait()
+            if not self.queue.empty():
+                return self.queue.get_nowait()
             if self.is_disconnected is not None and now >= self._next_disconnect_check:
                 if await self.is_disconnected():
                     raise ClientDisconnected()
                 self._next_disconnect_check = now + DISCONNECT_POLL_S
             wait_s = min(self._deadline, self._next_disconnect_check) - now
             try:
-                return await asyncio.wait_for(self._queue.get(), max(wait_s, 0.001))
+                return await asyncio.wait_for(self.queue.get(), max(wait_s, 0.001))
             except asyncio.TimeoutError:
                 pass

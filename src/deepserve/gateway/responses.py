@@ -4,20 +4,29 @@ A renderer knows one endpoint's shapes (chat or text completion). Tokens are
 shown as "token_id:<id>": token text is not available at the gateway.
 Completion logprobs give every token of a delta the text offset at which that
 delta's text starts (token boundaries inside a delta are not known here).
+A logprob is always a finite JSON number: -inf (a token the sampler masked)
+and NaN are shown as LOGPROB_FLOOR, as OpenAI does.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 from deepserve.messages.engine import RequestDelta
 
 LogprobEntry = tuple[int, float, list[tuple[int, float]]]
+LOGPROB_FLOOR = -9999.0
 
 
 def token_str(token_id: int) -> str:
     return f"token_id:{token_id}"
+
+
+def logprob_value(logprob: float) -> float:
+    """A logprob JSON can carry: -inf, NaN and anything below the floor -> the floor."""
+    return logprob if math.isfinite(logprob) and logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 @dataclass
@@ -138,9 +147,9 @@ class ChatRenderer(Renderer):
         if not self.with_logprobs:
             return None
         return {"content": [
-            {"token": token_str(token_id), "logprob": logprob, "bytes": None,
-             "top_logprobs": [{"token": token_str(t), "logprob": lp, "bytes": None}
-                              for t, lp in top]}
+            {"token": token_str(token_id), "logprob": logprob_value(logprob), "bytes": None,
+             "top_logprobs": [{"token": token_str(t), "logprob": logprob_value(lp),
+                               "bytes": None} for t, lp in top]}
             for token_id, logprob, top in entries]}
 
 
@@ -160,6 +169,7 @@ class CompletionRenderer(Renderer):
         if not self.with_logprobs:
             return None
         return {"tokens": [token_str(token_id) for token_id, _, _ in entries],
-                "token_logprobs": [logprob for _, logprob, _ in entries],
-                "top_logprobs": [{token_str(t): lp for t, lp in top} for _, _, top in entries],
+                "token_logprobs": [logprob_value(logprob) for _, logprob, _ in entries],
+                "top_logprobs": [{token_str(t): logprob_value(lp) for t, lp in top}
+                                 for _, _, top in entries],
                 "text_offset": list(offsets)}

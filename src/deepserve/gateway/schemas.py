@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI endpoints, and their conversion to SamplingParams.
 
 Models are strict (no "5" -> 5, no true -> 1) and ignore unknown fields like
-OpenAI does. Everything a TE would reject for a reason the gateway can see
+OpenAI does. An integral JSON number (5.0) is an integer, as in JSON Schema.
+Everything a TE would reject for a reason the gateway can see
 (ranges, empty or oversized prompts, several prompts) is a 400 here, before
 any message is sent.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from deepserve.gateway.errors import APIError
 from deepserve.messages.sampling import SamplingParams
@@ -25,11 +26,24 @@ MAX_NUM_MESSAGES = 1024
 """Chat messages of one request at most."""
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
-TokenCount = Annotated[int, Field(ge=1, le=2**31 - 1)]
+
+
+def _integral(value: object) -> object:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(**bounds):  # noqa: N802 - a type
+    """An int in bounds (Field keywords) that also takes an integral float."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+TokenCount = Int(ge=1, le=2**31 - 1)
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
-Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Seed = Int()
+"""Any integer; only its value modulo 2**64 counts (wrapped into int64). No
+bounds: tools that read a bound near 2**63 as a float disagree at the edge."""
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_NUM_STOP)]
 
 
@@ -68,7 +82,7 @@ class _GenerationRequest(BaseModel):
     top_p: TopP | None = None
     seed: Seed | None = None
     stop: Stop | None = None
-    n: Annotated[int, Field(ge=1, le=8)] | None = None
+    n: Int(ge=1, le=8) | None = None
     user: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -84,7 +98,8 @@ class _GenerationRequest(BaseModel):
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
                   default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        kwargs = dict(max_tokens=max_tokens or default_max_tokens, stop=stop, seed=self.seed,
+        seed = None if self.seed is None else _wrap_int64(self.seed)
+        kwargs = dict(max_tokens=max_tokens or default_max_tokens, stop=stop, seed=seed,
                       logprobs=logprobs)
         if self.temperature is not None:
             kwargs["temperature"] = self.temperature
@@ -104,11 +119,18 @@ class _GenerationRequest(BaseModel):
         raise NotImplementedError
 
 
+_TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}
+
+
 class ChatCompletionRequest(_GenerationRequest):
+    # the schema says it too: top_logprobs needs logprobs: true (else 400)
+    model_config = ConfigDict(**_STRICT, json_schema_extra=_TOP_LOGPROBS_NEED_LOGPROBS)
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_NUM_MESSAGES)]
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Int(ge=0, le=20) | None = None
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -128,36 +150,32 @@ class ChatCompletionRequest(_GenerationRequest):
         return wire
 
 
-Prompt = (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
-          | Annotated[list[list[int]], Field(min_length=1)])
+TokenIds = Annotated[list[Int(ge=0, le=MAX_TOKEN_ID)], Field(min_length=1)]
+PromptText = Annotated[str, Field(min_length=1)]
+# One prompt per request: a list of prompts must hold exactly one.
+Prompt = (PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=1)] | TokenIds
+          | Annotated[list[TokenIds], Field(min_length=1, max_length=1)])
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: Prompt
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Int(ge=0, le=20) | None = None
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         return self._sampling(self.max_tokens, self.logprobs, default_max_tokens)
 
     def wire_prompt(self, max_chars: int) -> tuple[str | None, list[int] | None]:
-        """(prompt text, prompt token ids), exactly one set; 400 when unusable."""
+        """(prompt text, prompt token ids), exactly one set; 400 when too long.
+        (Emptiness, several prompts and id ranges are the model's own checks.)"""
         prompt = self.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError.bad_request(
-                    f"only one prompt per request is supported, got {len(prompt)}", "prompt")
             prompt = prompt[0]
-        if len(prompt) == 0:
-            raise APIError.bad_request("prompt must not be empty", "prompt")
         if len(prompt) > max_chars:
             raise APIError.prompt_too_long(
                 f"prompt has {len(prompt)} characters or tokens; at most {max_chars} are "
                 "accepted", "prompt")
         if isinstance(prompt, str):
             return prompt, None
-        if any(not 0 <= t <= MAX_TOKEN_ID for t in prompt):
-            raise APIError.bad_request(f"prompt token ids must be in [0, {MAX_TOKEN_ID}]",
-                                       "prompt")
         return None, list(prompt)
 
 

@@ -66,9 +66,19 @@ ToClusterManager = TEUp | TEDown | TEReport
 
 
 class TEList(msgspec.Struct, tag="te_list", **_STRUCT):
-    """Every TE the cluster manager considers available, after a change."""
+    """Every TE the cluster manager considers available, after a change.
+
+    cm_incarnation: a random id per CM process start ("" from an older CM).
+    is_complete: the CM has heard from its TEs since it started (a restarted
+    CM publishes nothing until its TEs' TEUp repeats came in), so an empty
+    list means "no TE", not "not heard yet". A subscriber ignores a list with
+    is_complete = False: it neither fails tasks of TEs missing from it nor
+    routes by it.
+    """
 
     tes: list[TEInfo]
+    cm_incarnation: str = ""
+    is_complete: bool = True
 
 
 FromClusterManager = TEList | TEReport

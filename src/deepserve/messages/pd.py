@@ -7,6 +7,8 @@
     P workers ──KVSent (each rank)──> P master
     P master ──KVReady(first token | error)──> [D master's PD socket]: adopt, decode
     D master ──KVAck──> [P master's PD socket]: free its copy
+    D master ──CancelOrder──> [P master's PD socket]: the order was dropped (abort,
+                               timeout): stop, answer KVReady(error="cancelled")
 
 Masters talk to each other directly: each binds a PULL socket for ToPeer at
 pd_address(its TE's inbox), so a TE is still named by one address (the
@@ -17,6 +19,14 @@ earlier attempt never touches a later one's blocks.
 The prefill TE also frees its copy when no KVAck comes within the transfer
 timeout (the decode TE died), so no KV stays pinned. The caller's stream
 comes from the decode TE alone.
+
+Block ownership: an order's destination blocks belong to the order until the
+prefill TE can no longer write them. A decode TE that drops an order sends
+CancelOrder and keeps the blocks (fenced, no request owns them) until a
+KVReady of that order says the prefill side is done — it answers a cancel at
+once when no transfer was dispatched, or after every rank's KVSent — or a
+transfer timeout passes (a dead prefill TE writes nothing). So a prefill TE
+never writes into blocks that another request (or tenant) holds by then.
 """
 
 from __future__ import annotations
@@ -82,6 +92,7 @@ class KVReady(msgspec.Struct, tag="kv_ready", **_STRUCT):
     seconds: float = 0.0
     error: str | None = None
     reply_to: str = ""  # the prefill master's PD address, for the KVAck
+    is_retryable: bool = True  # False: the request itself failed (retrying fails again)
 
 
 class KVAck(msgspec.Struct, tag="kv_ack", **_STRUCT):
@@ -91,7 +102,16 @@ class KVAck(msgspec.Struct, tag="kv_ack", **_STRUCT):
     order_id: int = 0
 
 
-ToPeer = PrefillOrder | KVReady | KVAck  # what a master's PD socket takes
+class CancelOrder(msgspec.Struct, tag="cancel_order", **_STRUCT):
+    """Decode TE -> prefill TE: I dropped this order (the request was aborted or
+    its KV timed out); stop it and answer KVReady(error="cancelled") once no
+    write into my blocks can happen any more."""
+
+    request_id: str
+    order_id: int = 0
+
+
+ToPeer = PrefillOrder | KVReady | KVAck | CancelOrder  # what a master's PD socket takes
 
 
 class FailRequest(msgspec.Struct, tag="fail_request", **_STRUCT):

@@ -58,6 +58,15 @@ class SampledToken(msgspec.Struct, array_like=True, gc=False, omit_defaults=True
     top: list[tuple[int, float]] | None = None
 
 
+class SeqFailed(msgspec.Struct, array_like=True, gc=False):
+    """A sequence this step could not serve for a reason of its own (its
+    sampling state, a bad value): the master fails that request alone."""
+
+    seq_id: int
+    message: str
+
+
 class StepOutput(msgspec.Struct, array_like=True, gc=False):
     step_id: int
     sampled: list[SampledToken]
+    failed: list[SeqFailed] = []  # each reported once, in the step that found it

@@ -40,6 +40,8 @@ SEVERITY: dict[str, str] = {
     "failed": ERROR,
     "evicted": WARNING,
     "request_migrated": WARNING,
+    "te_list_complete": INFO,
+    "request_quarantined": ERROR,
     "fault_injected": WARNING,
 }
 

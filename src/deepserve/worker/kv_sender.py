@@ -12,12 +12,19 @@ so the master never tells the decode TE about KV that is not there yet.
 A TE whose peers send with the ring or tcp backend runs a DistFlowReceiver
 (it writes what arrives into this worker's pool); with shm the sender writes
 into the pool's segment directly and no receiver is needed.
+
+Links are kept per decode TE (dst_te) with the endpoint they were made for.
+A decode TE that restarted comes back with another pool segment (or
+receiver): its new endpoint replaces the old link, which unmaps the old pool
+(shm) or unlinks our staging segment (ring), so restarts leak no mapping.
+At most MAX_LINKS peers stay linked; the least recently used goes first.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 
 import torch
 import zmq
@@ -30,6 +37,8 @@ from deepserve.transfer import (DistFlow, DistFlowReceiver, PeerEndpoint, PoolRe
                                 TransferError)
 
 log = logging.getLogger(__name__)
+
+MAX_LINKS = 32  # decode TEs linked at once
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -50,7 +59,7 @@ class KVSender:
             endpoint = KVEndpoint(shape=endpoint.shape, dtype=endpoint.dtype, shm=segment,
                                   tcp=e.tcp)
         self.endpoint = endpoint
-        self._linked: set[str] = set()
+        self._links: OrderedDict[str, KVEndpoint] = OrderedDict()  # dst_te -> linked endpoint
         self.faults = faults  # the worker's (NoFaults when drills are off)
 
     def execute(self, runner, batch: StepBatch) -> tuple[StepOutput, list[KVSent]]:
@@ -85,17 +94,31 @@ class KVSender:
         if layers in (None, (1, 2)) and self.faults.consume("kv-fail") is not None:
             errors[t.seq_id] = "drill: transfer broken mid-way"  # after layer 0 if layer-wise
             return
-        e = t.dst_endpoints[self.rank]
-        peer = f"{t.dst_te}/{e.shm or e.tcp}"
+        peer = t.dst_te
         try:
-            if peer not in self._linked:
-                self.distflow.link(peer, PeerEndpoint(shape=tuple(e.shape), dtype=e.dtype,
-                                                      shm=e.shm, tcp=e.tcp), self.backend)
-                self._linked.add(peer)
+            self._link(peer, t.dst_endpoints[self.rank])
             handles[t.seq_id].append(self.distflow.transfer(
                 peer, PoolRegion(t.src_block_ids, layers), PoolRegion(t.dst_block_ids, layers)))
         except TransferError as err:
             errors[t.seq_id] = str(err)
+
+    def _link(self, peer: str, e: KVEndpoint) -> None:
+        """Link to the peer's current endpoint; a new one (the peer restarted)
+        replaces the old link, releasing its mappings."""
+        if self._links.get(peer) == e:
+            self._links.move_to_end(peer)
+            return
+        self._links.pop(peer, None)  # DistFlow.link closes the old link first
+        self.distflow.link(peer, PeerEndpoint(shape=tuple(e.shape), dtype=e.dtype, shm=e.shm,
+                                              tcp=e.tcp), self.backend)
+        self._links[peer] = e
+        while len(self._links) > MAX_LINKS:
+            old, _ = self._links.popitem(last=False)
+            self.distflow.unlink(old)
+
+    @property
+    def num_links(self) -> int:
+        return len(self._links)
 
     def close(self) -> None:
         if self.receiver is not None:

@@ -8,6 +8,15 @@ KV pool layout: one tensor (2, L, Hkv, num_blocks, block_size, D); the first
 index is K or V; see model/attention.py for why it is head-major. With tensor
 parallelism Hkv is this rank's share (Hkv / tp): each rank keeps the K/V of
 its own heads only, under the same block ids as every other rank.
+
+A request's own failure stays its own (issue 11): setting up its sampling
+state or sampling its row may raise for a reason of that request alone (a
+value the sampler cannot take, a shape error in its state). Such an error
+(see is_request_error) marks the sequence failed: StepOutput.failed reports
+it once, its rows are never sampled again, and a PLACEHOLDER of a step
+already in flight reads token 0, so the batch's other sequences carry on.
+Everything else — the forward, which writes every sequence's KV, and any
+device, memory or collective error — is fatal to the worker.
 """
 
 from __future__ import annotations
@@ -15,12 +24,31 @@ from __future__ import annotations
 import torch
 
 from deepserve.messages.sampling import SamplingParams
-from deepserve.messages.step import (PLACEHOLDER, SampledToken, ScheduledSeq, StepBatch,
-                                     StepOutput)
+from deepserve.messages.step import (PLACEHOLDER, SampledToken, ScheduledSeq, SeqFailed,
+                                     StepBatch, StepOutput)
 from deepserve.model.attention import AttentionMetadata, PrefillSpan
 from deepserve.model.llama import CausalLM
 from deepserve.model.parallel import TensorParallel
 from deepserve.worker.sampler import logprobs_of, sample
+
+_FATAL_WORDS = ("cuda", "cublas", "cudnn", "nccl", "hip", "device-side", "out of memory",
+                "illegal memory", "gloo", "collective")
+
+
+def is_request_error(exc: BaseException) -> bool:
+    """An error of one request's own sampling work that leaves the worker
+    sound: a plain Python or shape error. Fatal (False): memory (host or
+    device), anything naming the device, its libraries or a collective
+    (after one of those the device or the process group is suspect), and
+    anything that is not an Exception."""
+    if not isinstance(exc, Exception) or isinstance(exc, MemoryError):
+        return False
+    if isinstance(exc, getattr(torch, "OutOfMemoryError", MemoryError)):
+        return False
+    if type(exc).__name__ in ("AcceleratorError", "CudaError", "DistBackendError", "DistError"):
+        return False
+    text = f"{type(exc).__name__} {exc}".lower()
+    return not any(word in text for word in _FATAL_WORDS)
 
 
 class ModelRunner:
@@ -44,6 +72,8 @@ class ModelRunner:
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator]] = {}
         self._default_generator = torch.Generator().manual_seed(seed)
         self._last_sampled: dict[int, int] = {}  # seq_id -> token sampled in its last step
+        self._failed: dict[int, str] = {}  # seq_id -> why: never sampled again
+        self._new_failures: list[SeqFailed] = []  # found in this step: reported with it
 
     @staticmethod
     def kv_pool_shape(model: CausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -65,15 +95,25 @@ class ModelRunner:
         self._resolve_placeholders(batch)
         input_ids, positions, meta = self._prepare(batch.seqs)
         hidden = self.model(input_ids, positions, meta, self.kv_caches, after_layer)  # (T, E)
-        sampling_seqs = [s for s in batch.seqs if s.do_sample]
-        if not sampling_seqs:
-            return StepOutput(batch.step_id, [])
-        last_rows = torch.tensor(self._last_rows(batch.seqs), dtype=torch.long)
-        logits = self.model.compute_logits(hidden[last_rows])  # (N, V)
-        output = StepOutput(batch.step_id, self._sample(sampling_seqs, logits))
-        for token in output.sampled:
+        sampled: list[SampledToken] = []
+        rows = self._last_rows(batch.seqs)  # (seq, its last row) of every sampling seq
+        live = [(s, row) for s, row in rows if s.seq_id not in self._failed]
+        if live:
+            last_rows = torch.tensor([row for _, row in live], dtype=torch.long)
+            logits = self.model.compute_logits(hidden[last_rows])  # (N, V)
+            sampled = self._sample([s for s, _ in live], logits)
+        for token in sampled:
             self._last_sampled[token.seq_id] = token.token_id
-        return output
+        for s, _ in rows:  # a failed seq's placeholder in a step in flight reads 0
+            if s.seq_id in self._failed:
+                self._last_sampled[s.seq_id] = 0
+        failed, self._new_failures = self._new_failures, []
+        return StepOutput(batch.step_id, sampled, failed)
+
+    def _fail(self, seq_id: int, exc: Exception) -> None:
+        message = f"{type(exc).__name__}: {exc}"
+        self._failed[seq_id] = message
+        self._new_failures.append(SeqFailed(seq_id, message))
 
     def _resolve_placeholders(self, batch: StepBatch) -> None:
         """Asynchronous scheduling: a PLACEHOLDER input is the token this
@@ -87,16 +127,48 @@ class ModelRunner:
         for seq_id in batch.finished_seq_ids:
             self._sampling.pop(seq_id, None)
             self._last_sampled.pop(seq_id, None)
+            self._failed.pop(seq_id, None)
         for new in batch.new_seqs:
-            p = new.sampling
-            gen = self._default_generator
-            if p.seed is not None:
-                # Modulo 2**64: the same generator for every seed torch takes, and
-                # no crash on one it would refuse (validate() refuses those too).
-                gen = torch.Generator().manual_seed(p.seed % 2**64)
-            self._sampling[new.seq_id] = (p, gen)
+            try:
+                self._sampling[new.seq_id] = (new.sampling, self._generator(new.sampling))
+            except Exception as exc:
+                if not is_request_error(exc):
+                    raise
+                self._fail(new.seq_id, exc)
+
+    def _generator(self, p: SamplingParams) -> torch.Generator:
+        if p.seed is None:
+            return self._default_generator
+        # Modulo 2**64: the same generator for every seed torch takes, and
+        # no crash on one it would refuse (validate() refuses those too).
+        return torch.Generator().manual_seed(p.seed % 2**64)
 
     def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SampledToken]:
+        """The whole batch at once; if that raises a request error, row by row,
+        so only the rows that raise fail. Seeded generators are rewound first:
+        a seeded request draws the same numbers whoever failed beside it."""
+        seeded = {id(g): (g, g.get_state()) for s in seqs
+                  for p, g in [self._sampling.get(s.seq_id, (None, None))]
+                  if p is not None and p.seed is not None and not p.is_greedy}
+        try:
+            return self._sample_rows(seqs, logits)
+        except Exception as exc:
+            if not is_request_error(exc):
+                raise
+        for gen, state in seeded.values():
+            gen.set_state(state)
+        out = []
+        for i, seq in enumerate(seqs):
+            try:
+                out += self._sample_rows([seq], logits[i:i + 1])
+            except Exception as exc:
+                if not is_request_error(exc):
+                    raise
+                self._fail(seq.seq_id, exc)
+        return out
+
+    def _sample_rows(self, seqs: list[ScheduledSeq], logits: torch.Tensor
+                     ) -> list[SampledToken]:
         params, gens = zip(*(self._sampling[s.seq_id] for s in seqs))
         tokens = sample(logits, list(params), list(gens))
         lps = logprobs_of(logits, tokens, [p.logprobs for p in params])
@@ -108,12 +180,12 @@ class ModelRunner:
                 out.append(SampledToken(seq.seq_id, token, lp[0], lp[1]))
         return out
 
-    def _last_rows(self, seqs: list[ScheduledSeq]) -> list[int]:
+    def _last_rows(self, seqs: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, int]]:
         rows, row = [], 0
         for s in seqs:
             row += len(s.token_ids)
             if s.do_sample:
-                rows.append(row - 1)
+                rows.append((s, row - 1))
         return rows
 
     def _prepare(self, seqs: list[ScheduledSeq]):

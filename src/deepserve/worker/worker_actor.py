@@ -15,6 +15,18 @@ The KV pool lives in a named shared-memory segment (owner-only, unlinked on
 every exit path by this process, its creator; the launcher sweeps the run's
 names once more if the process was killed). Sampled ids stay here: a step's
 PLACEHOLDER inputs are the ids this worker sampled in its previous step.
+
+Errors: per-request or fatal. A request's own error — a value its sampling
+cannot take, a shape error in its sampling state (model_runner's
+is_request_error: a plain Python or shape error raised while setting up or
+sampling that request's row) — fails that request alone: the StepDone
+carries it in StepOutput.failed, the master answers the caller with
+RequestFailed("request_failed") and the step's other requests go on. Fatal,
+the worker reports WorkerFailed and exits (the TE is restarted): any error in
+the forward (it writes every sequence's KV, so the pool may be half-written),
+in a KV transfer's bookkeeping, in the ring or sockets, out of memory (host
+or device), anything naming CUDA / NCCL / gloo or a collective (the device
+or the process group is suspect), and anything that is not an Exception.
 """
 
 from __future__ import annotations
@@ -127,6 +139,8 @@ class _Worker:
 
     def step(self) -> bool:
         """One batch off the ring (or a 0.2 s wait); False on the shutdown batch."""
+        self.life.faults.active("poison")  # idle too: armed (its firing reported) before
+        # a batch brings the marker, so the fault_injected event is not lost in the exit
         try:
             data = self.ring.get(timeout=0.2)
         except TimeoutError:
@@ -135,6 +149,8 @@ class _Worker:
         if batch.step_id == SHUTDOWN_STEP_ID:
             return False
         self.in_step = True
+        self._drill_bad_sampling(batch)
+        self._drill_poison(batch)
         start = time.monotonic()
         if batch.transfers:
             output, sent = self.kv_sender.execute(self.runner, batch)
@@ -161,6 +177,32 @@ class _Worker:
         if delay:  # "" (an empty file) is no delay
             time.sleep(float(delay))
 
+    def _drill_bad_sampling(self, batch: StepBatch) -> None:
+        """Drill-only: a request's own bad value. A new sequence seeded with the
+        hook file's number gets a top_k the sampler cannot compare, so sampling
+        it raises TypeError: a per-request error (model_runner), not a crash."""
+        value = self.life.faults.active("bad-sampling")
+        if not value:
+            return
+        for new in batch.new_seqs:
+            if str(new.sampling.seed) == value:
+                new.sampling = msgspec.structs.replace(new.sampling, top_k="bad")
+
+    def _drill_poison(self, batch: StepBatch) -> None:
+        """Drill-only: die as a segfault would (no report, no cleanup, exit 13)
+        when a sequence's new tokens in this step contain the marker, the
+        hook file's comma-separated token ids (a request of death)."""
+        value = self.life.faults.active("poison")
+        if not value:
+            return
+        try:
+            marker = [int(part) for part in value.split(",") if part.strip()]
+        except ValueError:
+            return  # not token ids: a drill's mistake must not crash the worker
+        if any(_contains(seq.token_ids, marker) for seq in batch.seqs):
+            log.error("drill: poison marker %s in step %d: exit 13", marker, batch.step_id)
+            os._exit(13)
+
     def report_failure(self, message: str) -> None:
         if self.out is not None:
             self.out.put(WorkerFailed(rank=self.tp.rank, message=message))
@@ -184,3 +226,9 @@ class _Worker:
         self.ctx.term()
         if self.tp.is_parallel:
             destroy_tensor_parallel()
+
+
+def _contains(tokens: list[int], marker: list[int]) -> bool:
+    """`marker` is a contiguous run in `tokens` (an empty marker never is)."""
+    n = len(marker)
+    return n > 0 and any(tokens[i:i + n] == marker for i in range(len(tokens) - n + 1))

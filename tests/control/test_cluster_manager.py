@@ -1,0 +1,141 @@
+"""The cluster manager's first-publish rule: a (re)started CM lists no TE
+before its TEs have had time to re-announce themselves (issue 11: a fresh
+CM published [] at once and the JE failed every task)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from deepserve.control import cluster_manager
+from deepserve.control.cluster_manager import ClusterManager
+from deepserve.ipc.sockets import PushSocket, SubSocket, ipc_address
+from deepserve.messages.control import FromClusterManager, TEDown, TEInfo, TEList, TEUp
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.term()
+
+
+def _te_up(te_id: str) -> TEUp:
+    return TEUp(info=TEInfo(te_id=te_id, model="m", address=f"ipc:///tmp/{te_id}"))
+
+
+class _Wire:
+    """A CM with a TE-side PUSH and a JE-side SUB, run by hand."""
+
+    def __init__(self, ctx, tmp_path, **options):
+        inbox, pub = ipc_address(tmp_path, "cm"), ipc_address(tmp_path, "cm-pub")
+        self.cm = ClusterManager(ctx, inbox, pub, te_timeout_s=60.0, **options)
+        self.te = PushSocket(ctx, inbox, bind=False)
+        self.sub = SubSocket(ctx, pub, bind=False, type=FromClusterManager)
+        time.sleep(0.2)  # the SUB's subscription reaches the PUB
+
+    def run(self, seconds: float) -> list[TEList]:
+        lists = []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.cm.step(timeout=0.02)
+            lists += [m for m in self.sub.drain() if isinstance(m, TEList)]
+        return lists
+
+    def close(self) -> None:
+        for sock in (self.te, self.sub):
+            sock.close()
+        self.cm.close()
+
+
+def test_a_fresh_cm_publishes_no_te_list_before_its_tes_reannounce(ctx, tmp_path):
+    """Fails on the old CM: it published TEList([]) on its first step."""
+    wire = _Wire(ctx, tmp_path)
+    try:
+        assert wire.run(1.2) == []  # inside the default grace (3 s): silence
+    finally:
+        wire.close()
+
+
+def test_first_list_after_the_grace_holds_every_reannounced_te(ctx, tmp_path):
+    wire = _Wire(ctx, tmp_path, grace_s=0.6)
+    try:
+        wire.te.put(_te_up("te0"))
+        early = wire.run(0.3)
+        wire.te.put(_te_up("te1"))  # the second TE re-announces later in the grace
+        lists = early + wire.run(0.8)
+        assert early == []
+        assert lists, "no TE list after the grace"
+        first = lists[0]
+        assert sorted(te.te_id for te in first.tes) == ["te0", "te1"]  # never partial
+        assert first.is_complete and first.cm_incarnation == wire.cm.incarnation
+    finally:
+        wire.close()
+
+
+def test_grace_rule_with_a_fake_clock(ctx, tmp_path):
+    now = [100.0]
+    wire = _Wire(ctx, tmp_path, grace_s=3.0, clock=lambda: now[0])
+    try:
+        assert not wire.cm.is_listing
+        assert wire.run(0.2) == []
+        now[0] = 102.9
+        assert wire.run(0.2) == []
+        now[0] = 103.0
+        lists = wire.run(0.3)
+        assert [lst.tes for lst in lists][:1] == [[]]  # after the grace an empty list is the truth
+    finally:
+        wire.close()
+
+
+def test_incarnations_differ_and_the_grace_covers_te_reannouncements(ctx, tmp_path):
+    from deepserve.engine import te_server
+
+    assert cluster_manager.TEUP_INTERVAL_S == te_server.TEUP_INTERVAL_S
+    assert cluster_manager.FIRST_PUBLISH_GRACE_S >= 1.5 * te_server.TEUP_INTERVAL_S
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = _Wire(ctx, tmp_path / "a"), _Wire(ctx, tmp_path / "b")
+    try:
+        assert a.cm.incarnation != b.cm.incarnation
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_first_list_comes_as_soon_as_every_configured_te_announced(ctx, tmp_path):
+    now = [0.0]
+    wire = _Wire(ctx, tmp_path, grace_s=3.0, expected_tes=("te0", "te1"), clock=lambda: now[0])
+    try:
+        wire.te.put(_te_up("te0"))
+        assert wire.run(0.3) == []  # te1 not heard yet, grace not over
+        wire.te.put(_te_up("te1"))
+        lists = wire.run(0.3)
+        assert lists and sorted(te.te_id for te in lists[0].tes) == ["te0", "te1"]
+        assert now[0] == 0.0  # long before the grace's end
+    finally:
+        wire.close()
+
+
+def test_a_stale_te_up_right_after_te_down_does_not_relist_the_te(ctx, tmp_path):
+    """A dying TE's host may send one more TEUp after the supervisor's TEDown:
+    within REUP_FENCE_S it is ignored; a restarted TE's TEUp later lists it."""
+    now = [0.0]
+    wire = _Wire(ctx, tmp_path, grace_s=0.0, clock=lambda: now[0])
+    try:
+        wire.te.put(_te_up("te0"))
+        assert [te.te_id for te in wire.run(0.3)[-1].tes] == ["te0"]
+        wire.te.put(TEDown(te_id="te0", reason="supervisor: process fault"))
+        assert wire.run(0.3)[-1].tes == []
+        now[0] = 0.3
+        wire.te.put(_te_up("te0"))  # stale
+        assert wire.run(0.3) == []  # no change: nothing published
+        now[0] = 1.5  # a republish
+        assert [lst.tes for lst in wire.run(0.3)] == [[]]
+        now[0] = cluster_manager.REUP_FENCE_S + 0.1
+        wire.te.put(_te_up("te0"))  # the restarted TE
+        assert [te.te_id for te in wire.run(0.3)[-1].tes] == ["te0"]
+    finally:
+        wire.close()
