@@ -46,12 +46,15 @@ class Stack:
 
 
 @contextmanager
-def running_stack(**overrides):
-    """Yield a Stack; stop and join everything on the way out."""
+def running_stack(send_buffer: int | None = None, **overrides):
+    """Yield a Stack; stop and join everything on the way out. send_buffer:
+    SO_SNDBUF of the listening socket (accepted sockets inherit it)."""
     run_dir = tempfile.mkdtemp(prefix="dsgw-", dir="/tmp")
     backend = FakeBackend(ipc_address(run_dir, "je"), ipc_address(run_dir, "cm")).start()
     # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else ~40 ms a reply)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     thread = None
     try:
         sock.bind(("127.0.0.1", 0))

@@ -10,56 +10,21 @@ a client that does not read fills the kernel's buffers within a few KiB."""
 from __future__ import annotations
 
 import select
-import shutil
 import socket
-import tempfile
-import threading
 import time
-from contextlib import ExitStack, closing, contextmanager
+from contextlib import ExitStack, closing
 
 import pytest
-import uvicorn
 
-from deepserve.gateway import GatewayConfig, create_app
-from deepserve.gateway.server import server_config
-from deepserve.ipc.sockets import ipc_address
-from tests.gateway.conftest import MODEL, Stack, _wait_healthy
-from tests.gateway.fake_backend import FakeBackend
+from tests.gateway.conftest import MODEL, Stack, running_stack
 
 SMALL_BUFFER = 4096
 LIVENESS_S = 10.0
 """How long a test waits for something that must happen (not a speed bound)."""
 
 
-@contextmanager
 def guarded_stack(**overrides):
-    run_dir = tempfile.mkdtemp(prefix="dsgw-", dir="/tmp")
-    backend = FakeBackend(ipc_address(run_dir, "je"), ipc_address(run_dir, "cm")).start()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUFFER)
-    thread = None
-    try:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        config = GatewayConfig(je_address=backend.je_address, cm_address=backend.cm_address,
-                               reply_address=ipc_address(run_dir, "reply"), port=port,
-                               served_model=MODEL, **overrides)
-        server = uvicorn.Server(server_config(config, create_app(config), log_level="warning",
-                                              log_config=None, timeout_graceful_shutdown=2))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
-                                  name="gateway-uvicorn", daemon=True)
-        thread.start()
-        stack = Stack(backend, config, f"http://127.0.0.1:{port}", server)
-        _wait_healthy(stack, thread)
-        yield stack
-    finally:
-        if thread is not None:
-            server.should_exit = True
-            thread.join(10.0)
-            assert not thread.is_alive(), "uvicorn thread did not stop"
-        sock.close()
-        backend.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
+    return running_stack(send_buffer=SMALL_BUFFER, **overrides)
 
 
 @pytest.fixture
