@@ -74,7 +74,7 @@ class JobClient:
         self.metrics = metrics
         self.cluster = ClusterView(metrics)
         self._routes = RouteTable()
-        self._orphans: dict[str, None] = {}  # wire ids aborted as orphans (bounded, FIFO)
+        self._orphans: dict[str, None] = {}  # wire ids aborted already (bounded, FIFO)
         self._streams: weakref.WeakSet[ReplyStream] = weakref.WeakSet()
         self._je = JELink(self._on_new_je)
         self._te_outboxes: Outboxes | None = None
@@ -162,6 +162,7 @@ class JobClient:
         route = self._routes.pop(request_id)
         if route is None:
             return
+        self._note_aborted(route.wire_id)  # its late deltas need no abort of their own
         abort = AbortRequest(request_id=route.wire_id)
         self._send(self._encoder.encode(abort))
         if route.je_epoch < self._je.epoch:  # its JE died: tell its TE directly
@@ -170,14 +171,20 @@ class JobClient:
     def _abort_orphan(self, wire_id: str) -> None:
         """Nobody here waits for wire_id (its gateway died, or its abort was
         lost): stop its TE generating for nobody, once per id."""
-        if wire_id in self._orphans:
+        if not self._note_aborted(wire_id):
             return
-        self._orphans[wire_id] = None
-        if len(self._orphans) > MAX_ORPHANS:
-            self._orphans.pop(next(iter(self._orphans)))
         abort = AbortRequest(request_id=wire_id)
         self._send(self._encoder.encode(abort))
         self._abort_at_tes(abort)
+
+    def _note_aborted(self, wire_id: str) -> bool:
+        """Remember wire_id as aborted (bounded, FIFO); False if it already was."""
+        if wire_id in self._orphans:
+            return False
+        self._orphans[wire_id] = None
+        if len(self._orphans) > MAX_ORPHANS:
+            self._orphans.pop(next(iter(self._orphans)))
+        return True
 
     def _abort_at_tes(self, abort: AbortRequest) -> None:
         """Best effort, never waits: every listed TE; one that lacks the id ignores it."""
