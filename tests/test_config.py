@@ -19,13 +19,14 @@ import zmq
 from deepserve.config import EngineConfig, load_config
 from deepserve.config.child import parse_child_args
 from deepserve.config.loading import load_node_config, write_run_config
+from deepserve.config.models import ModelSection, ScalingSection, SLOSection
 from deepserve.config.node import (ENGINE_OPTIONS, FLAT_SECTIONS, GatewaySection, NodeConfig,
                                    NodeSection, PDOptions, RouterSection, RunAddresses,
                                    SupervisorConfig, TESection, TESpec)
 from deepserve.control import cluster_manager, job_executor
 from deepserve.engine import te_server
 from deepserve.gateway import __main__ as gateway_main
-from deepserve.supervisor.node_config import with_port
+from deepserve.supervisor.node_config import with_models, with_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"cluster-manager": cluster_manager, "job-executor": job_executor,
@@ -40,11 +41,12 @@ def _toml(value) -> str:
 
 
 def write_toml(tmp_path: Path, tables: dict) -> Path:
-    """tables: section -> {key: value}; "te": a list of [[te]] tables."""
+    """tables: section -> {key: value}; "te", "model": lists of [[te]] / [[model]] tables."""
     lines = []
     for section, body in tables.items():
-        for table in (body if section == "te" else [body]):
-            lines.append(f"[[{section}]]" if section == "te" else f"[{section}]")
+        is_array = section in ("te", "model")
+        for table in (body if is_array else [body]):
+            lines.append(f"[[{section}]]" if is_array else f"[{section}]")
             lines += [f"{key} = {_toml(value)}" for key, value in table.items()]
     (tmp_path / "conf").mkdir(exist_ok=True)
     path = tmp_path / "conf" / "node.toml"
@@ -67,6 +69,12 @@ def effective(role: str, conf: Path):
         return load_node_config(conf).supervisor
     resolved = resolve(conf, conf.parent.parent)
     extra = ["--te-id", "te0", "--run-id", "r0"] if role == "te" else []
+    if role == "te-scaled":  # a TE the autoscaler added, of the first [[model]]
+        config = load_node_config(conf)
+        if not config.models:
+            return None
+        role, extra = "te", ["--te-id", "x-0", "--run-id", "r0", "--model",
+                             config.models[0].name]
     args = parse_child_args(["--conf", str(resolved), "--role", role, *extra], role, "")
     return MODULES[role].load_settings(args)
 
@@ -86,7 +94,7 @@ ENGINE_VALUES = {
 # (section, key, value in the TOML, role that uses it, what that role sees -> expected)
 CASES = [
     ("node", "model", "models/other", "job-executor",
-     lambda s, t: s.model == at(t, "models/other")),
+     lambda s, t: list(s.models.values()) == [at(t, "models/other")]),
     ("node", "model", "/abs/m", "te", lambda s, t: s.engine.model == "/abs/m"),
     ("node", "served_model", "sm", "gateway", lambda s, t: s.served_model == "sm"),
     ("node", "served_model", "sm", "te", lambda s, t: s.served_model == "sm"),
@@ -134,9 +142,38 @@ CASES = [
     ("te", "processes", False, "te", lambda s, t: s.engine.processes is True),  # implied
     *[("te", key, value, "te", lambda s, t, k=key, v=value: getattr(s.engine, k) == v)
       for key, value in ENGINE_VALUES.items()],
+    ("model", "path", "models/x", "node", lambda s, t: _m(s, "path") == at(t, "models/x")),
+    ("model", "name", "xx", "job-executor", lambda s, t: "xx" in s.models),
+    ("model", "name", "xx", "gateway", lambda s, t: "xx" in s.served_models),
+    ("model", "min_tes", 0, "cluster-manager", lambda s, t: s.models and
+     s.models[0].min_tes == 0 and not s.initial),
+    ("model", "max_tes", 5, "cluster-manager", lambda s, t: _m(s, "max_tes") == 5),
+    ("model", "idle_s", 7.5, "cluster-manager", lambda s, t: _m(s, "idle_s") == 7.5),
+    ("model", "slo", {"ttft_ms": 100.0, "tpot_ms": 20.0, "percentile": 0.5}, "cluster-manager",
+     lambda s, t: _m(s, "slo") == SLOSection(ttft_ms=100.0, tpot_ms=20.0, percentile=0.5)),
+    ("model", "processes", False, "te-scaled", lambda s, t: s is not None
+     and s.engine.processes is True),  # implied
+    *[("model", key, value, "te-scaled", lambda s, t, k=key, v=value: s is not None
+       and getattr(s.engine, k) == v) for key, value in ENGINE_VALUES.items()],
+    ("scaling", "pool_size", 3, "node", lambda s, t: s.scaling.pool_size == 3),
+    ("scaling", "weight_cache_bytes", 1024, "node", lambda s, t:
+     s.scaling.weight_cache_bytes == 1024),
+    ("scaling", "queue_timeout_s", 4.5, "job-executor", lambda s, t: s.queue_timeout_s == 4.5),
+    *[("scaling", key, value, "cluster-manager",
+       lambda s, t, k=key, v=value: getattr(s.scaling, k) == v)
+      for key, value in {"window_s": 3.5, "out_queue_per_te": 4.0, "in_load_per_te": 0.25,
+                         "out_cooldown_s": 1.5, "in_cooldown_s": 2.5,
+                         "in_sustain_s": 6.5}.items()],
 ]
 SECTION_TYPES = {"node": NodeSection, "gateway": GatewaySection, "router": RouterSection,
-                 "supervisor": SupervisorConfig, "te": TESection}
+                 "supervisor": SupervisorConfig, "te": TESection, "model": ModelSection,
+                 "scaling": ScalingSection}
+
+
+def _m(settings, key):
+    """A field of the first scalable model a role's settings hold (None: none)."""
+    models = getattr(settings, "models", ())
+    return getattr(models[0], key) if models else None
 
 
 def test_every_key_of_every_section_has_a_case():
@@ -151,6 +188,8 @@ def test_key_reaches_its_process(tmp_path, section, key, value, role, sees):
     tables = {"node": dict(BASE["node"]), "te": [{}]}
     if section == "te":
         tables["te"][0][key] = value
+    elif section == "model":
+        tables["model"] = [{"path": "models/x", key: value}]
     else:
         tables.setdefault(section, {})[key] = value
     settings = effective(role, write_toml(tmp_path, tables))
@@ -194,7 +233,8 @@ def test_real_children_print_their_effective_config(tmp_path):
     assert printed["cluster-manager"]["te_timeout_s"] == 2.5
     je = printed["job-executor"]
     assert je["max_attempts"] == 7 and je["router"]["policy"] == "load"
-    assert je["router"]["pd_options"]["margin"] == 0.5 and je["model"] == at(tmp_path, "models/m")
+    assert je["router"]["pd_options"]["margin"] == 0.5
+    assert je["models"] == {"sm": at(tmp_path, "models/m")}
     gw = printed["gateway"]
     assert (gw["port"], gw["served_model"], gw["api_keys"], gw["max_open_requests"]) == (
         8124, "sm", {"k": "t"}, 9)
@@ -332,7 +372,7 @@ def test_conf_node_toml_documents_every_key_and_only_real_ones():
     documented: dict[str, set[str]] = {}
     section = None
     for line in text.splitlines():
-        header = re.match(r"^\[\[?(\w+)\]\]?", line)
+        header = re.match(r"^(?:# )?\[\[?(\w+)\]\]?", line)
         if header:
             section = header[1]
             continue
@@ -345,6 +385,9 @@ def test_conf_node_toml_documents_every_key_and_only_real_ones():
             assert {"type", "count", "priority"} <= set(text.split("`")) | documented[name]
             missing = [o for o in ENGINE_OPTIONS if o != "processes" and o not in text]
             assert not missing, missing
+        elif name == "model":  # an example, commented out: its own keys, engine options aside
+            own = set(struct_type.__struct_fields__) - set(ENGINE_OPTIONS)
+            assert own <= documented[name] <= set(struct_type.__struct_fields__)
         else:
             assert documented[name] == set(struct_type.__struct_fields__), name
 
@@ -425,3 +468,25 @@ def test_real_job_executor_uses_max_attempts_and_reports_migrations(tmp_path, ti
         for sock in (cm, supervisor, te, gw, to_je):
             sock.close()
         ctx.term()
+
+
+def test_command_line_models_replace_the_node_model(tmp_path):
+    """--model [NAME=]DIR and --scale-to-zero-after over a file (node_config.with_models)."""
+    conf = write_toml(tmp_path, {"node": {"model": "models/m"},
+                                 "te": [{"count": 2, "kv_cache_memory": 1 << 20}],
+                                 "model": [{"path": "models/x", "min_tes": 0}]})
+    config = load_node_config(conf)
+    assert with_models(config) is config
+    assert [(m.name, m.scalable) for m in config.all_models] == [("m", False), ("x", True)]
+    both = with_models(config, [str(tmp_path / "a"), f"bee={tmp_path / 'b'}"], 30.0)
+    assert [m.name for m in both.all_models] == ["a", "bee", "x"] and not both.tes
+    assert [m.path for m in both.models[:2]] == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert all(m.idle_s == 30.0 and m.scalable for m in both.all_models)
+    assert both.models[0].options == {"kv_cache_memory": 1 << 20}
+    assert (both.models[0].min_tes, both.models[0].max_tes, both.models[2].min_tes) == (1, 2, 0)
+    assert both.initial_scaled_tes() == {"a-0": "a", "bee-0": "bee"}
+    zero = with_models(config, idle_s=5.0)
+    assert [(m.name, m.min_tes, m.max_tes, m.idle_s) for m in zero.models] == [
+        ("m", 2, 2, 5.0), ("x", 0, 2, 5.0)]
+    with pytest.raises(ValueError, match="named alike"):
+        with_models(config, [str(tmp_path / "x")])

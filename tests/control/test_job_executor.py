@@ -372,8 +372,8 @@ def test_n_sub_requests_tokenize_once_and_an_oversized_prompt_not_at_all(rig):
     tasks = _tasks_of(rig, "te0", 0.5)
     assert [t.request_id for t in tasks] == [f"cmpl-1-{i}" for i in range(4)]
     assert len({tuple(t.prompt_token_ids) for t in tasks}) == 1
-    assert je.prompts.num_tokenized == 1
-    huge = "x" * (je.prompts.max_chars + 1)
+    assert je.book.prompts(je.book.default).num_tokenized == 1
+    huge = "x" * (je.book.prompts(je.book.default).max_chars + 1)
     _submit(rig, "huge", huge)
     failed = _pump(rig, lambda: _recv(rig["gw"]))
     assert (failed.error, failed.param) == ("prompt_too_long", "prompt")
@@ -382,4 +382,4 @@ def test_n_sub_requests_tokenize_once_and_an_oversized_prompt_not_at_all(rig):
                                    reply_to=rig["addr"]["gw"]))
     failed = _pump(rig, lambda: _recv(rig["gw"]))
     assert (failed.error, failed.param) == ("prompt_too_long", "messages")
-    assert je.prompts.num_tokenized == 1
+    assert je.book.prompts(je.book.default).num_tokenized == 1

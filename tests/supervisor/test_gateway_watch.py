@@ -82,7 +82,7 @@ def test_a_stopped_gateway_is_detected_and_restarted(tiny_model):
         assert missed["pid"] == old_pid and killed["details"]["how"] == "killed"
         assert detect_s <= SUP.heartbeat_deadline_s + SUP.kill_grace_s + 10, detect_s
         assert node.procs["gateway"].pid != old_pid
-        _wait(lambda: num_tes(node.url) >= 1, 60, "the new gateway to list the TE")
+        _wait(lambda: (num_tes(node.url) or 0) >= 1, 60, "the new gateway to list the TE")
         out = _client(node).completions.create(model="tiny", prompt="hi", max_tokens=3)
         assert out.usage.completion_tokens == 3
         assert [e["event"] for e in _events(node, "te0")] == ["started"]  # untouched

@@ -115,3 +115,26 @@ def test_stop_all_by_waves_and_remove(table):
     for name in list(table.procs):
         table.remove(name)
     assert table.procs == {} and "gw" not in table
+
+
+def test_adopt_makes_a_pods_process_the_next_incarnation(table, tmp_path):
+    """A pre-warmed process becomes a TE: new name, its pid kept, the pod gone;
+    a later respawn runs the TE's own command with the incarnation after."""
+    pod = table.start("pool0", SLEEP)
+    seen = tmp_path / "seen"
+
+    def command(n: int) -> list[str]:
+        return [sys.executable, "-c", f"open({str(seen)!r}, 'a').write('{n} ')"]
+    assert table.next_incarnation("te") == 0
+    adopted = table.adopt("pool0", "te", command, scratch="x-")
+    assert adopted is pod and "pool0" not in table and table.pid("te") == pod.pid
+    assert table.incarnation("te") == 0 and table.next_incarnation("te") == 1
+    other = table.start("pool1", SLEEP)
+    with pytest.raises(RuntimeError, match="still running"):
+        table.adopt("pool1", "te", command)  # te's process still runs: the pod stays
+    assert "pool1" in table and table.pid("pool1") == other.pid
+    table.stop("te", 1.0)
+    assert table.adopt("pool1", "te", command) is other and table.incarnation("te") == 1
+    table.stop("te", 1.0)
+    assert table.respawn("te").wait(10) == 0 and table.incarnation("te") == 2
+    assert seen.read_text() == "2 "

@@ -1,7 +1,8 @@
 """The command line every node-level child takes: its config is a file, not flags.
 
     python -m MODULE --conf RUN_DIR/node.json --role NAME --parent-pid PID
-                     [--te-id ID --run-id ID]   (a TE)
+                     [--te-id ID --run-id ID [--model NAME]]   (a TE; --model: a scaled one)
+                     [--te-id NAME --pool]      (a pre-warmed process, told later what to be)
                      [--print-config]           (print the effective config and exit)
 
 The node writes the resolved NodeConfig (config/loading.py) once; each child
@@ -32,6 +33,10 @@ class ChildArgs:
     run_id: str | None = None
     """A TE's shared-memory run id: each incarnation has its own (the node rewrites it)."""
     print_config: bool = False
+    model: str | None = None
+    """A scaled TE's model ([[model]] name); None: a [[te]] TE of the [node] model."""
+    pool: bool = False
+    """A pre-warmed process: te_id names it until an Assign names its TE."""
 
 
 def parse_child_args(argv: list[str] | None, role: str, description: str) -> ChildArgs:
@@ -43,19 +48,28 @@ def parse_child_args(argv: list[str] | None, role: str, description: str) -> Chi
         ap.add_argument("--te-id", required=True)
         ap.add_argument("--run-id", default=None,
                         help="names this TE's shared memory (the supervisor sweeps it)")
+        ap.add_argument("--model", default=None, help="a scaled TE: the model it serves")
+        ap.add_argument("--pool", action="store_true",
+                        help="start pre-warmed and wait to be assigned a TE")
     ap.add_argument("--print-config", action="store_true",
                     help="print this process's effective config as JSON and exit")
     args = ap.parse_args(argv)
     return ChildArgs(args.conf, args.role, args.parent_pid, getattr(args, "te_id", None),
-                     getattr(args, "run_id", None), args.print_config)
+                     getattr(args, "run_id", None), args.print_config,
+                     getattr(args, "model", None), getattr(args, "pool", False))
 
 
 def child_argv(conf: str | Path, role: str, te_id: str | None = None,
-               run_id: str | None = None) -> list[str]:
+               run_id: str | None = None, model: str | None = None,
+               pool: bool = False) -> list[str]:
     """The arguments the node gives a child (it appends --parent-pid)."""
     argv = ["--conf", str(conf), "--role", role]
     if te_id is not None:
         argv += ["--te-id", te_id, "--run-id", run_id or te_id]
+    if model is not None:
+        argv += ["--model", model]
+    if pool:
+        argv += ["--pool"]
     return argv
 
 

@@ -19,10 +19,14 @@ from pathlib import Path
 
 import msgspec
 
+from deepserve.config.models import ModelSpec, model_spec
 from deepserve.config.node import (_SECTION_TYPES, ENGINE_OPTIONS, NodeConfig, RunAddresses,
                                    TESpec)
 
-_PATHS = {"node": ("model",), "router": ("pd_heatmap", "pd_predictor"), "supervisor": ("log_dir",)}
+_PATHS = {"node": ("model",), "router": ("pd_heatmap", "pd_predictor"), "supervisor": ("log_dir",),
+          "model": ("path",)}
+_ARRAYS = ("te", "model")
+"""Sections written as arrays of tables ([[te]], [[model]])."""
 """Keys holding paths, resolved against the repository root."""
 
 
@@ -33,20 +37,21 @@ def load_node_config(path: str | Path, overrides: dict | None = None) -> NodeCon
         raw = tomllib.load(f)
     unknown = sorted(set(raw) - set(_SECTION_TYPES))
     if unknown:
-        known = ", ".join(f"[{s}]" for s in _SECTION_TYPES if s != "te") + ", [[te]]"
+        known = ", ".join(f"[[{s}]]" if s in _ARRAYS else f"[{s}]" for s in _SECTION_TYPES)
         raise ValueError(f"{path}: unknown section(s) {', '.join(f'[{s}]' for s in unknown)}; "
                          f"known: {known}")
     _apply_overrides(raw, overrides or {}, path)
-    if "model" not in raw.get("node", {}):
+    if "model" not in raw.get("node", {}) and (raw.get("te") or not raw.get("model")):
         raise ValueError(f'{path}: [node] model: required (model = "DIR")')
     root = Path(path).resolve().parent.parent
     parts = {}
-    for section in ("node", "gateway", "router", "supervisor"):
+    for section in ("node", "gateway", "router", "supervisor", "scaling"):
         table = _absolute_paths(section, dict(raw.get(section, {})), root)
         parts[section] = _decode(path, f"[{section}]", table, _SECTION_TYPES[section])
     tes = tuple(_te_specs(path, raw.get("te", [])))
+    models = tuple(_model_specs(path, raw.get("model", []), root))
     try:
-        return NodeConfig(tes=tes, **parts)
+        return NodeConfig(tes=tes, models=models, **parts)
     except ValueError as e:
         raise ValueError(f"{path}: {_section_of(str(e))}") from None
 
@@ -76,6 +81,19 @@ def _te_specs(path, tables) -> list[TESpec]:
         options = {k: getattr(te, k) for k in table if k in ENGINE_OPTIONS and k != "processes"}
         for _ in range(te.count):
             specs.append(TESpec(f"te{len(specs)}", te.type, options, te.priority))
+    return specs
+
+
+def _model_specs(path, tables, root: Path) -> list[ModelSpec]:
+    if not isinstance(tables, list):
+        raise ValueError(f"{path}: [model]: write models as [[model]] tables (an array)")
+    specs = []
+    for i, table in enumerate(tables):
+        table = _absolute_paths("model", dict(table), root)
+        section = _decode(path, f"[[model]] #{i + 1}", table, _SECTION_TYPES["model"])
+        options = {k: getattr(section, k) for k in table
+                   if k in ENGINE_OPTIONS and k != "processes"}
+        specs.append(model_spec(section, options))
     return specs
 
 
@@ -117,6 +135,10 @@ def _section_of(message: str) -> str:
     head, _, rest = message.partition(" ")
     if head == "te:":
         return f"[[te]] {rest}"
+    if head == "model:":
+        return f"[[model]] {rest}"
+    if head == "node:":
+        return f"[node] {rest}"
     if head in ENGINE_OPTIONS:
         return f"[[te]] {head}: {rest}"
     return message

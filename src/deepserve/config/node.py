@@ -5,6 +5,8 @@
     [router]      RouterSection      routing and PD policy (PDOptions: [router] pd_options)
     [supervisor]  SupervisorConfig   deadlines, restart budget, health log, drills
     [[te]]        TESection          type, count, priority + every EngineConfig option
+    [[model]]     ModelSection       more models, scaled by the autoscaler (config/models.py)
+    [scaling]     ScalingSection     pre-warmed pool, weight cache, autoscaler (config/models.py)
     (resolved)    RunAddresses       the run's sockets, written by the node, never in TOML
 
 Decoding forbids unknown keys and checks ranges (Meta constraints); the
@@ -25,6 +27,7 @@ import msgspec
 from msgspec import Meta
 
 from deepserve.config.engine import EngineConfig
+from deepserve.config.models import ModelSection, ModelSpec, ScalingSection
 
 Positive = Annotated[float, Meta(gt=0)]
 NonNegative = Annotated[float, Meta(ge=0)]
@@ -38,8 +41,8 @@ class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 
 class NodeSection(Section):
-    model: str
-    """Model directory every TE serves (and the job executor tokenizes with)."""
+    model: str = ""
+    """Model directory the [[te]] TEs serve; "" with [[model]] tables only."""
     served_model: str = ""
     """Name clients put in `model`; "" (resolved on load): the model directory's name."""
     host: str = "127.0.0.1"
@@ -196,13 +199,20 @@ class RunAddresses(msgspec.Struct, frozen=True, kw_only=True):
     hb: str
     """The supervisor's heartbeat inbox (also in $DEEPSERVE_HEARTBEAT, which ActorLife reads)."""
     tes: dict[str, str] = {}
-    """TE id -> the inbox its tokenizer binds."""
+    """TE id -> the inbox its tokenizer binds (the [[te]] TEs)."""
+    run_dir: str = ""
+    """Where TEs started later (scaling) and pre-warmed processes bind theirs."""
 
     @classmethod
     def in_dir(cls, run_dir: str | Path, run_id: str, te_ids) -> "RunAddresses":
         at = lambda name: f"ipc://{run_dir}/{name}.sock"  # noqa: E731
         return cls(run_id=run_id, cm=at("cm"), cm_pub=at("cm-pub"), je=at("je"),
-                   gw_reply=at("gw-reply"), hb=at("hb"), tes={t: at(t) for t in te_ids})
+                   gw_reply=at("gw-reply"), hb=at("hb"), tes={t: at(t) for t in te_ids},
+                   run_dir=str(run_dir))
+
+    def te_address(self, te_id: str) -> str:
+        """The inbox of any TE (or pre-warmed process) of the run."""
+        return self.tes.get(te_id) or f"ipc://{self.run_dir}/{te_id}.sock"
 
 
 FLAT_SECTIONS = ("node", "gateway", "router")
@@ -219,16 +229,52 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     router: RouterSection = RouterSection()
     supervisor: SupervisorConfig = SupervisorConfig()
     tes: tuple[TESpec, ...] = ()
+    models: tuple[ModelSpec, ...] = ()
+    """The [[model]] tables (and command-line models), scaled by the autoscaler."""
+    scaling: ScalingSection = ScalingSection()
     run: RunAddresses | None = None
     """Set by the node once its run directory exists (None in what conf/ files give)."""
 
     def __post_init__(self):
-        if not self.tes:
-            raise ValueError("te: a node needs at least one [[te]]")
+        if not self.tes and not self.models:
+            raise ValueError("te: a node needs at least one [[te]] or [[model]]")
+        if self.tes and not self.node.model:
+            raise ValueError('node: model: required with [[te]] tables (model = "DIR")')
         for te in self.tes:  # fail now, not in a child process
             if te.te_type not in TE_TYPES:
                 raise ValueError(f"te: type must be one of {TE_TYPES}, got {te.te_type!r}")
             te.engine_config(self.node.model)
+        names = [m.name for m in self.all_models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model: two models are named alike: {names}")
+        for model in self.models:
+            model.check()
+
+    @property
+    def all_models(self) -> tuple[ModelSpec, ...]:
+        """Every model the node serves: the [node] model of the [[te]] TEs (if
+        any; not scalable) first, then the [[model]] ones."""
+        static = ()
+        if self.tes:
+            static = (ModelSpec(name=self.node.served_model, path=self.node.model,
+                                min_tes=len(self.tes), max_tes=len(self.tes), scalable=False),)
+        return static + self.models
+
+    @property
+    def served_models(self) -> dict[str, str]:
+        """Model name (what clients put in `model`) -> its directory."""
+        return {m.name: m.path for m in self.all_models}
+
+    def initial_scaled_tes(self) -> dict[str, str]:
+        """TE id -> model of the TEs the node starts for scalable models'
+        min_tes (the CM expects them; later ones are numbered on)."""
+        return {m.te_id(i): m.name for m in self.models for i in range(m.min_tes)}
+
+    def model(self, name: str) -> ModelSpec:
+        for spec in self.all_models:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
 
     def __getattr__(self, name: str):
         """Flat reads of [node], [gateway] and [router] keys (their names are unique)."""
@@ -240,8 +286,8 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
-    def build(cls, *, tes=(), supervisor: SupervisorConfig | None = None,
-              **keys) -> "NodeConfig":
+    def build(cls, *, tes=(), supervisor: SupervisorConfig | None = None, models=(),
+              scaling: ScalingSection | None = None, **keys) -> "NodeConfig":
         """From flat keys (model=..., port=..., policy=...), each put in the
         section that has it, decoded with the same checks as a TOML file."""
         sections: dict[str, dict] = {name: {} for name in FLAT_SECTIONS}
@@ -251,12 +297,14 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"unknown node config key {key!r}")
             sections[owner[0]][key] = value
         parts = {name: msgspec.convert(raw, _SECTION_TYPES[name]) for name, raw in sections.items()}
-        return cls(tes=tuple(tes), supervisor=supervisor or SupervisorConfig(), **parts)
+        return cls(tes=tuple(tes), supervisor=supervisor or SupervisorConfig(),
+                   models=tuple(models), scaling=scaling or ScalingSection(), **parts)
 
     def with_run(self, run: RunAddresses) -> "NodeConfig":
         return msgspec.structs.replace(self, run=run)
 
 
 _SECTION_TYPES = {"node": NodeSection, "gateway": GatewaySection, "router": RouterSection,
-                  "supervisor": SupervisorConfig, "te": TESection}
+                  "supervisor": SupervisorConfig, "te": TESection, "model": ModelSection,
+                  "scaling": ScalingSection}
 """TOML section name -> its Struct (the loader's only list of sections)."""

@@ -26,6 +26,10 @@ back into the list and the JE route resumed requests to a dead TE.
 
 `python -m deepserve.control.cluster_manager --conf RUN_DIR/node.json --role
 cluster-manager`: its sockets are the run's (cm, cm_pub), te_timeout_s is [node]'s.
+
+Scaling (scaling.py): with scalable models the CM runs the autoscaler each
+step; a TE it drains for scale-in stays listed with draining = True (a TEUp
+does not undo that) until its TEDown.
 """
 
 from __future__ import annotations
@@ -35,14 +39,19 @@ import time
 import uuid
 from typing import Callable, Collection
 
+import msgspec.structs
+
 import msgspec
 import zmq
 
 from deepserve.actor import ActorLife
 from deepserve.config.child import ChildArgs, parse_child_args, print_config
 from deepserve.config.loading import read_run_config
-from deepserve.ipc.sockets import PubSocket, PullSocket
+from deepserve.control.scaling import ScalingControl, options_of, policies_of
+from deepserve.config.models import ModelSpec, ScalingSection
+from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.control import TEDown, TEInfo, TEList, TEReport, TEUp, ToClusterManager
+from deepserve.messages.scaling import ModelDemand, ScaleEvent
 
 log = logging.getLogger(__name__)
 REPUBLISH_S = 1.0
@@ -73,6 +82,10 @@ class ClusterManager:
         self.last_seen: dict[str, float] = {}
         self.down_at: dict[str, float] = {}  # te id -> its last TEDown (the re-up fence)
         self.last_published: float | None = None
+        self.scaling: ScalingControl | None = None  # enable_scaling
+
+    def enable_scaling(self, control: ScalingControl) -> None:
+        self.scaling = control
 
     @property
     def is_listing(self) -> bool:
@@ -85,9 +98,16 @@ class ClusterManager:
     def step(self, timeout: float = 0.2) -> None:
         try:
             self.handle(self.inbox.get(timeout=timeout))
+            for msg in self.inbox.drain():
+                self.handle(msg)
         except TimeoutError:
             pass
         self._expire()
+        if self.scaling is not None and self.is_listing:
+            for te_id in self.scaling.step(self.clock(), self.tes):
+                self.tes[te_id] = msgspec.structs.replace(self.tes[te_id], draining=True)
+                log.warning("TE %s drains for scale-in", te_id)
+                self.publish()
         if self.last_published is None or self.clock() - self.last_published > REPUBLISH_S:
             self.publish()
 
@@ -100,6 +120,10 @@ class ClusterManager:
                          now - self.down_at[te_id])
                 return
             self.last_seen[te_id] = now
+            if self.scaling is not None:
+                if self.scaling.is_held(te_id) and te_id in self.tes:
+                    return  # draining: it stays marked so
+                self.scaling.on_te_up(msg.info, now)
             if self.tes.get(te_id) != msg.info:
                 self.tes[te_id] = msg.info
                 log.warning("TE %s up at %s", te_id, msg.info.address)
@@ -110,7 +134,15 @@ class ClusterManager:
         elif isinstance(msg, TEReport) and (msg.te_id in self.tes or not self.is_listing):
             if msg.te_id in self.tes:
                 self.last_seen[msg.te_id] = now
+                if self.scaling is not None:
+                    self.scaling.on_report(msg, self.tes[msg.te_id].model, now)
             self.pub.put(msg)
+        elif isinstance(msg, ModelDemand) and self.scaling is not None:
+            self.scaling.on_demand(msg, now)
+        elif isinstance(msg, ScaleEvent):
+            if self.scaling is not None:
+                self.scaling.on_scale_event(msg)
+            self.pub.put(msg)  # gateways count it (/metrics)
 
     def _expire(self) -> None:
         now = self.clock()
@@ -120,6 +152,9 @@ class ClusterManager:
 
     def _remove(self, te_id: str, reason: str) -> None:
         self.last_seen.pop(te_id, None)
+        info = self.tes.get(te_id)
+        if info is not None and self.scaling is not None:
+            self.scaling.on_te_down(te_id, info.model, reason, self.clock())
         if self.tes.pop(te_id, None) is not None:
             log.warning("TE %s down: %s", te_id, reason)
             self.publish()
@@ -151,12 +186,24 @@ class CMSettings(msgspec.Struct, frozen=True, kw_only=True):
     """[node] te_timeout_s."""
     te_ids: tuple[str, ...] = ()
     """The node's TEs (the first TE list waits for them, at most the grace)."""
+    supervisor: str = ""
+    """The supervisor's inbox (ScaleOut / ScaleIn)."""
+    models: tuple[ModelSpec, ...] = ()
+    """Scalable models ([[model]]): the autoscaler's; none: no autoscaler."""
+    scaling: ScalingSection = ScalingSection()
+    initial: dict[str, str] = {}
+    """TE id -> model of the scaled TEs the node starts itself (min_tes)."""
+    startup_timeout_s: float = 180.0
 
 
 def load_settings(args: ChildArgs) -> CMSettings:
     config, run = read_run_config(args.conf)
+    initial = config.initial_scaled_tes()
     return CMSettings(inbox=run.cm, pub=run.cm_pub, te_timeout_s=config.node.te_timeout_s,
-                      te_ids=tuple(te.te_id for te in config.tes))
+                      te_ids=tuple(te.te_id for te in config.tes) + tuple(initial),
+                      supervisor=run.hb, models=tuple(m for m in config.models if m.scalable),
+                      scaling=config.scaling, initial=initial,
+                      startup_timeout_s=config.node.startup_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -168,11 +215,23 @@ def main(argv: list[str] | None = None) -> None:
     ctx = zmq.Context()
     cm = ClusterManager(ctx, settings.inbox, settings.pub, settings.te_timeout_s,
                         expected_tes=settings.te_ids, events=life.event)
+    to_supervisor = PushSocket(ctx, settings.supervisor, bind=False) if settings.models else None
+    if to_supervisor is not None:
+        def send(msg) -> None:
+            try:
+                to_supervisor.put(msg, timeout=0.5)
+            except TimeoutError:
+                log.error("%s not sent: the supervisor does not listen", type(msg).__name__)
+        cm.enable_scaling(ScalingControl(
+            policies_of(settings.models), options_of(settings.scaling), send, life.event,
+            time.monotonic(), settings.startup_timeout_s, settings.initial))
     try:
         life.ready()
         life.run(cm.step, lambda: {"tes": len(cm.tes)})
     finally:
         cm.close()
+        if to_supervisor is not None:
+            to_supervisor.close()
         ctx.term()
         life.close()
 

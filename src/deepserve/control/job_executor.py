@@ -18,7 +18,13 @@ the list, which fails it (and aborts the other task).
 
 Parked: a request that finds no TE to take it (no complete TE list yet: the
 JE or the CM just restarted; or every TE of its kind is restarting) waits up
-to PARK_S, routed as soon as a TE list allows, instead of being refused.
+to PARK_S, routed as soon as a TE list allows, instead of being refused. A
+request for a scalable model with no TE waits up to [scaling]
+queue_timeout_s while the autoscaler starts one: the JE tells the cluster
+manager what arrived and what is held (ModelDemand, model_book.py).
+
+Many models (model_book.py): a request is routed only to its model's TEs;
+a TE draining for scale-in gets nothing new and finishes what it has.
 
 Requests of death (control/suspects.py has the rules and the trade-off):
 a request in flight on a TE that leaves the list is a suspect; its first
@@ -42,10 +48,9 @@ import msgspec
 import zmq
 
 from deepserve.actor import ActorLife
-from deepserve.config.child import ChildArgs, parse_child_args, print_config
-from deepserve.config.loading import read_run_config
-from deepserve.config.node import RouterSection
-from deepserve.control.admission import PromptTokens
+from deepserve.config.child import parse_child_args, print_config
+from deepserve.control.je_settings import PARK_S, JESettings, load_settings
+from deepserve.control.model_book import ModelBook
 from deepserve.control.pd_policy import PDPolicy
 from deepserve.control.router import NoTEAvailable, Router
 from deepserve.control.suspects import HeldSuspects, SuspectBook
@@ -55,12 +60,9 @@ from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, SubSocket
 from deepserve.messages.control import FromClusterManager, TEList, TEReport
 from deepserve.messages.engine import AbortRequest, RequestFailed, SubmitRequest
-from deepserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 _IN = SubmitRequest | AbortRequest
-PARK_S = 10.0
-"""Seconds a request that no TE can take waits for one (module doc)."""
 PARK_MAX = 4096
 CRASHED = "request_crashed_engine"
 """RequestFailed.error of a quarantined request (the gateway: 500, this code)."""
@@ -87,13 +89,19 @@ class Task:
 
 
 class JobExecutor:
-    def __init__(self, ctx: zmq.Context, inbox: str, cm_pub: str, model: str, router: Router,
+    """models: served name -> directory (or one directory); cm: the CM's inbox
+    (ModelDemand; None: not sent); scalable: models started on demand, whose
+    requests wait up to queue_timeout_s for a TE."""
+
+    def __init__(self, ctx: zmq.Context, inbox: str, cm_pub: str, models, router: Router,
                  pd_policy=None, max_attempts: int = 3, events: EventSink = _no_event,
-                 isolate_suspects: bool = False):
+                 isolate_suspects: bool = False, cm: str | None = None, scalable=(),
+                 queue_timeout_s: float = PARK_S):
         self.ctx = ctx
         self.inbox = PullSocket(ctx, inbox, bind=True, type=_IN)
         self.cm = SubSocket(ctx, cm_pub, bind=False, type=FromClusterManager)
-        self.prompts = PromptTokens.for_model(model, Tokenizer(model))  # bounded, cached
+        self.book = ModelBook(models, scalable)  # tokenizers, TEs and demand per model
+        self.cm_inbox, self.queue_timeout_s = cm, queue_timeout_s
         self.router = router
         self.pd_policy = pd_policy  # None: colocated unless only PD pairs exist
         self.max_attempts = max_attempts  # a request runs on at most this many TEs
@@ -127,6 +135,10 @@ class JobExecutor:
             self._unpark()
         if self.held:
             self._release_held()
+        if self.cm_inbox is not None:
+            demand = self.book.demand(self.book.name_of(p[1].model) for p in self.parked)
+            if demand is not None:
+                self.replies.put(self.cm_inbox, demand)
 
     # -- requests ----------------------------------------------------------------
     def _submit(self, msg: SubmitRequest) -> None:
@@ -136,20 +148,24 @@ class JobExecutor:
             return self._fail(msg, "engine_dead", f"the request's TE failed {msg.attempt} times; "
                               f"giving up after {self.max_attempts} attempts")
         try:
-            ids = self.prompts.ids(msg)
+            model = self.book.name_of(msg.model)
+            ids = self.book.prompts(model).ids(msg)
         except InvalidRequestError as e:
             error = "prompt_too_long" if isinstance(e, PromptTooLongError) else "invalid_request"
             return self._fail(msg, error, str(e), e.param)
+        if msg.attempt == 0:
+            self.book.note_arrival(model)
         if self.isolate_suspects and self.suspects.is_suspect(msg.request_id):
             return self._hold(msg, ids)
-        self._dispatch(msg, ids, time.monotonic() + PARK_S)
+        wait_s = self.queue_timeout_s if self.book.waits_for_scaling(model) else PARK_S
+        self._dispatch(msg, ids, time.monotonic() + wait_s)
 
     def _dispatch(self, msg: SubmitRequest, ids: list[int], park_until: float) -> bool:
         """Route and send the job, or park it until park_until; False: parked."""
         try:
             if not self.links.has_list:
                 raise NoTEAvailable("no TE list from the cluster manager yet")
-            te_id, prefill_te = self._route(ids, msg.salt)
+            te_id, prefill_te = self._route(ids, msg.salt, msg.model)
         except NoTEAvailable as e:
             if time.monotonic() < park_until and len(self.parked) < PARK_MAX:
                 self.parked.append((park_until, msg, ids))
@@ -160,10 +176,12 @@ class JobExecutor:
             self._note_migrated(msg, te_id, len(ids))
         return True
 
-    def _route(self, ids: list[int], salt: str | None,
+    def _route(self, ids: list[int], salt: str | None, model: str | None,
                exclude: frozenset[str] = frozenset()) -> tuple[str, str | None]:
-        """(TE, prefill TE or None) for a job, never one in `exclude`."""
-        if self._job_layout(ids) == "disaggregated":
+        """(TE, prefill TE or None) for a job of `model`, never one in `exclude`."""
+        exclude = exclude | self.book.others(self.book.name_of(model),
+                                             self.router.tes.values())
+        if self._job_layout(ids, exclude) == "disaggregated":
             prefill_te = self.router.route(ids, salt, te_type="prefill", exclude=exclude)
             return self.router.route(ids, salt, te_type="decode", exclude=exclude), prefill_te
         return self.router.route(ids, salt, exclude=exclude), None
@@ -220,11 +238,12 @@ class JobExecutor:
                 continue
             crashed = set(self.suspects.crashes(held.msg.request_id))
             try:  # back on a TE it crashed if that one is up: the others stay untouched
-                te_id, prefill_te = self._route(held.ids, held.msg.salt,
+                te_id, prefill_te = self._route(held.ids, held.msg.salt, held.msg.model,
                                                 exclude=busy | (set(self.router.tes) - crashed))
             except NoTEAvailable:
                 try:
-                    te_id, prefill_te = self._route(held.ids, held.msg.salt, exclude=busy)
+                    te_id, prefill_te = self._route(held.ids, held.msg.salt, held.msg.model,
+                                                    exclude=busy)
                 except NoTEAvailable:
                     continue
             self.held.remove(held)
@@ -241,9 +260,10 @@ class JobExecutor:
         return sum(1 for te in self.router.tes.values()
                    if te.te_type == "colocated" and te.te_id not in busy) >= 2
 
-    def _job_layout(self, ids: list[int]) -> str:
-        """colocated or disaggregated: the policy's choice among what exists."""
-        types = {te.te_type for te in self.router.tes.values()}
+    def _job_layout(self, ids: list[int], exclude: frozenset[str] = frozenset()) -> str:
+        """colocated or disaggregated: the policy's choice among what exists
+        (TEs in exclude aside)."""
+        types = {te.te_type for te in self.router.tes.values() if te.te_id not in exclude}
         has_pair = {"prefill", "decode"} <= types
         if not has_pair:
             return "colocated"
@@ -284,7 +304,8 @@ class JobExecutor:
         if update is None:
             return  # an incomplete list (te_links.py)
         live, left = update
-        self.router.update_tes(live)  # first: nothing routes to a TE that left
+        # first: nothing routes to a TE that left, or that drains for scale-in
+        self.router.update_tes([te for te in live if not te.draining])
         self.held.note_listed([te.te_type for te in live])
         for te_id in left:
             self._fail_tasks_of(te_id)
@@ -323,25 +344,6 @@ def _crashed_text(crashes: list[str]) -> str:
             "it is quarantined as a likely cause and will not be retried.")
 
 
-class JESettings(msgspec.Struct, frozen=True, kw_only=True):
-    """What the job executor takes from the node's resolved config."""
-
-    inbox: str
-    cm_pub: str
-    model: str
-    """[node] model: the tokenizer of every request."""
-    max_attempts: int
-    """[node] max_attempts."""
-    router: RouterSection
-    """[router]: routing policy, PD policy and its files and thresholds."""
-
-
-def load_settings(args: ChildArgs) -> JESettings:
-    config, run = read_run_config(args.conf)
-    return JESettings(inbox=run.je, cm_pub=run.cm_pub, model=config.node.model,
-                      max_attempts=config.node.max_attempts, router=config.router)
-
-
 def build(ctx: zmq.Context, s: JESettings, events: EventSink = _no_event) -> JobExecutor:
     r = s.router
     options = {} if r.balance_threshold is None else {"balance_threshold": r.balance_threshold}
@@ -349,8 +351,9 @@ def build(ctx: zmq.Context, s: JESettings, events: EventSink = _no_event) -> Job
     if r.pd_policy is not None:
         pd_policy = PDPolicy.from_files(r.pd_policy, r.pd_heatmap, r.pd_predictor,
                                         **msgspec.structs.asdict(r.pd_options))
-    return JobExecutor(ctx, s.inbox, s.cm_pub, s.model, Router(r.policy, **options), pd_policy,
-                       s.max_attempts, events, r.isolate_suspects)
+    return JobExecutor(ctx, s.inbox, s.cm_pub, s.models, Router(r.policy, **options), pd_policy,
+                       s.max_attempts, events, r.isolate_suspects, cm=s.cm or None,
+                       scalable=s.scalable, queue_timeout_s=s.queue_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:

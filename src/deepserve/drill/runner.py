@@ -52,7 +52,7 @@ def recovery_bound_s(supervisor) -> float:
 
 def wait_tes(url: str, want: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while (n := num_tes(url)) < want:
+    while (n := num_tes(url) or 0) < want:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url}/health lists {n} TEs, want {want}, after {timeout_s:.0f} s")
         time.sleep(POLL_S)
@@ -245,7 +245,7 @@ class Drill:
             # logged seconds after the TE left the list (its host saw the crash first)
             want = len(self.config.tes) if self.config is not None else 1
             return (has_recovered(self.events, self.poison, fault_at, list(self.driver.records))
-                    and num_tes(self.url) >= want)
+                    and (num_tes(self.url) or 0) >= want)
         if s.restarts:
             return self.recovered is not None or self.gave_up is not None
         if s.hold_s:  # slow: lift after hold_s, then one success after

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import tempfile
 import time
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 
+from deepserve.cache.weight_cache import ENV_VAR as WEIGHT_CACHE_ENV
 from deepserve.config import EngineConfig
 from deepserve.engine.master import MasterSpec, master_main
 from deepserve.engine.tokenizer_actor import TokenizerSpec, tokenizer_main
@@ -38,8 +40,10 @@ from deepserve.worker.model_runner import ModelRunner
 from deepserve.worker.worker_actor import WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
-_PRELOAD = ["torch", "deepserve.worker.worker_actor", "deepserve.engine.master",
-            "deepserve.engine.tokenizer_actor"]
+_PRELOAD = ["torch", "torch._dynamo", "deepserve.worker.worker_actor",
+            "deepserve.engine.master", "deepserve.engine.tokenizer_actor"]
+"""torch._dynamo: the first module init on the meta device imports it (~2.5 s
+per worker on 2 cores, in its weight load) unless the forkserver has."""
 
 
 @dataclass
@@ -72,6 +76,11 @@ class TELauncher:
         self.address["pd"] = pd_address(self.address["tokenizer"])
         self.te_id, self.report_address = te_id, report_address
         self.children: list[_Child] = []
+        # startup stages, for the TE's report: each child's ready detail (a
+        # worker's {"weights": "cache" | "disk", "load_s", "rank", "pid"}), and
+        # seconds from start() until every child was spawned / was ready
+        self.ready_details: dict[str, object] = {}
+        self.spawn_s = self.ready_s = 0.0
         # forkserver: the children fork from one process that has imported torch
         # and our modules once, instead of each importing them (spawn): a TE
         # (re)starts in ~2.2 s instead of ~3.7 s on 2 idle cores, and faster
@@ -85,13 +94,17 @@ class TELauncher:
 
     def start(self) -> None:
         """Start every process and wait until all report ready (or raise)."""
+        started = time.perf_counter()
+        self.ready_details = {}
         try:
             self._spawn("tokenizer", tokenizer_main, self._tokenizer_spec())
             self._spawn("master", master_main, self._master_spec())
             init = f"tcp://127.0.0.1:{free_port()}"
             for rank in range(self.config.tp):
                 self._spawn(f"worker{rank}", worker_main, self._worker_spec(rank, init))
+            self.spawn_s = time.perf_counter() - started
             self._wait_ready()
+            self.ready_s = time.perf_counter() - started
         except BaseException:
             self.shutdown()
             raise
@@ -121,6 +134,7 @@ class TELauncher:
                 status, detail = child.ready_pipe.recv()
                 if status != "ready":
                     raise EngineDeadError(f"{child.name} failed to start: {detail}")
+                self.ready_details[child.name] = detail
 
     def dead(self) -> list[str]:
         """Children that have exited, as 'name (exit code)'."""
@@ -161,4 +175,5 @@ class TELauncher:
 
     def _worker_spec(self, rank: int, init_method: str) -> WorkerSpec:
         return WorkerSpec(self.run_id, rank, self.config, segment_name(self.run_id, "steps"),
-                          self.address["ring"], self.address["steps"], init_method, self.te_id)
+                          self.address["ring"], self.address["steps"], init_method, self.te_id,
+                          os.environ.get(WEIGHT_CACHE_ENV, ""))

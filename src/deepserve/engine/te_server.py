@@ -9,12 +9,23 @@ TE joins the TE list only once it has served), announces the TE, and
 watches them: when one dies it announces TEDown, stops the rest and exits
 non-zero (the node's supervisor restarts it). SIGTERM stops it cleanly; so
 does its parent's death. Its engine options are [node] model + its [[te]]
-table; its addresses are the run's (load_settings).
+table, or, for a TE the autoscaler added (`--model NAME`), that [[model]]'s;
+its addresses are the run's (load_settings). With `--pool` it starts
+pre-warmed and becomes the TE an Assign names (prewarmed.py).
+
+Its Ready carries the scale-out stages it timed (messages/scaling.py):
+te_pre_load (process or Assign -> its processes up, weights aside), te_load
+(the slowest worker's weight load) and te_post_load (the warm-up request),
+and where its weights came from (disk or the node's weight cache).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import time as _time
+
+_STARTED_AT = _time.monotonic()  # before the imports below (torch): a cold TE's start
+
+import dataclasses  # noqa: E402
 import logging
 import time
 
@@ -26,6 +37,7 @@ from deepserve.config.child import ChildArgs, parse_child_args, print_config
 from deepserve.config.engine import EngineConfig
 from deepserve.config.loading import read_run_config
 from deepserve.engine.launcher import TELauncher
+from deepserve.engine.prewarmed import wait_for_assignment
 from deepserve.ipc.sockets import PullSocket, PushSocket, ipc_address
 from deepserve.messages.control import TEDown, TEInfo, TEUp
 from deepserve.messages.engine import RequestDelta, RequestFailed, SubmitRequest, ToClient
@@ -54,6 +66,15 @@ class TESettings(msgspec.Struct, frozen=True, kw_only=True):
 
 def load_settings(args: ChildArgs) -> TESettings:
     config, run = read_run_config(args.conf)
+    if args.model is not None:  # a TE the autoscaler added
+        try:
+            model = config.model(args.model)
+        except KeyError:
+            raise SystemExit(f"{args.conf}: no model {args.model!r}; "
+                             f"it has {list(config.served_models)}") from None
+        return TESettings(te_id=args.te_id, te_type="colocated", inbox=run.te_address(args.te_id),
+                          cm=run.cm, served_model=model.name, engine=model.engine_config(),
+                          run_id=args.run_id)
     te = next((te for te in config.tes if te.te_id == args.te_id), None)
     if te is None:
         raise SystemExit(f"{args.conf}: no TE {args.te_id!r}; "
@@ -63,8 +84,10 @@ def load_settings(args: ChildArgs) -> TESettings:
                       engine=te.engine_config(config.node.model), run_id=args.run_id)
 
 
-def serve(s: TESettings, parent_pid: int | None) -> int:
-    """Start the TE, warm it up, announce it, watch it; the exit status."""
+def serve(s: TESettings, parent_pid: int | None, started_at: float | None = None) -> int:
+    """Start the TE, warm it up, announce it, watch it; the exit status.
+    started_at: time.monotonic() its scale-out began here (the Assign's
+    arrival; None: this process's start)."""
     life = ActorLife(f"te-{s.te_id}", parent_pid=parent_pid, component=s.te_id)
     if life.faults.active("crash") is not None:
         life.close()
@@ -74,9 +97,11 @@ def serve(s: TESettings, parent_pid: int | None) -> int:
     ctx = zmq.Context()
     host = _Host(s, launcher, ctx)
     try:
+        launched = time.monotonic()
         launcher.start()
+        loaded = time.monotonic()
         _warm_up(ctx, launcher, life)
-        life.ready()
+        life.ready(**_stages(launcher, started_at, launched, loaded))
         life.run(host.step, host.progress)
     finally:
         host.close()
@@ -130,6 +155,21 @@ class _Host:
         self.to_cm.close()
 
 
+def _stages(launcher: TELauncher, started_at: float | None, launched: float,
+            loaded: float) -> dict:
+    """The stages this TE timed (module doc), in seconds, and its weights' source."""
+    if started_at is None:  # a cold process: from its start (imports included)
+        started_at = _STARTED_AT
+    workers = [d for d in getattr(launcher, "ready_details", {}).values()
+               if isinstance(d, dict) and "load_s" in d]
+    load_s = max((d["load_s"] for d in workers), default=0.0)
+    sources = sorted({d.get("weights", "disk") for d in workers}) or ["disk"]
+    return {"stages": {"te_pre_load": round(max(0.0, loaded - started_at - load_s), 4),
+                       "te_load": round(load_s, 4),
+                       "te_post_load": round(time.monotonic() - loaded, 4)},
+            "weights": "+".join(sources)}
+
+
 def _warm_up(ctx: zmq.Context, launcher: TELauncher, life: ActorLife,
              timeout_s: float = 60.0) -> None:
     """One short greedy request end to end (tokenizer, master, workers)."""
@@ -160,10 +200,19 @@ def _warm_up(ctx: zmq.Context, launcher: TELauncher, life: ActorLife,
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_child_args(argv, "te", __doc__.split("\n\n")[0])
+    started_at = None
+    if args.pool:
+        _, run = read_run_config(args.conf)
+        assign = wait_for_assignment(args.te_id, run.te_address(args.te_id), args.parent_pid)
+        if assign is None:
+            raise SystemExit(0)  # the node is gone
+        started_at = time.monotonic()
+        args = dataclasses.replace(args, te_id=assign.te_id, model=assign.model,
+                                   run_id=assign.run_id, pool=False)
     settings = load_settings(args)
     if args.print_config:
         return print_config(settings)
-    raise SystemExit(serve(settings, args.parent_pid))
+    raise SystemExit(serve(settings, args.parent_pid, started_at))
 
 
 if __name__ == "__main__":

@@ -77,18 +77,21 @@ async def completions(body: CompletionRequest, request: Request,
 
 @router.get("/v1/models", dependencies=[Depends(tenant_of)])
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [_model_card(request)]}
+    models = _state(request).config.served_models
+    return {"object": "list", "data": [_model_card(request, m) for m in models]}
 
 
 @router.get("/v1/models/{model:path}", dependencies=[Depends(tenant_of)])
 async def get_model(model: str, request: Request) -> dict:
-    if model != _state(request).config.served_model:
+    if model not in _state(request).config.served_models:
         raise APIError.model_not_found(model)
-    return _model_card(request)
+    return _model_card(request, model)
 
 
-def _model_card(request: Request) -> dict:
-    return {"id": _state(request).config.served_model, "object": "model",
+def _model_card(request: Request, model: str) -> dict:
+    """Every deployable model, whether or not a TE runs it now (the
+    autoscaler starts one on the first request)."""
+    return {"id": model, "object": "model",
             "created": request.app.state.created, "owned_by": "deepserve"}
 
 
@@ -107,6 +110,7 @@ async def metrics(request: Request) -> Response:
     state = _state(request)
     client = state.client
     state.metrics.refresh(client.num_running, client.num_waiting, client.te_ids, client.reports)
+    state.metrics.refresh_models(state.config.served_models, client.cluster.tes)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 

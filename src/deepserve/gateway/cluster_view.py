@@ -11,6 +11,7 @@ import time
 
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.messages.control import TEInfo, TEList, TEReport
+from deepserve.messages.scaling import ScaleEvent
 
 REPORT_TTL_S = 10.0
 """Before the first TEList arrives, a TE that sent a TEReport this recently counts as up."""
@@ -24,7 +25,11 @@ class ClusterView:
         self._reports: dict[str, TEReport] = {}
         self._report_times: dict[str, float] = {}
 
-    def on_message(self, msg: TEList | TEReport) -> None:
+    def on_message(self, msg: TEList | TEReport | ScaleEvent) -> None:
+        if isinstance(msg, ScaleEvent):
+            if self.metrics is not None:
+                self.metrics.observe_scale_event(msg)
+            return
         if isinstance(msg, TEList):
             if not msg.is_complete:
                 return  # a CM that has not heard from its TEs yet (messages/control.py)
@@ -47,6 +52,14 @@ class ClusterView:
             return list(self._tes)
         now = time.monotonic()
         return [te for te, t in self._report_times.items() if now - t < REPORT_TTL_S]
+
+    def te_ids_of(self, model: str) -> list[str]:
+        """The listed TEs of one model (none before the first TE list)."""
+        return [te.te_id for te in self._tes.values() if te.model == model]
+
+    @property
+    def tes(self) -> list[TEInfo]:
+        return list(self._tes.values())
 
     @property
     def addresses(self) -> list[str]:

@@ -34,7 +34,12 @@ class GatewayConfig:
     port: int = 8000
     """TCP port of the HTTP server (0: any free port)."""
     served_model: str = "deepserve"
-    """Model name shown by /v1/models and the only one accepted in `model`."""
+    """The first model name /v1/models shows and `model` accepts."""
+    models: tuple[str, ...] = ()
+    """Every other model name served (listed and accepted like served_model)."""
+    scalable_models: tuple[str, ...] = ()
+    """Models the autoscaler starts on demand: a request for one with no TE
+    waits for one to start instead of being refused."""
     api_keys: Mapping[str, str] = field(default_factory=dict)
     """API key -> tenant name. Empty: no authentication, every caller is the
     tenant "default". The tenant name is the prefix-cache salt."""
@@ -87,6 +92,10 @@ class GatewayConfig:
         object.__setattr__(self, "api_keys", MappingProxyType(dict(self.api_keys)))
 
     @property
+    def served_models(self) -> tuple[str, ...]:
+        return (self.served_model, *[m for m in self.models if m != self.served_model])
+
+    @property
     def has_auth(self) -> bool:
         return bool(self.api_keys)
 
@@ -94,8 +103,11 @@ class GatewayConfig:
     def from_node(cls, config: NodeConfig) -> "GatewayConfig":
         """The gateway's part of a node's resolved config (its `run` set)."""
         run, node = config.run, config.node
+        names = list(config.served_models)
         return cls(je_address=run.je, cm_address=run.cm_pub, reply_address=run.gw_reply,
-                   host=node.host, port=node.port, served_model=node.served_model,
+                   host=node.host, port=node.port, served_model=names[0],
+                   models=tuple(names[1:]),
+                   scalable_models=tuple(m.name for m in config.all_models if m.scalable),
                    **msgspec.structs.asdict(config.gateway))
 
     @classmethod

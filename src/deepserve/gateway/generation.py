@@ -45,19 +45,19 @@ class GatewayState:
 async def generate(request: Request, state: GatewayState,
                    body: ChatCompletionRequest | CompletionRequest, tenant: str) -> Response:
     config = state.config
-    if body.model != config.served_model:
+    if body.model not in config.served_models:
         raise APIError.model_not_found(body.model)
     samplings = body.sampling_per_choice(config.default_max_tokens)
     if isinstance(body, ChatCompletionRequest):
         inputs = {"messages": body.wire_messages(config.max_prompt_chars)}
-        renderer: Renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", config.served_model,
+        renderer: Renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", body.model,
                                            bool(body.logprobs), body.include_usage)
     else:
         prompt, prompt_token_ids = body.wire_prompt(config.max_prompt_chars)
         inputs = {"prompt": prompt, "prompt_token_ids": prompt_token_ids}
-        renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", config.served_model,
+        renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", body.model,
                                       body.logprobs is not None, body.include_usage)
-    stream = state.client.submit(renderer.response_id, samplings, salt=tenant,
+    stream = state.client.submit(renderer.response_id, samplings, salt=tenant, model=body.model,
                                  is_disconnected=request.is_disconnected, **inputs)
     try:
         await stream.wait_started()

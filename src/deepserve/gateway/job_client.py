@@ -131,11 +131,12 @@ class JobClient:
     def submit(self, request_id: str, samplings: Sequence[SamplingParams], *,
                prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                messages: list[dict] | None = None, salt: str | None = None,
+               model: str | None = None,
                is_disconnected: IsDisconnected | None = None) -> ReplyStream:
         """Send one SubmitRequest per sampling (ids `{request_id}-{i}`); 503 with
         no TE, 429 past max_open_requests, 400 for text that cannot be sent.
         While no JE is linked the submissions wait in the PUSH's pipe."""
-        if not self.te_ids:
+        if not self._can_serve(model):
             raise APIError.unavailable("No engine is available to serve the request.")
         num_open = self.num_open_requests
         if num_open + len(samplings) > self.config.max_open_requests:
@@ -143,7 +144,7 @@ class JobClient:
         ids = [f"{request_id}-{i}" for i in range(len(samplings))]
         submits = [SubmitRequest(
             request_id=rid, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
-            sampling=sampling, salt=salt, reply_to=self.config.reply_address)
+            sampling=sampling, salt=salt, reply_to=self.config.reply_address, model=model)
             for rid, sampling in zip(ids, samplings)]
         payloads = [self._encode(submit) for submit in submits]
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.max_queued_replies)
@@ -244,7 +245,16 @@ class JobClient:
     @property
     def can_route(self) -> bool:
         """A request sent now is routed: a JE is linked and the CM lists a TE."""
-        return self._je.is_connected and bool(self.te_ids)
+        return self._je.is_connected and (bool(self.te_ids)
+                                          or bool(self.config.scalable_models))
+
+    def _can_serve(self, model: str | None) -> bool:
+        """A TE of the model is listed, or the autoscaler starts one on demand."""
+        if model is not None and model in self.config.scalable_models:
+            return True
+        if model is None or len(self.config.served_models) == 1:
+            return bool(self.te_ids)  # one model: every TE serves it
+        return bool(self.cluster.te_ids_of(model))
 
     @property
     def num_open_requests(self) -> int:

@@ -14,13 +14,15 @@ from typing import Iterable, Mapping
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
 
-from deepserve.messages.control import TEReport
+from deepserve.messages.control import TEInfo, TEReport
+from deepserve.messages.scaling import ScaleEvent
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0, 300.0, 600.0)
+_STAGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                  0.75, 1.0, 2.5)
 
@@ -56,6 +58,14 @@ class GatewayMetrics:
                              "Sub-requests submitted and still without a reply", registry=r)
         self.num_tes = Gauge("deepserve_gateway_tes", "TEs in the cluster manager's TE list",
                              registry=r)
+        self.model_tes = Gauge("deepserve_model_tes", "TEs of each served model in the TE list",
+                               ["model"], registry=r)
+        self.scale_events = Counter("deepserve_scale_events", "TEs added (out) or removed (in) "
+                                    "by scaling, by how they came up (source)",
+                                    ["model", "direction", "source"], registry=r)
+        self.scale_stage = Histogram("deepserve_scale_stage_seconds", "Seconds of each stage "
+                                     "of a scale-out (messages/scaling.py STAGES)", ["stage"],
+                                     buckets=_STAGE_BUCKETS, registry=r)
         self.te_kv_usage = Gauge("deepserve_te_kv_usage", "Fraction of KV blocks in use",
                                  ["te_id"], registry=r)
         self.te_prefix_hit_rate = Gauge(
@@ -94,6 +104,20 @@ class GatewayMetrics:
             self.kv_transfer_bytes.labels(te_id=report.te_id).inc(report.kv_transfer_bytes)
         for seconds in report.kv_transfer_seconds:
             self.kv_transfer_seconds.observe(seconds)
+
+    def observe_scale_event(self, event: ScaleEvent) -> None:
+        self.scale_events.labels(model=event.model, direction=event.direction,
+                                 source=event.source or "none").inc()
+        for stage, seconds in event.stages.items():
+            self.scale_stage.labels(stage=stage).observe(seconds)
+
+    def refresh_models(self, models: Iterable[str], tes: Iterable[TEInfo]) -> None:
+        """deepserve_model_tes: every served model, 0 when none of its TEs is listed."""
+        counts = {model: 0 for model in models}
+        for te in tes:
+            counts[te.model] = counts.get(te.model, 0) + 1
+        for model, count in counts.items():
+            self.model_tes.labels(model=model).set(count)
 
     def refresh(self, num_running: int, num_waiting: int, te_ids: Iterable[str],
                 reports: Mapping[str, TEReport]) -> None:

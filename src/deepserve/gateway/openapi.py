@@ -185,7 +185,7 @@ def build_openapi(app: FastAPI, config: GatewayConfig) -> dict[str, Any]:
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         if name in schemas:
             schemas[name]["properties"]["model"] = {"type": "string", "title": "Model",
-                                                    "enum": [config.served_model]}
+                                                    "enum": list(config.served_models)}
     if config.has_auth:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for path, operations in doc["paths"].items():

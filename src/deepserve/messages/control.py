@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import msgspec
 
+from deepserve.messages.scaling import ModelDemand, ScaleEvent
+
 _STRUCT = dict(tag_field="kind", omit_defaults=True, kw_only=True)
 
 
@@ -29,6 +31,8 @@ class TEInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     address: str
     num_devices: int = 1
     block_size: int = 16
+    draining: bool = False
+    """Chosen for scale-in: routed nothing new; its tasks run to their end."""
 
 
 class TEUp(msgspec.Struct, tag="te_up", **_STRUCT):
@@ -62,7 +66,7 @@ class TEReport(msgspec.Struct, tag="te_report", **_STRUCT):
     kv_transfer_seconds: list[float] = []  # one per request sent
 
 
-ToClusterManager = TEUp | TEDown | TEReport
+ToClusterManager = TEUp | TEDown | TEReport | ModelDemand | ScaleEvent
 
 
 class TEList(msgspec.Struct, tag="te_list", **_STRUCT):
@@ -81,4 +85,4 @@ class TEList(msgspec.Struct, tag="te_list", **_STRUCT):
     is_complete: bool = True
 
 
-FromClusterManager = TEList | TEReport
+FromClusterManager = TEList | TEReport | ScaleEvent

@@ -37,6 +37,7 @@ class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     point, so the caller's text has no gap and no repeat."""
 
     request_id: str
+    model: str | None = None  # the served model name; None: the node's first model
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None

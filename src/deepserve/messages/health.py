@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import msgspec
 
+from deepserve.messages.scaling import ScaleIn, ScaleOut
+
 _STRUCT = dict(tag_field="kind", omit_defaults=True, kw_only=True)
 
 
@@ -54,4 +56,4 @@ class HealthEvent(msgspec.Struct, tag="event", **_STRUCT):
     details: dict = {}
 
 
-ToSupervisor = Heartbeat | Ready | HealthEvent
+ToSupervisor = Heartbeat | Ready | HealthEvent | ScaleOut | ScaleIn

@@ -43,6 +43,11 @@ SEVERITY: dict[str, str] = {
     "te_list_complete": INFO,
     "request_quarantined": ERROR,
     "fault_injected": WARNING,
+    "scale_decision": INFO,
+    "scaled_out": INFO,
+    "scaled_in": INFO,
+    "scale_failed": ERROR,
+    "pool_ready": INFO,
 }
 
 EVENTS: frozenset[str] = frozenset(SEVERITY)

@@ -5,6 +5,8 @@ together (`bin/deepserve-node --conf conf/node.toml`).
     ├─ cluster manager   python -m deepserve.control.cluster_manager
     ├─ job executor      python -m deepserve.control.job_executor
     ├─ TE te0 … teN      python -m deepserve.engine.te_server  (each: tokenizer, master, workers)
+    ├─ TE tiny-0 …       the same, for a [[model]] (--model NAME): scaled by the autoscaler
+    ├─ pool0 …           the same with --pool: pre-warmed, waiting to be told its TE
     └─ gateway           python -m deepserve.gateway            (HTTP on host:port)
 
 Children are commands, not forks: each gets `--conf RUN_DIR/node.json --role
@@ -20,6 +22,10 @@ Gang scheduling (placement.py decides, the node carries it out): with [node]
 num_devices set, a TE starts only when all its devices (tp) are free
 together; a TE may evict running TEs of lower priority to get them (each
 eviction is logged with its reason), else it stays down.
+
+Scaling (scaler.py): the node starts each scalable model's min_tes TEs and
+the pre-warmed pool; from then on the cluster manager's autoscaler decides
+and the supervisor's scaler carries it out.
 """
 
 from __future__ import annotations
@@ -31,12 +37,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
 
+import zmq
+
+from deepserve.cache.weight_cache import ENV_VAR as WEIGHT_CACHE_ENV
+from deepserve.cache.weight_cache import WeightCache
 from deepserve.config.child import child_argv
 from deepserve.config.loading import write_run_config
 from deepserve.config.node import RunAddresses
@@ -46,6 +57,7 @@ from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
 from deepserve.supervisor.node_config import NodeConfig, TESpec
 from deepserve.supervisor.placement import Gang, place
 from deepserve.supervisor.process_table import ProcessTable, sweep_scratch
+from deepserve.supervisor.scaler import NodeScaler
 from deepserve.supervisor.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -72,6 +84,12 @@ class Node:
         self.te_ids = [te.te_id for te in config.tes]
         self.placed: list[Gang] = []  # TEs holding devices, in start order
         self.supervisor: Supervisor | None = None
+        self.ctx = zmq.Context()
+        self.scaler = NodeScaler(self, self._to_cm)
+        self.ever: set[str] = set()  # every TE id started: what stop() sweeps
+        budget = config.scaling.weight_cache_bytes
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        self.weights = WeightCache(shm / f"deepserve-w{self.run_id}", budget) if budget else None
 
     @property
     def procs(self) -> dict[str, subprocess.Popen]:
@@ -94,7 +112,13 @@ class Node:
                 if self._place(te):
                     self._spawn(te.te_id, "deepserve.engine.te_server",
                                 *child_argv(conf, "te", te.te_id, self.te_run_id(te.te_id)))
+            for te_id, model in self.config.initial_scaled_tes().items():
+                self.scaler.start_te(te_id, model, "min_tes", time.monotonic())
+            self.scaler.fill_pool()
             self._spawn("gateway", "deepserve.gateway", *self._gateway_args())
+            if self.weights is not None:
+                threading.Thread(target=self._fill_weight_cache, name="weight-cache",
+                                 daemon=True).start()
             self._wait_healthy()
             self.supervisor.start()
         except BaseException:
@@ -103,7 +127,58 @@ class Node:
 
     def _supervisor(self) -> Supervisor:
         return Supervisor(self.table, self.health, self.config.supervisor, tes=self.te_ids,
-                          inbox=self.run.hb, cm_pub=self.run.cm_pub, cm=self.run.cm)
+                          inbox=self.run.hb, cm_pub=self.run.cm_pub, cm=self.run.cm,
+                          scaler=self.scaler)
+
+    def _fill_weight_cache(self) -> None:
+        """DRAM pre-load: the scalable models' weights into the node's cache
+        (those that may scale from zero first), within its budget (LRU)."""
+        models = sorted((m for m in self.config.all_models if m.scalable),
+                        key=lambda m: (m.min_tes > 0 and m.idle_s is None, m.name))
+        for model in models:
+            try:
+                started = time.monotonic()
+                if self.weights.ensure(model.path) is not None:
+                    log.warning("weight cache: %s in %.2f s", model.name,
+                                time.monotonic() - started)
+            except OSError as e:  # shared memory full, model gone: TEs load from disk
+                log.error("weight cache: %s not cached: %s", model.name, e)
+
+    def _to_cm(self, msg) -> None:
+        if self.supervisor is not None:
+            try:
+                self.supervisor.to_cm.put(msg, timeout=1)
+            except TimeoutError:
+                log.warning("%s: the cluster manager does not listen", type(msg).__name__)
+
+    # -- what the scaler starts (scaler.py) ----------------------------------------------
+    def spawn_te(self, te_id: str, model: str) -> None:
+        """A cold TE of a scaled model (or the next incarnation of one)."""
+        if te_id in self.table:
+            self.table.respawn(te_id)
+            return
+        self.ever.add(te_id)
+        self._spawn(te_id, "deepserve.engine.te_server",
+                    *child_argv(self.run_dir / RUN_CONFIG, "te", te_id, self.te_run_id(te_id),
+                                model=self._model_arg(te_id, model)))
+
+    def spawn_pod(self, name: str) -> None:
+        """A pre-warmed TE process (prewarmed.py): no run id until assigned."""
+        self._spawn(name, "deepserve.engine.te_server", "--conf", str(self.run_dir / RUN_CONFIG),
+                    "--role", "te", "--te-id", name, "--pool")
+
+    def adopt_pod(self, pod: str, te_id: str, model: str) -> None:
+        """The pre-warmed process `pod` becomes te_id's next incarnation."""
+        self.ever.add(te_id)
+        args = child_argv(self.run_dir / RUN_CONFIG, "te", te_id, te_id,
+                          model=self._model_arg(te_id, model))
+        command, env = self._te_command(te_id, "deepserve.engine.te_server", args)
+        popen = self.table.adopt(pod, te_id, command, env, scratch=self._scratch(te_id))
+        self.health.write(te_id, "started", popen.pid, prewarmed=pod)
+
+    def _model_arg(self, te_id: str, model: str) -> str | None:
+        """--model for a scaled TE; None for a [[te]] TE (its table is its config)."""
+        return None if any(te.te_id == te_id for te in self.config.tes) else model
 
     def _place(self, te: TESpec) -> bool:
         """Gang scheduling (placement.py): True when all of te's devices are
@@ -133,19 +208,29 @@ class Node:
     def _gateway_args(self) -> list[str]:
         return child_argv(self.run_dir / RUN_CONFIG, "gateway")
 
-    def _spawn(self, name: str, module: str, *args: str, env: dict | None = None) -> None:
+    def _spawn(self, name: str, module: str, *args: str) -> None:
+        command, env = self._te_command(name, module, list(args))
+        if callable(command):
+            self.table.start(name, command, env, scratch=self._scratch(name))
+        else:
+            self.table.start(name, command, env)
+
+    def _te_command(self, name: str, module: str, args: list[str]):
+        """(command, env) of a child: a TE's command is a function of its
+        incarnation (a fresh run id each time)."""
         cmd = [sys.executable, "-m", module, *args, "--parent-pid", str(os.getpid())]
-        env = {**os.environ, **(env or {}), HEARTBEAT_ENV: self.run.hb}
+        env = {**os.environ, HEARTBEAT_ENV: self.run.hb}
+        if self.weights is not None:
+            env[WEIGHT_CACHE_ENV] = str(self.weights.root)
         if self.drill_dir is not None:
             env[DRILL_ENV] = str(self.drill_dir)
         if "--run-id" not in cmd:
-            self.table.start(name, cmd, env)
-            return
-        at = cmd.index("--run-id") + 1  # a TE: a fresh run id per incarnation
+            return cmd, env
+        at = cmd.index("--run-id") + 1
 
         def command(incarnation: int) -> list[str]:
             return [*cmd[:at], self.te_run_id(name, incarnation), *cmd[at + 1:]]
-        self.table.start(name, command, env, scratch=self._scratch(name))
+        return command, env
 
     def te_run_id(self, te_id: str, incarnation: int | None = None) -> str:
         """The run id a TE names its shared memory with (deepserve-<run id>-*);
@@ -163,10 +248,11 @@ class Node:
         deadline = time.monotonic() + self.config.startup_timeout_s
         want = len(self.te_ids)
         while time.monotonic() < deadline:
-            dead = self.dead()
+            dead = [d for d in self.dead() if not d.startswith("pool")]
             if dead:
                 raise RuntimeError(f"node process died while starting: {dead}")
-            if num_tes(self.url) >= want:
+            listed = num_tes(self.url)
+            if listed is not None and listed >= want:
                 return
             time.sleep(0.3)
         raise TimeoutError(f"node not healthy after {self.config.startup_timeout_s} s")
@@ -187,16 +273,20 @@ class Node:
                              [n for n in names if n in control]], grace_s)
         for name in names:
             self.table.remove(name)
-        for te_id in self.te_ids:  # what killed TEs (or their killed children) left
+        for te_id in set(self.te_ids) | self.ever:  # what killed TEs (or their children) left
             sweep_scratch(self._scratch(te_id))
+        self.scaler.close()
+        self.ctx.term()
+        if self.weights is not None:
+            self.weights.clear()
         self.health.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def num_tes(url: str) -> int:
-    """TEs the gateway at url lists in /health (0 while it does not answer)."""
+def num_tes(url: str) -> int | None:
+    """TEs the gateway at url lists in /health (None while it is not healthy)."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
             return int(json.loads(r.read()).get("num_tes", 0))
     except (urllib.error.URLError, OSError, ValueError):
-        return 0
+        return None

@@ -7,12 +7,43 @@ from __future__ import annotations
 from msgspec.structs import replace
 
 from deepserve.config.loading import load_node_config
-from deepserve.config.node import NodeConfig, SupervisorConfig, TESpec
+from deepserve.config.models import ModelSpec, parse_model_arg
+from deepserve.config.node import NodeConfig, NodeSection, SupervisorConfig, TESpec
 
-__all__ = ["NodeConfig", "SupervisorConfig", "TESpec", "load_node_config", "with_port"]
+__all__ = ["NodeConfig", "SupervisorConfig", "TESpec", "load_node_config", "with_models",
+           "with_port"]
 
 
 def with_port(config: NodeConfig, host: str | None, port: int | None) -> NodeConfig:
     """The command line's --host / --port over the file's."""
     node = replace(config.node, host=host or config.node.host, port=port or config.node.port)
     return replace(config, node=node)
+
+
+def with_models(config: NodeConfig, models: list[str] | tuple[str, ...] = (),
+                idle_s: float | None = None) -> NodeConfig:
+    """The command line's `--model [NAME=]DIR` (repeatable) and
+    `--scale-to-zero-after SECONDS` over the file's models.
+
+    --model: these models replace the [node] model and its [[te]] TEs; each
+    is scalable (min_tes 1, max_tes 2) and its TEs take the first [[te]]
+    table's engine options. --scale-to-zero-after alone makes the [node]
+    model scalable (its [[te]] count becomes min_tes). Either sets idle_s of
+    every model; [[model]] tables stay."""
+    if not models and idle_s is None:
+        return config
+    options = dict(config.tes[0].options) if config.tes else {}
+    if models:
+        first = [ModelSpec(name=name, path=path, options=options)
+                 for name, path in map(parse_model_arg, models)]
+    elif config.tes:
+        count = len(config.tes)
+        first = [ModelSpec(name=config.node.served_model, path=config.node.model,
+                           options=options, min_tes=count, max_tes=max(count, 2))]
+    else:
+        first = []
+    every = [replace(m, idle_s=idle_s if idle_s is not None else m.idle_s)
+             for m in first + list(config.models)]
+    node = NodeSection(**{**{f: getattr(config.node, f) for f in config.node.__struct_fields__},
+                          "model": "", "served_model": ""})
+    return replace(config, node=node, tes=(), models=tuple(every))

@@ -2,6 +2,8 @@
 
     ProcessTable ── start(name, cmd, env) ──> Popen (incarnation 0)
                  ── respawn(name) ─────────> Popen (incarnation n+1, same command)
+                 ── adopt(pod, name, ...) ─> name's next incarnation is pod's process
+                                             (a pre-warmed process given a TE)
                  ── stop(name, grace_s) ───> SIGTERM, SIGKILL after grace (and its children)
                  ── sweep(name) ───────────> unlink what a killed incarnation left behind
                  ── procs / poll / pid ────> what runs now
@@ -77,6 +79,27 @@ class ProcessTable:
             raise RuntimeError(f"{name} (pid {entry.popen.pid}) is still running")
         entry.incarnation += 1
         return self._launch(name)
+
+    def next_incarnation(self, name: str) -> int:
+        """The incarnation name's next (re)start will have (0 if never started)."""
+        entry = self._entries.get(name)
+        return 0 if entry is None else entry.incarnation + 1
+
+    def adopt(self, pod: str, name: str, cmd: Command, env: dict | None = None, *,
+              scratch: str | None = None) -> subprocess.Popen:
+        """Make pod's running process the next incarnation of `name` (created
+        with cmd / env / scratch for later respawns if new; its previous
+        incarnation must be gone); pod leaves the table."""
+        entry = self._entries.get(name)
+        if entry is not None and entry.popen is not None and entry.popen.poll() is None:
+            raise RuntimeError(f"{name} (pid {entry.popen.pid}) is still running")
+        popen = self._entries.pop(pod).popen
+        if entry is None:
+            entry = self._entries[name] = _Entry(cmd, env, scratch)
+        else:
+            entry.incarnation += 1
+        entry.popen = popen
+        return popen
 
     def _launch(self, name: str) -> subprocess.Popen:
         entry = self._entries[name]

@@ -70,7 +70,7 @@ class Supervisor:
 
     def __init__(self, table: ProcessTable, health: HealthLog, cfg, *, tes: Container[str],
                  inbox: str, cm_pub: str, cm: str, watched: Iterable[str] = NODE_PROCESSES,
-                 tick_s: float = 0.1):
+                 tick_s: float = 0.1, scaler=None):
         self.table, self.health, self.cfg, self.tick_s = table, health, cfg, tick_s
         self.tes, self.watched = tes, tuple(watched)
         self.watchdog = Watchdog()
@@ -84,6 +84,7 @@ class Supervisor:
         self.incidents: dict[str, _Incident] = {}  # component (a TE id or a process) ->
         self.failed: set[str] = set()
         self.tes_listed: set[str] = set()
+        self.scaler = scaler  # scaler.py (None: a fixed set of TEs, no pool)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -114,16 +115,27 @@ class Supervisor:
     # -- one tick ------------------------------------------------------------------
     def tick(self, now: float) -> None:
         for msg in self.inbox.drain():
-            self._on_message(msg, now)
+            if self.scaler is None or not self.scaler.on_message(msg, now):
+                self._on_message(msg, now)
+        if self.scaler is not None:
+            self.scaler.tick(now)
         for msg in self.cm_pub.drain():
             if isinstance(msg, TEList):
                 self._on_te_list({te.te_id for te in msg.tes}, now)
+        if self.scaler is not None:  # a TE stopped for scale-in is not watched
+            for component in self.watchdog.names:
+                owner = component.split("/")[0]
+                if self.scaler.is_retiring(owner) or owner not in self.table:
+                    self.watchdog.remove(component)
         for fault in self.watchdog.check(now):
             self._on_fault(fault, now)
         for name, popen in self.table.procs.items():
             incident = self.incidents.get(name)
             if popen.poll() is None or name in self.failed or (incident and not incident.restarted):
                 continue  # alive, given up on, or already being replaced
+            if self.scaler is not None and (name in self.scaler.pods
+                                            or self.scaler.is_retiring(name)):
+                continue  # the pool replaces its processes; a retiring TE is meant to stop
             self._log(name, "crashed", popen.pid, exit_code=popen.returncode,
                       while_recovering=incident is not None)
             self._fail(name, now, popen.pid)
@@ -133,6 +145,8 @@ class Supervisor:
                 self._restart(name, incident)
 
     def _on_message(self, msg, now: float) -> None:
+        if not isinstance(msg, (Heartbeat, Ready, HealthEvent)):
+            return  # ScaleOut / ScaleIn without a scaler: nothing to scale
         if isinstance(msg, HealthEvent):
             if msg.event not in EVENTS:  # a bug in the sender: never lose the tick for it
                 log.warning("%s[%d] sent unknown health event %r: dropped", msg.component,
@@ -141,8 +155,9 @@ class Supervisor:
             self._log(msg.component, msg.event, msg.pid, **msg.details)
             return
         owner = msg.component.split("/")[0]
-        if owner in self.incidents or owner in self.failed or owner not in self.table:
-            return  # a late message from a TE being replaced, or from no child of ours
+        if owner in self.incidents or owner in self.failed or owner not in self.table \
+                or (self.scaler is not None and self.scaler.is_retiring(owner)):
+            return  # a late message from a TE being replaced or retired, or from no child
         if msg.component not in self.watchdog or self.watchdog.pid_of(msg.component) != msg.pid:
             if "/" not in msg.component:
                 return  # node-level processes are registered when spawned
@@ -154,6 +169,8 @@ class Supervisor:
             self.watchdog.on_message(msg, now)
 
     def _on_te_list(self, listed: set[str], now: float) -> None:
+        if self.scaler is not None:
+            self.scaler.on_te_list(listed, now)
         for te_id in listed - self.tes_listed:
             incident = self.incidents.get(te_id)
             if incident is not None and incident.restarted:
@@ -189,6 +206,8 @@ class Supervisor:
         if decision.action == GIVE_UP:
             del self.incidents[name]
             self.failed.add(name)
+            if self.scaler is not None:
+                self.scaler.forget(name)
             self._log(name, "failed", None, attempts=decision.attempt,
                       reason=f"{self.cfg.max_restarts} restarts within "
                              f"{self.cfg.restart_window_s:g} s: crash loop, left down")
@@ -209,7 +228,11 @@ class Supervisor:
         incident.restart_at = time.monotonic() + incident.delay_s
 
     def _restart(self, name: str, incident: _Incident) -> None:
-        popen = self.table.respawn(name)
+        if self.scaler is not None and name in self.tes \
+                and self.scaler.replace(name, time.monotonic()):
+            popen = self.table.procs[name]  # a pre-warmed process, told to be this TE
+        else:
+            popen = self.table.respawn(name)
         incident.restarted = True
         if name in self.watched:
             self._watch(name, popen.pid, self.cfg.startup_grace_s)

@@ -44,13 +44,16 @@ import torch
 import zmq
 
 from deepserve.actor import ActorLife
+from deepserve.cache.weight_cache import cached_model_dir
 from deepserve.config import EngineConfig
+from deepserve.errors import ModelLoadError
 from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
 from deepserve.ipc.shm_ring import BroadcastRing
 from deepserve.ipc.sockets import PushSocket
 from deepserve.messages.engine import StepDone, WorkerFailed, WorkerReady
 from deepserve.worker.kv_sender import KVSender
 from deepserve.messages.step import SHUTDOWN_STEP_ID, StepBatch
+from deepserve.model.llama import CausalLM
 from deepserve.model.loader import load_model
 from deepserve.model.parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from deepserve.worker.model_runner import ModelRunner
@@ -68,6 +71,9 @@ class WorkerSpec:
     step_done_address: str
     dist_init_method: str
     te_id: str = "te"
+    # the node's weight cache root; None: $DEEPSERVE_WEIGHT_CACHE of this process
+    # (a forkserver child has the forkserver's environment, not the launcher's)
+    weight_cache: str | None = None
 
 
 def worker_main(spec: WorkerSpec, death_pipe: Connection, ready_pipe: Connection) -> None:
@@ -78,7 +84,7 @@ def worker_main(spec: WorkerSpec, death_pipe: Connection, ready_pipe: Connection
     worker = _Worker(spec, life)
     try:
         worker.start()
-        ready_pipe.send(("ready", os.getpid()))
+        ready_pipe.send(("ready", worker.ready_detail()))
         life.ready()
         life.run(worker.step, worker.progress, worker.holds_work)
     except Exception as e:  # report, then exit non-zero: the TE fails loudly
@@ -101,13 +107,14 @@ class _Worker:
         self.decoder = msgspec.msgpack.Decoder(StepBatch)
         self.num_steps = 0  # steps completed: the progress counter
         self.in_step = False  # a batch taken off the ring, its StepDone not yet put
+        self.weights, self.load_s = "disk", 0.0  # where the weights came from, how long
 
     def start(self) -> None:
         cfg = self.spec.config
         self.out = PushSocket(self.ctx, self.spec.step_done_address, bind=False)
         if self.tp.is_parallel:
             init_tensor_parallel(self.tp.rank, self.tp.size, self.spec.dist_init_method)
-        model = load_model(cfg.model, cfg.dtype, tp=self.tp)
+        model = self._load_model()
         shape = ModelRunner.kv_pool_shape(model, cfg.num_kv_blocks, cfg.block_size)
         nbytes = model.config.dtype.itemsize * int(torch.Size(shape).numel())
         self.kv_segment = create_segment(self.kv_name, nbytes)
@@ -118,6 +125,29 @@ class _Worker:
                                   self.life.faults)
         self.out.put(WorkerReady(rank=self.tp.rank, pid=os.getpid(),
                                  kv_endpoint=self.kv_sender.endpoint))
+
+    def _load_model(self) -> CausalLM:
+        """This rank's weights from the node's weight cache when it holds the
+        model, else from the model dir (also when the entry was evicted before
+        we opened its files)."""
+        cfg = self.spec.config
+        start = time.perf_counter()
+        weights_dir, self.weights = cached_model_dir(cfg.model, self.spec.weight_cache)
+        try:
+            model = load_model(weights_dir, cfg.dtype, tp=self.tp)
+        except (OSError, ModelLoadError) as e:
+            if self.weights != "cache":
+                raise
+            log.warning("weight cache %s unusable (%s): loading from disk", weights_dir, e)
+            self.weights = "disk"
+            model = load_model(cfg.model, cfg.dtype, tp=self.tp)
+        self.load_s = time.perf_counter() - start
+        return model
+
+    def ready_detail(self) -> dict:
+        """What the launcher keeps of this worker's start (TE stage timings)."""
+        return {"weights": self.weights, "load_s": self.load_s, "rank": self.tp.rank,
+                "pid": os.getpid()}
 
     def _attach_ring(self, deadline: float) -> BroadcastRing:
         """The master creates the ring; it may not exist yet when we get here."""

@@ -1,0 +1,41 @@
+"""What the job executor takes from the node's resolved config (load_settings)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from deepserve.config.child import ChildArgs
+from deepserve.config.loading import read_run_config
+from deepserve.config.node import RouterSection
+
+PARK_S = 10.0
+"""Seconds a request that no TE can take waits for one (job_executor.py)."""
+
+__all__ = ["PARK_S", "JESettings", "load_settings"]
+
+
+class JESettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What the job executor takes from the node's resolved config."""
+
+    inbox: str
+    cm_pub: str
+    models: dict[str, str]
+    """Served model name -> directory (its tokenizer); the first is the default."""
+    scalable: tuple[str, ...] = ()
+    """Models the autoscaler starts on demand."""
+    cm: str = ""
+    """The cluster manager's inbox (ModelDemand)."""
+    queue_timeout_s: float = PARK_S
+    """[scaling] queue_timeout_s: how long a request for a model with no TE waits."""
+    max_attempts: int
+    """[node] max_attempts."""
+    router: RouterSection
+    """[router]: routing policy, PD policy and its files and thresholds."""
+
+
+def load_settings(args: ChildArgs) -> JESettings:
+    config, run = read_run_config(args.conf)
+    return JESettings(inbox=run.je, cm_pub=run.cm_pub, models=config.served_models,
+                      scalable=tuple(m.name for m in config.all_models if m.scalable),
+                      cm=run.cm, queue_timeout_s=config.scaling.queue_timeout_s,
+                      max_attempts=config.node.max_attempts, router=config.router)

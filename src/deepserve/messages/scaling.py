@@ -1,0 +1,72 @@
+"""Scaling channels of a node (DeepServe §6, "Fast scaling").
+
+    JE ──ModelDemand (PUSH, when it changes)──> CM        arrivals, requests held with no TE
+    CM (autoscaler) ──ScaleOut / ScaleIn (PUSH)──> supervisor (its inbox: the heartbeat one)
+    supervisor ──Assign (PUSH)──> a pre-warmed TE process: become TE te_id of model
+    supervisor ──ScaleEvent (PUSH)──> CM ──(PUB)──> gateways (/metrics), JEs
+
+A ScaleEvent is sent once the new TE is listed (scale-out, with the time of
+every stage) or gone (scale-in). Stages, in seconds (DeepServe's five):
+scaler_pre (decision -> a process is given the TE: a pre-warmed one, or a
+cold start), te_pre_load (process -> its tokenizer, master and workers
+started), te_load (weights in the workers' memory), te_post_load (KV pool
+and warm-up), scaler_post (TE announced -> in the TE list the CM pushes).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+_STRUCT = dict(tag_field="kind", omit_defaults=True, kw_only=True)
+STAGES = ("scaler_pre", "te_pre_load", "te_load", "te_post_load", "scaler_post")
+SOURCES = ("cold", "prewarmed", "prewarmed_cache")
+"""How a TE came up: a new process loading from disk; a pre-warmed process
+loading from disk; a pre-warmed process loading from the node's weight cache."""
+
+
+class ModelDemand(msgspec.Struct, tag="model_demand", **_STRUCT):
+    """model -> requests that arrived since the last ModelDemand; model ->
+    requests held now because no TE of the model can take them."""
+
+    arrivals: dict[str, int] = {}
+    parked: dict[str, int] = {}
+    latencies: dict[str, list[tuple[float | None, float | None]]] = {}
+    """model -> (TTFT ms, TPOT ms) of requests that finished (the SLO's samples)."""
+
+
+class ScaleOut(msgspec.Struct, tag="scale_out", **_STRUCT):
+    model: str
+    count: int = 1
+    reason: str = ""
+    inputs: dict = {}
+
+
+class ScaleIn(msgspec.Struct, tag="scale_in", **_STRUCT):
+    """Stop te_id (drained: the CM has routed nothing to it since it chose it)."""
+
+    te_id: str
+    model: str
+    reason: str = ""
+    inputs: dict = {}
+
+
+class ScaleEvent(msgspec.Struct, tag="scale_event", **_STRUCT):
+    """direction: "out" (listed), "in" (gone) or "failed" (a start that did not come up)."""
+
+    model: str
+    te_id: str
+    direction: str
+    source: str = ""
+    reason: str = ""
+    stages: dict[str, float] = {}
+    total_s: float = 0.0
+
+
+class Assign(msgspec.Struct, tag="assign", **_STRUCT):
+    """To a pre-warmed process: serve as TE te_id of model, naming shared memory by run_id."""
+
+    te_id: str
+    model: str
+    run_id: str
+    sent_at: float = 0.0
+    """time.monotonic() of the sender (same node): the process times its own wait from it."""

@@ -1,0 +1,209 @@
+"""The node's side of scaling: the pre-warmed pool, and carrying out the
+cluster manager's ScaleOut / ScaleIn (messages/scaling.py).
+
+    CM autoscaler ──ScaleOut(model, n)──> supervisor inbox ──> NodeScaler.scale_out
+        a ready pre-warmed process?  yes: adopt it as the new TE, Assign ──> it loads the model
+                                     no:  start a cold TE process
+        TE Ready (its stages) ... TE in the CM's TE list ──> scaled_out (health log)
+                                                         ──> ScaleEvent ──> CM ──> /metrics
+    CM ──ScaleIn(te_id)──> stop it (SIGTERM; drained first by the CM) ──> scaled_in
+    supervisor restarting a crashed TE ──> replace(): from the pool too (same path)
+
+The pool keeps [scaling] pool_size processes started (`te_server --pool`,
+prewarmed.py), each Ready once warm; it refills in the background (a pod
+taken is replaced once no TE is starting: a pod's imports would slow the
+start it waits for on 2 cores; a dead pod is replaced). Pods are children of
+the node, in its ProcessTable, never restarted by the supervisor: the pool
+replaces them. The weight cache (cache/weight_cache.py) is filled here,
+for every model, in the order models are used, within its budget.
+
+Thread rule: everything runs on the supervisor's thread (its tick), except
+the stop of a retiring TE, which runs on its own thread and only sets a flag.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from deepserve.ipc.outboxes import Outboxes
+from deepserve.messages.health import Ready
+from deepserve.messages.scaling import Assign, ScaleEvent, ScaleIn, ScaleOut
+
+log = logging.getLogger(__name__)
+POOL_PREFIX = "pool"
+
+
+@dataclass
+class _Start:
+    model: str
+    reason: str
+    source: str
+    decided_at: float
+    given_at: float  # the process was given the TE (Assign sent, or cold Popen)
+    ready_at: float | None = None
+    stages: dict = field(default_factory=dict)
+    weights: str = "disk"
+
+
+class NodeScaler:
+    """node: the Node (its table, health log, config, run, te_ids, and how it
+    spawns children); to_cm(msg): send to the CM's inbox."""
+
+    def __init__(self, node, to_cm, clock=time.monotonic):
+        self.node, self.to_cm, self.clock = node, to_cm, clock
+        self.config = node.config
+        self.pool_size = self.config.scaling.pool_size
+        self.pods: dict[str, bool] = {}  # pod name -> ready
+        self.num_pods = 0
+        self.next_index = {m.name: m.min_tes for m in self.config.models}
+        self.starting: dict[str, _Start] = {}  # te id -> its scale-out, until listed
+        self.retiring: dict[str, float] = {}  # te id -> when it was told to stop
+        self.stopped: set[str] = set()  # retiring TEs whose processes are gone (stop thread)
+        self.model_of: dict[str, str] = {te.te_id: self.config.node.served_model
+                                         for te in self.config.tes}
+        self.model_of.update(self.config.initial_scaled_tes())
+        self.assigns = Outboxes(node.ctx)
+
+    # -- the pool ------------------------------------------------------------------
+    def fill_pool(self) -> None:
+        for name in [p for p in self.pods if self.node.table.poll(p) is not None]:
+            log.warning("pre-warmed process %s exited (%s): replacing it", name,
+                        self.node.table.poll(name))
+            self.node.table.remove(name)
+            del self.pods[name]
+        while len(self.pods) < self.pool_size and not self.starting:  # TE starts go first
+            name = f"{POOL_PREFIX}{self.num_pods}"
+            self.num_pods += 1
+            self.pods[name] = False
+            self.node.spawn_pod(name)
+
+    def _take_pod(self) -> str | None:
+        for name, ready in self.pods.items():
+            if ready and self.node.table.poll(name) is None:
+                del self.pods[name]
+                return name
+        return None
+
+    # -- messages -------------------------------------------------------------------
+    def on_message(self, msg, now: float) -> bool:
+        """Handle what is the scaler's (True), or leave it to the supervisor."""
+        if isinstance(msg, ScaleOut):
+            self.scale_out(msg.model, msg.count, msg.reason, now)
+        elif isinstance(msg, ScaleIn):
+            self.scale_in(msg.te_id, msg.reason, now)
+        elif isinstance(msg, Ready) and msg.component in self.pods:
+            self.pods[msg.component] = True
+            self.node.health.write(msg.component, "pool_ready", msg.pid, **msg.details)
+        elif isinstance(msg, Ready) and msg.component in self.starting:
+            start = self.starting[msg.component]
+            start.ready_at = now
+            start.stages = dict(msg.details.get("stages", {}))
+            start.weights = msg.details.get("weights", "disk")
+            return False  # the supervisor watches it from here, as any TE
+        else:
+            return False
+        return True
+
+    # -- scaling out -------------------------------------------------------------------
+    def scale_out(self, model: str, count: int, reason: str, now: float) -> None:
+        try:
+            spec = self.config.model(model)
+        except KeyError:
+            log.error("scale-out of unknown model %r ignored", model)
+            return
+        for _ in range(count):
+            te_id = spec.te_id(self.next_index.get(model, 0))
+            self.next_index[model] = self.next_index.get(model, 0) + 1
+            self.start_te(te_id, model, reason, now)
+
+    def start_te(self, te_id: str, model: str, reason: str, now: float) -> str:
+        """Start (or restart) te_id: from a pre-warmed process if one is ready,
+        else cold. The source ("prewarmed" or "cold")."""
+        if te_id not in self.node.te_ids:
+            self.node.te_ids.append(te_id)
+        self.model_of[te_id] = model
+        pod = self._take_pod()
+        if pod is not None:
+            incarnation = self.node.table.next_incarnation(te_id)
+            self.node.adopt_pod(pod, te_id, model)
+            self.assigns.put(self.node.run.te_address(pod), Assign(
+                te_id=te_id, model=model, run_id=self.node.te_run_id(te_id, incarnation),
+                sent_at=time.monotonic()))
+            source = "prewarmed"
+        else:
+            self.node.spawn_te(te_id, model)
+            source = "cold"
+        self.starting[te_id] = _Start(model, reason, source, now, self.clock())
+        self.fill_pool()
+        return source
+
+    def replace(self, te_id: str, now: float) -> bool:
+        """Restart a failed TE from the pool (True), or leave it to respawn (False)."""
+        model = self.model_of.get(te_id)
+        if model is None or not any(self.pods.values()):
+            return False
+        self.start_te(te_id, model, "replace", now)
+        return True
+
+    def on_te_list(self, listed: set[str], now: float) -> None:
+        for te_id in [t for t in self.starting if t in listed]:
+            start = self.starting.pop(te_id)
+            ready_at = start.ready_at if start.ready_at is not None else now
+            stages = {"scaler_pre": round(start.given_at - start.decided_at, 4),
+                      **start.stages, "scaler_post": round(now - ready_at, 4)}
+            source = start.source + ("_cache" if start.weights == "cache" and
+                                     start.source == "prewarmed" else "")
+            total = round(now - start.decided_at, 4)
+            self.node.health.write(te_id, "scaled_out", self.node.table.pid(te_id),
+                                   model=start.model, reason=start.reason, source=source,
+                                   weights=start.weights, total_s=total, stages=stages)
+            self._tell_cm(ScaleEvent(model=start.model, te_id=te_id, direction="out",
+                                     source=source, reason=start.reason, stages=stages,
+                                     total_s=total))
+
+    def forget(self, te_id: str) -> None:
+        """A start that failed for good (the supervisor gave up on it)."""
+        start = self.starting.pop(te_id, None)
+        if start is not None:
+            self._tell_cm(ScaleEvent(model=start.model, te_id=te_id, direction="failed",
+                                     source=start.source, reason=start.reason))
+
+    # -- scaling in ---------------------------------------------------------------------
+    def scale_in(self, te_id: str, reason: str, now: float) -> None:
+        if te_id not in self.node.table or te_id in self.retiring:
+            return
+        self.retiring[te_id] = now
+        self.starting.pop(te_id, None)
+        threading.Thread(target=self._stop, args=(te_id,), name=f"retire-{te_id}",
+                         daemon=True).start()
+
+    def _stop(self, te_id: str) -> None:
+        self.node.table.stop(te_id, self.config.supervisor.kill_grace_s + 5.0)
+        self.node.table.sweep(te_id)
+        self.stopped.add(te_id)
+
+    def tick(self, now: float) -> None:
+        self.fill_pool()
+        for te_id in [t for t in self.retiring if t in self.stopped]:
+            began = self.retiring.pop(te_id)
+            self.stopped.discard(te_id)
+            model = self.model_of.get(te_id, "")
+            pid = self.node.table.pid(te_id)
+            self.node.table.remove(te_id)
+            if te_id in self.node.te_ids:
+                self.node.te_ids.remove(te_id)
+            self.node.health.write(te_id, "scaled_in", pid, model=model,
+                                   stop_s=round(now - began, 3))
+            self._tell_cm(ScaleEvent(model=model, te_id=te_id, direction="in"))
+
+    def is_retiring(self, name: str) -> bool:
+        return name in self.retiring
+
+    def _tell_cm(self, msg) -> None:
+        self.to_cm(msg)
+
+    def close(self) -> None:
+        self.assigns.close()
