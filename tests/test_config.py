@@ -490,3 +490,18 @@ def test_command_line_models_replace_the_node_model(tmp_path):
         ("m", 2, 2, 5.0), ("x", 0, 2, 5.0)]
     with pytest.raises(ValueError, match="named alike"):
         with_models(config, [str(tmp_path / "x")])
+
+
+def test_a_te_of_the_node_model_keeps_its_table_when_a_pool_process_becomes_it(tmp_path):
+    """A pre-warmed process replacing te0 is told te0's model: te0's [[te]] table
+    (type, options) still decides what it is."""
+    conf = write_toml(tmp_path, {"node": {"model": "models/m"},
+                                 "te": [{"type": "decode", "block_size": 32}],
+                                 "model": [{"path": "models/x", "block_size": 64}]})
+    resolved = resolve(conf, tmp_path)
+    for te_id, model, kind, block in (("te0", "m", "decode", 32), ("x-3", "x", "colocated", 64)):
+        args = parse_child_args(["--conf", str(resolved), "--role", "te", "--te-id", te_id,
+                                 "--model", model], "te", "")
+        s = te_server.load_settings(args)
+        assert (s.te_type, s.engine.block_size, s.served_model) == (kind, block, model)
+        assert s.inbox.endswith(f"/{te_id}.sock")

@@ -51,3 +51,11 @@ def test_demand_is_sent_on_change_and_repeated_while_requests_wait():
     assert book.demand(["b"]).parked == {"b": 1}  # still waiting: said again
     assert book.demand([]).parked == {"b": 0}  # no longer waiting: said once
     assert book.demand([]) is None
+
+
+def test_gateway_latencies_reach_the_demand_bounded_and_only_for_served_models():
+    book = ModelBook({"a": "/a", "b": "/b"})
+    book.add_latencies({"a": [(10.0, 2.0)] * 1500, "zz": [(1.0, None)]})
+    msg = book.demand([])
+    assert list(msg.latencies) == ["a"] and len(msg.latencies["a"]) == 1000
+    assert book.demand([]) is None  # sent once

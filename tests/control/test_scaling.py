@@ -109,3 +109,18 @@ def test_other_models_tes_and_unknown_models_are_left_alone():
     c.on_demand(ModelDemand(arrivals={"zz": 3}, parked={"zz": 2}), 1.0)
     c.on_report(report("o-0", waiting=50), "other", 1.0)
     assert c.step(1.0, {"m-0": te("m-0"), "o-0": te("o-0", "other")}) == [] and sent == []
+
+
+def test_gateway_latencies_past_the_slo_scale_out_and_within_it_do_not():
+    sent, events = [], []
+    spec = ModelSpec(name="m", path="/m", min_tes=1, max_tes=2,
+                     slo=SLOSection(ttft_ms=100.0, percentile=0.9))
+    c = ScalingControl(policies_of([spec]), options_of(ScalingSection()), sent.append,
+                       lambda event, **d: events.append((event, d)), 0.0, 60.0, {"m-0": "m"})
+    c.on_te_up(te("m-0"), 0.0)
+    c.on_demand(ModelDemand(arrivals={"m": 10}, latencies={"m": [(50.0, 5.0)] * 10}), 1.0)
+    c.step(1.0, {"m-0": te("m-0")})
+    assert sent == []
+    c.on_demand(ModelDemand(arrivals={"m": 10}, latencies={"m": [(500.0, 5.0)] * 10}), 2.0)
+    c.step(2.0, {"m-0": te("m-0")})
+    assert [(type(m), m.reason) for m in sent] == [(ScaleOut, "slo")]

@@ -60,9 +60,10 @@ from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, SubSocket
 from deepserve.messages.control import FromClusterManager, TEList, TEReport
 from deepserve.messages.engine import AbortRequest, RequestFailed, SubmitRequest
+from deepserve.messages.scaling import RequestLatencies
 
 log = logging.getLogger(__name__)
-_IN = SubmitRequest | AbortRequest
+_IN = SubmitRequest | AbortRequest | RequestLatencies
 PARK_MAX = 4096
 CRASHED = "request_crashed_engine"
 """RequestFailed.error of a quarantined request (the gateway: 500, this code)."""
@@ -130,7 +131,12 @@ class JobExecutor:
                 self._on_cm(msg)
         if self.inbox.socket in events:
             for msg in self.inbox.drain():
-                self._submit(msg) if isinstance(msg, SubmitRequest) else self._abort(msg)
+                if isinstance(msg, SubmitRequest):
+                    self._submit(msg)
+                elif isinstance(msg, AbortRequest):
+                    self._abort(msg)
+                else:
+                    self.book.add_latencies(msg.samples)
         if self.parked:
             self._unpark()
         if self.held:

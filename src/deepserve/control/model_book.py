@@ -24,6 +24,7 @@ from deepserve.messages.control import TEInfo
 from deepserve.messages.scaling import ModelDemand
 from deepserve.tokenizer import Tokenizer
 
+MAX_SAMPLES = 1000
 DEMAND_INTERVAL_S = 1.0
 """While requests are held, the demand is repeated this often (a restarted CM hears it)."""
 
@@ -44,6 +45,7 @@ class ModelBook:
         self._prompts: dict[str, PromptTokens] = {}
         self.arrivals: Counter[str] = Counter()
         self.parked: Counter[str] = Counter()
+        self.latencies: dict[str, list] = {}  # add_latencies, until the next demand()
         self._sent_parked: dict[str, int] = {}
         self._sent_at = float("-inf")
 
@@ -78,6 +80,14 @@ class ModelBook:
     def note_arrival(self, model: str) -> None:
         self.arrivals[model] += 1
 
+    def add_latencies(self, samples: Mapping[str, list]) -> None:
+        """A gateway's TTFT / TPOT samples (bounded: the newest MAX_SAMPLES per model)."""
+        for model, values in samples.items():
+            if model in self.models:
+                kept = self.latencies.setdefault(model, [])
+                kept.extend(values)
+                del kept[:-MAX_SAMPLES]
+
     def demand(self, parked: Iterable[str]) -> ModelDemand | None:
         """What the autoscaler should hear now (parked: the model of every held
         request), or None: new arrivals, a change in what is held, or held
@@ -85,11 +95,14 @@ class ModelBook:
         now_parked = dict(Counter(parked))
         now = self.clock()
         due = now_parked and now - self._sent_at >= DEMAND_INTERVAL_S
-        if not self.arrivals and now_parked == self._sent_parked and not due:
+        if not self.arrivals and not self.latencies and now_parked == self._sent_parked \
+                and not due:
             return None
         msg = ModelDemand(arrivals=dict(self.arrivals),
                           parked={m: now_parked.get(m, 0) for m in
-                                  set(now_parked) | set(self._sent_parked)})
+                                  set(now_parked) | set(self._sent_parked)},
+                          latencies=self.latencies)
         self.arrivals.clear()
+        self.latencies = {}
         self._sent_parked, self._sent_at = now_parked, now
         return msg

@@ -66,7 +66,8 @@ class TESettings(msgspec.Struct, frozen=True, kw_only=True):
 
 def load_settings(args: ChildArgs) -> TESettings:
     config, run = read_run_config(args.conf)
-    if args.model is not None:  # a TE the autoscaler added
+    is_static = any(te.te_id == args.te_id for te in config.tes)
+    if args.model is not None and not is_static:  # a TE the autoscaler added
         try:
             model = config.model(args.model)
         except KeyError:

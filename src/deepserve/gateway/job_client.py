@@ -57,6 +57,7 @@ from deepserve.gateway.reply_stream import SHUTDOWN, IsDisconnected, ReplyStream
 from deepserve.gateway.routes import Route, RouteTable, next_attempt
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.messages.control import FromClusterManager, TEReport
+from deepserve.messages.scaling import RequestLatencies
 from deepserve.messages.engine import (RETRYABLE_ERRORS, AbortRequest, RequestDelta,
                                        RequestFailed, SubmitRequest, ToClient)
 from deepserve.messages.sampling import SamplingParams
@@ -66,6 +67,9 @@ logger = logging.getLogger(__name__)
 MAX_ORPHANS = 4096
 """Orphan wire ids remembered (each aborted once): a gateway restarted under
 load gets deltas of its predecessor's streams and stops their TEs."""
+LATENCY_INTERVAL_S = 1.0
+MAX_LATENCY_SAMPLES = 1000
+"""Per model per interval: the autoscaler needs rates, not every request."""
 
 
 class JobClient:
@@ -79,6 +83,8 @@ class JobClient:
         self._je = JELink(self._on_new_je)
         self._te_outboxes: Outboxes | None = None
         self._encoder = msgspec.msgpack.Encoder()
+        self._latencies: dict[str, list] = {}  # _note_latency
+        self._latencies_sent_at = 0.0
         self._ctx: zmq.asyncio.Context | None = None
         self._sockets: list = []
         self._tasks: list[asyncio.Task] = []
@@ -314,6 +320,24 @@ class JobClient:
             route.timing.finished_at = now
             if self.metrics is not None and isinstance(msg, RequestDelta):
                 self.metrics.observe_request(route.timing)
+            if isinstance(msg, RequestDelta):
+                self._note_latency(route.submit.model or self.config.served_model, route.timing)
+
+    def _note_latency(self, model: str, timing) -> None:
+        """TTFT / TPOT per model, to the JE at most every LATENCY_INTERVAL_S: the
+        autoscaler's SLO samples (control/scaling.py)."""
+        if timing.first_token_at is None:
+            return
+        ttft = (timing.first_token_at - timing.submitted_at) * 1e3
+        tpot = None if timing.num_tokens < 2 else \
+            (timing.finished_at - timing.first_token_at) * 1e3 / (timing.num_tokens - 1)
+        samples = self._latencies.setdefault(model, [])
+        if len(samples) < MAX_LATENCY_SAMPLES:
+            samples.append((round(ttft, 3), None if tpot is None else round(tpot, 3)))
+        now = time.monotonic()
+        if now - self._latencies_sent_at >= LATENCY_INTERVAL_S:
+            self._send(self._encoder.encode(RequestLatencies(samples=self._latencies)))
+            self._latencies, self._latencies_sent_at = {}, now
 
     async def _recv_cluster(self) -> None:
         await _recv_forever(self._sub, FromClusterManager, self.cluster.on_message, "cluster")

@@ -1,6 +1,8 @@
 """Scaling channels of a node (DeepServe §6, "Fast scaling").
 
-    JE ──ModelDemand (PUSH, when it changes)──> CM        arrivals, requests held with no TE
+    gateway ──RequestLatencies (PUSH, at most every second)──> JE    TTFT / TPOT per model
+    JE ──ModelDemand (PUSH, when it changes)──> CM        arrivals, requests held with no TE,
+                                                          the gateway's latencies (SLO)
     CM (autoscaler) ──ScaleOut / ScaleIn (PUSH)──> supervisor (its inbox: the heartbeat one)
     supervisor ──Assign (PUSH)──> a pre-warmed TE process: become TE te_id of model
     supervisor ──ScaleEvent (PUSH)──> CM ──(PUB)──> gateways (/metrics), JEs
@@ -32,6 +34,12 @@ class ModelDemand(msgspec.Struct, tag="model_demand", **_STRUCT):
     parked: dict[str, int] = {}
     latencies: dict[str, list[tuple[float | None, float | None]]] = {}
     """model -> (TTFT ms, TPOT ms) of requests that finished (the SLO's samples)."""
+
+
+class RequestLatencies(msgspec.Struct, tag="latencies", **_STRUCT):
+    """model -> (TTFT ms, TPOT ms or None) of requests that completed at a gateway."""
+
+    samples: dict[str, list[tuple[float | None, float | None]]] = {}
 
 
 class ScaleOut(msgspec.Struct, tag="scale_out", **_STRUCT):

@@ -87,6 +87,8 @@ class Node:
         self.ctx = zmq.Context()
         self.scaler = NodeScaler(self, self._to_cm)
         self.ever: set[str] = set()  # every TE id started: what stop() sweeps
+        self._stopping = threading.Event()
+        self._filler: threading.Thread | None = None
         budget = config.scaling.weight_cache_bytes
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.weights = WeightCache(shm / f"deepserve-w{self.run_id}", budget) if budget else None
@@ -117,8 +119,9 @@ class Node:
             self.scaler.fill_pool()
             self._spawn("gateway", "deepserve.gateway", *self._gateway_args())
             if self.weights is not None:
-                threading.Thread(target=self._fill_weight_cache, name="weight-cache",
-                                 daemon=True).start()
+                self._filler = threading.Thread(target=self._fill_weight_cache,
+                                                name="weight-cache", daemon=True)
+                self._filler.start()
             self._wait_healthy()
             self.supervisor.start()
         except BaseException:
@@ -136,6 +139,8 @@ class Node:
         models = sorted((m for m in self.config.all_models if m.scalable),
                         key=lambda m: (m.min_tes > 0 and m.idle_s is None, m.name))
         for model in models:
+            if self._stopping.is_set():
+                return
             try:
                 started = time.monotonic()
                 if self.weights.ensure(model.path) is not None:
@@ -278,6 +283,9 @@ class Node:
         self.scaler.close()
         self.ctx.term()
         if self.weights is not None:
+            self._stopping.set()
+            if self._filler is not None:
+                self._filler.join(30)  # a copy in progress: then nothing recreates the root
             self.weights.clear()
         self.health.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
