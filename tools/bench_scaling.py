@@ -42,7 +42,6 @@ removes anyway is tolerated.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -65,6 +64,8 @@ from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import NodeConfig, SupervisorConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))  # tools/bench_stats.py
+import bench_stats  # noqa: E402
 SOURCES = ("cold", "prewarmed", "prewarmed_cache")
 MODEL = "m"
 CONTROL = ("cluster-manager", "job-executor", "gateway")
@@ -73,18 +74,8 @@ NEVER_S = 1e7  # the autoscaler's in_sustain_s / in_cooldown_s: no low-load scal
 PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0, "stream": True}
 
 
-def _import(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def median(values: list[float]) -> float | None:
-    return _import("bench_stats").percentile(values, 50)
+    return bench_stats.percentile(values, 50)
 
 
 # -- one node per source -------------------------------------------------------------------

@@ -23,6 +23,7 @@ resumes elsewhere, as after a crash).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Iterable
 
 from deepserve.control.autoscaler import Autoscaler, Decision, ModelPolicy, ScalingOptions
@@ -53,8 +54,9 @@ class ScalingControl:
 
     def __init__(self, policies: list[ModelPolicy], options: ScalingOptions,
                  send: Callable, events: Callable, now: float, startup_timeout_s: float,
-                 initial: dict[str, str] | None = None):
+                 initial: dict[str, str] | None = None, clock: Callable[[], float] = time.monotonic):
         self.autoscaler = Autoscaler(policies, options, now)
+        self.clock = clock
         self.models = {p.name for p in policies}
         self.send, self.events = send, events
         self.startup_timeout_s = startup_timeout_s
@@ -136,7 +138,8 @@ class ScalingControl:
                 self.starting[decision.model].extend(
                     [now + self.startup_timeout_s] * decision.count)
                 self.send(ScaleOut(model=decision.model, count=decision.count,
-                                   reason=decision.reason, inputs=decision.inputs))
+                                   reason=decision.reason, inputs=decision.inputs,
+                                   decided_at=self.clock()))
             elif decision.te_id is not None and decision.te_id in tes:
                 self.draining[decision.te_id] = (decision.model, now)
                 self.autoscaler.forget_te(decision.te_id)

@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
         assign = wait_for_assignment(args.te_id, run.te_address(args.te_id), args.parent_pid)
         if assign is None:
             raise SystemExit(0)  # the node is gone
-        started_at = time.monotonic()
+        now = time.monotonic()  # from the Assign's sending: its transit is this TE's too
+        started_at = assign.sent_at if 0 < assign.sent_at <= now else now
         args = dataclasses.replace(args, te_id=assign.te_id, model=assign.model,
                                    run_id=assign.run_id, pool=False)
     settings = load_settings(args)

@@ -47,6 +47,8 @@ class ScaleOut(msgspec.Struct, tag="scale_out", **_STRUCT):
     count: int = 1
     reason: str = ""
     inputs: dict = {}
+    decided_at: float = 0.0
+    """time.monotonic() of the decision (one clock per node); 0: when received."""
 
 
 class ScaleIn(msgspec.Struct, tag="scale_in", **_STRUCT):

@@ -94,11 +94,11 @@ class ProcessTable:
         if entry is not None and entry.popen is not None and entry.popen.poll() is None:
             raise RuntimeError(f"{name} (pid {entry.popen.pid}) is still running")
         popen = self._entries.pop(pod).popen
-        if entry is None:
-            entry = self._entries[name] = _Entry(cmd, env, scratch)
+        if entry is None:  # whole before it is visible: other threads read procs
+            self._entries[name] = _Entry(cmd, env, scratch, popen=popen)
         else:
             entry.incarnation += 1
-        entry.popen = popen
+            entry.popen = popen
         return popen
 
     def _launch(self, name: str) -> subprocess.Popen:
@@ -115,7 +115,7 @@ class ProcessTable:
     @property
     def procs(self) -> dict[str, subprocess.Popen]:
         """name -> its current incarnation's Popen (a copy: safe to iterate)."""
-        return {name: e.popen for name, e in self._entries.items()}
+        return {name: e.popen for name, e in list(self._entries.items())}
 
     def list(self) -> dict[str, tuple[int, int | None]]:
         """name -> (pid, returncode or None while it runs)."""

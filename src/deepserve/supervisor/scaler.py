@@ -43,9 +43,14 @@ class _Start:
     source: str
     decided_at: float
     given_at: float  # the process was given the TE (Assign sent, or cold Popen)
-    ready_at: float | None = None
+    ready_at: float | None = None  # the TE's own clock (Ready.time): same node, same clock
+    listed_at: float | None = None
     stages: dict = field(default_factory=dict)
     weights: str = "disk"
+
+
+READY_WAIT_S = 2.0
+"""A TE listed before its Ready came in: scaled_out waits this long for its stages."""
 
 
 class NodeScaler:
@@ -91,7 +96,8 @@ class NodeScaler:
     def on_message(self, msg, now: float) -> bool:
         """Handle what is the scaler's (True), or leave it to the supervisor."""
         if isinstance(msg, ScaleOut):
-            self.scale_out(msg.model, msg.count, msg.reason, now)
+            self.scale_out(msg.model, msg.count, msg.reason,
+                           msg.decided_at if 0 < msg.decided_at <= now else now)
         elif isinstance(msg, ScaleIn):
             self.scale_in(msg.te_id, msg.reason, now)
         elif isinstance(msg, Ready) and msg.component in self.pods:
@@ -99,9 +105,11 @@ class NodeScaler:
             self.node.health.write(msg.component, "pool_ready", msg.pid, **msg.details)
         elif isinstance(msg, Ready) and msg.component in self.starting:
             start = self.starting[msg.component]
-            start.ready_at = now
+            start.ready_at = msg.time if 0 < msg.time <= now else now
             start.stages = dict(msg.details.get("stages", {}))
             start.weights = msg.details.get("weights", "disk")
+            if start.listed_at is not None:
+                self._scaled_out(msg.component, start.listed_at)
             return False  # the supervisor watches it from here, as any TE
         else:
             return False
@@ -150,7 +158,16 @@ class NodeScaler:
 
     def on_te_list(self, listed: set[str], now: float) -> None:
         for te_id in [t for t in self.starting if t in listed]:
-            start = self.starting.pop(te_id)
+            start = self.starting[te_id]
+            if start.listed_at is None:
+                start.listed_at = now
+            if start.ready_at is not None or now - start.listed_at >= READY_WAIT_S:
+                self._scaled_out(te_id, start.listed_at)
+
+    def _scaled_out(self, te_id: str, now: float) -> None:
+        """Log and tell the CM: te_id is listed (at `now`), every stage timed."""
+        start = self.starting.pop(te_id, None)
+        if start is not None:
             ready_at = start.ready_at if start.ready_at is not None else now
             stages = {"scaler_pre": round(start.given_at - start.decided_at, 4),
                       **start.stages, "scaler_post": round(now - ready_at, 4)}

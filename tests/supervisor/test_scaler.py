@@ -1,0 +1,171 @@
+"""NodeScaler (supervisor/scaler.py) against a fake node: the pool, adopting
+a pre-warmed process with an Assign, stage timings whatever order Ready and
+the TE list come in, replacement of a failed TE, and scale-in."""
+
+from __future__ import annotations
+
+import zmq
+
+from deepserve.config.models import ModelSpec, ScalingSection
+from deepserve.ipc.sockets import PullSocket
+from deepserve.messages.health import Ready
+from deepserve.messages.scaling import Assign, ScaleEvent, ScaleIn, ScaleOut
+from deepserve.supervisor.node_config import NodeConfig
+from deepserve.supervisor.scaler import READY_WAIT_S, NodeScaler
+
+
+class _Popen:
+    def __init__(self, pid):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        return self.returncode
+
+
+class _Table:
+    def __init__(self):
+        self.procs, self.incarnations, self.stopped = {}, {}, []
+
+    def __contains__(self, name):
+        return name in self.procs
+
+    def poll(self, name):
+        return self.procs[name].poll()
+
+    def pid(self, name):
+        return self.procs[name].pid
+
+    def remove(self, name):
+        del self.procs[name]
+
+    def next_incarnation(self, name):
+        return self.incarnations.get(name, -1) + 1
+
+    def stop(self, name, grace_s):
+        self.procs[name].returncode = 0
+        self.stopped.append(name)
+
+    def sweep(self, name):
+        return []
+
+
+class _Run:
+    def __init__(self, tmp_path):
+        self.tmp = tmp_path
+
+    def te_address(self, name):
+        return f"ipc://{self.tmp}/{name}.sock"
+
+
+class FakeNode:
+    def __init__(self, tmp_path, pool_size=1):
+        self.config = NodeConfig.build(
+            models=[ModelSpec(name="m", path="/m", min_tes=1)],
+            scaling=ScalingSection(pool_size=pool_size))
+        self.ctx = zmq.Context()
+        self.table, self.run, self.te_ids = _Table(), _Run(tmp_path), []
+        self.events, self.spawned, self.pids = [], [], iter(range(100, 1000))
+
+    def spawn_pod(self, name):
+        self.table.procs[name] = _Popen(next(self.pids))
+
+    def spawn_te(self, te_id, model):
+        self.spawned.append((te_id, model))
+        self.table.procs[te_id] = _Popen(next(self.pids))
+
+    def adopt_pod(self, pod, te_id, model):
+        self.table.incarnations[te_id] = self.table.next_incarnation(te_id)
+        self.table.procs[te_id] = self.table.procs.pop(pod)
+
+    def te_run_id(self, te_id, incarnation):
+        return f"r{te_id}-{incarnation}"
+
+    @property
+    def health(self):
+        node = self
+
+        class _Log:
+            def write(self, component, event, pid=None, **details):
+                node.events.append((component, event, details))
+        return _Log()
+
+
+def _scaler(tmp_path, pool_size=1):
+    node = FakeNode(tmp_path, pool_size)
+    told = []
+    scaler = NodeScaler(node, told.append, clock=lambda: 0.0)
+    return node, scaler, told
+
+
+def _ready(name, t, **details):
+    return Ready(component=name, pid=1, time=t, details=details)
+
+
+def test_a_ready_pod_becomes_the_new_te_and_the_pool_refills_after(tmp_path):
+    node, scaler, told = _scaler(tmp_path)
+    scaler.fill_pool()
+    assert list(scaler.pods) == ["pool0"] and not scaler.pods["pool0"]
+    assert scaler.on_message(_ready("pool0", 1.0, pool=True), 1.0)
+    pull = PullSocket(node.ctx, node.run.te_address("pool0"), bind=True, type=Assign)
+    try:
+        scaler.on_message(ScaleOut(model="m", count=1, reason="queue", decided_at=9.5), 10.0)
+        assign = pull.get(timeout=5)
+    finally:
+        pull.close()
+    assert (assign.te_id, assign.model, assign.run_id) == ("m-1", "m", "rm-1-0")
+    assert "m-1" in node.te_ids and node.spawned == [] and not scaler.pods
+    scaler.fill_pool()
+    assert not scaler.pods  # a TE is starting: the refill waits for it
+    scaler.on_message(_ready("m-1", 10.6, stages={"te_pre_load": 0.2, "te_load": 0.1,
+                                                  "te_post_load": 0.1}, weights="cache"), 10.7)
+    scaler.on_te_list({"m-1"}, 10.8)
+    [(te, event, details)] = [e for e in node.events if e[1] == "scaled_out"]
+    assert (te, details["source"], details["reason"]) == ("m-1", "prewarmed_cache", "queue")
+    assert details["total_s"] == 1.3 and details["stages"]["scaler_post"] == 0.2
+    assert set(details["stages"]) == {"scaler_pre", "te_pre_load", "te_load", "te_post_load",
+                                      "scaler_post"}
+    assert [type(m) for m in told] == [ScaleEvent] and told[0].direction == "out"
+    scaler.fill_pool()
+    assert list(scaler.pods) == ["pool1"]
+    scaler.close()
+    node.ctx.term()
+
+
+def test_listed_before_its_ready_waits_for_the_stages(tmp_path):
+    node, scaler, told = _scaler(tmp_path, pool_size=0)
+    scaler.scale_out("m", 2, "min_tes", 0.0)
+    assert node.spawned == [("m-1", "m"), ("m-2", "m")]  # no pod: cold
+    scaler.on_te_list({"m-1", "m-2"}, 5.0)
+    assert not [e for e in node.events if e[1] == "scaled_out"]
+    scaler.on_message(_ready("m-1", 4.9, stages={"te_load": 1.0}), 5.1)
+    scaler.on_te_list({"m-1", "m-2"}, 5.0 + READY_WAIT_S)
+    outs = {e[0]: e[2] for e in node.events if e[1] == "scaled_out"}
+    assert outs["m-1"]["stages"]["te_load"] == 1.0 and outs["m-1"]["source"] == "cold"
+    assert "te_load" not in outs["m-2"]["stages"]  # its Ready never came: logged anyway
+    scaler.close()
+    node.ctx.term()
+
+
+def test_a_failed_te_is_replaced_from_the_pool_and_scale_in_retires_one(tmp_path):
+    node, scaler, told = _scaler(tmp_path)
+    scaler.start_te("m-0", "m", "min_tes", 0.0)
+    assert not scaler.replace("m-0", 1.0)  # no ready pod: the supervisor respawns it
+    scaler.starting.clear()
+    scaler.fill_pool()
+    scaler.on_message(_ready("pool0", 1.0), 1.0)
+    node.table.procs["m-0"].returncode = -9
+    assert scaler.replace("m-0", 2.0) and node.table.incarnations["m-0"] == 0
+    assert scaler.starting["m-0"].reason == "replace"
+    scaler.on_message(ScaleIn(te_id="m-0", model="m", reason="drained"), 3.0)
+    assert scaler.is_retiring("m-0")
+    for _ in range(100):
+        if "m-0" in scaler.stopped:
+            break
+        import time
+        time.sleep(0.01)
+    scaler.tick(4.0)
+    assert "m-0" not in node.table and "m-0" not in node.te_ids
+    assert [e[1] for e in node.events if e[0] == "m-0"] == ["scaled_in"]
+    assert told[-1] == ScaleEvent(model="m", te_id="m-0", direction="in")
+    scaler.close()
+    node.ctx.term()
