@@ -339,9 +339,11 @@ def test_flat_view_and_build():
     names = [f for s in FLAT_SECTIONS for f in SECTION_TYPES[s].__struct_fields__]
     assert len(names) == len(set(names))  # config.port is unambiguous
     assert not set(names) & set(NodeConfig.__struct_fields__)
+    assert not set(names) & set(dir(NodeConfig))  # no method shadows config.model & co
     config = NodeConfig.build(model="/m", port=9, max_open_requests=4, policy="load",
                               tes=[TESpec("te0", "colocated", {"tp": 2})])
     assert (config.port, config.max_open_requests, config.policy) == (9, 4, "load")
+    assert config.model == "/m"
     assert config.node.served_model == "m" and config.tes[0].num_devices == 2
     with pytest.raises(AttributeError):
         config.colour

@@ -270,7 +270,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
         min_tes (the CM expects them; later ones are numbered on)."""
         return {m.te_id(i): m.name for m in self.models for i in range(m.min_tes)}
 
-    def model(self, name: str) -> ModelSpec:
+    def model_spec(self, name: str) -> ModelSpec:
         for spec in self.all_models:
             if spec.name == name:
                 return spec

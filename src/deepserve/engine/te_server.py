@@ -69,7 +69,7 @@ def load_settings(args: ChildArgs) -> TESettings:
     is_static = any(te.te_id == args.te_id for te in config.tes)
     if args.model is not None and not is_static:  # a TE the autoscaler added
         try:
-            model = config.model(args.model)
+            model = config.model_spec(args.model)
         except KeyError:
             raise SystemExit(f"{args.conf}: no model {args.model!r}; "
                              f"it has {list(config.served_models)}") from None

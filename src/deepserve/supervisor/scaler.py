@@ -118,7 +118,7 @@ class NodeScaler:
     # -- scaling out -------------------------------------------------------------------
     def scale_out(self, model: str, count: int, reason: str, now: float) -> None:
         try:
-            spec = self.config.model(model)
+            spec = self.config.model_spec(model)
         except KeyError:
             log.error("scale-out of unknown model %r ignored", model)
             return
