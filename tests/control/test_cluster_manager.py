@@ -139,3 +139,27 @@ def test_a_stale_te_up_right_after_te_down_does_not_relist_the_te(ctx, tmp_path)
         assert [te.te_id for te in wire.run(0.3)[-1].tes] == ["te0"]
     finally:
         wire.close()
+
+
+def test_a_new_incarnation_passes_the_fence_at_once_and_the_old_one_does_not(ctx, tmp_path):
+    """A pre-warmed process replaces a TE faster than REUP_FENCE_S: its TEUp
+    names a new incarnation and lists it; the dead one's stale TEUp does not."""
+    import msgspec
+    now = [0.0]
+    wire = _Wire(ctx, tmp_path, grace_s=0.0, clock=lambda: now[0])
+    up = lambda inc: TEUp(info=msgspec.structs.replace(_te_up("te0").info,  # noqa: E731
+                                                       incarnation=inc))
+    try:
+        wire.te.put(up("run-0"))
+        assert [te.te_id for te in wire.run(0.3)[-1].tes] == ["te0"]
+        wire.te.put(TEDown(te_id="te0", reason="supervisor: process fault"))
+        assert wire.run(0.3)[-1].tes == []
+        now[0] = 0.2
+        wire.te.put(up("run-0"))  # the dead incarnation, late: fenced
+        assert wire.run(0.3) == []
+        now[0] = 0.4
+        wire.te.put(up("run-1"))  # its replacement: listed now
+        [info] = wire.run(0.3)[-1].tes
+        assert (info.te_id, info.incarnation) == ("te0", "run-1")
+    finally:
+        wire.close()

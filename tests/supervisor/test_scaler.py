@@ -169,3 +169,28 @@ def test_a_failed_te_is_replaced_from_the_pool_and_scale_in_retires_one(tmp_path
     assert told[-1] == ScaleEvent(model="m", te_id="m-0", direction="in")
     scaler.close()
     node.ctx.term()
+
+
+def test_a_start_waits_for_a_warming_pod_and_goes_cold_if_it_dies(tmp_path):
+    node, scaler, _ = _scaler(tmp_path, pool_size=1)
+    scaler.fill_pool()  # pool0 warming
+    assert scaler.replace("zz-0", 1.0) is False  # no TE of ours
+    assert scaler.replace("m-0", 1.0) and scaler.is_waiting("m-0")
+    scaler.tick(2.0)
+    assert scaler.is_waiting("m-0") and node.spawned == []  # no cold start beside the pod
+    scaler.start_te("m-1", "m", "queue", 2.0)  # one pod warming, two starts: m-1 goes cold
+    assert node.spawned == [("m-1", "m")] and not scaler.is_waiting("m-1")
+    scaler.on_message(_ready("pool0", 3.0), 3.0)
+    scaler.tick(3.0)
+    assert not scaler.is_waiting("m-0") and "pool0" not in scaler.pods
+    assert scaler.starting["m-0"].source == "prewarmed"
+    assert scaler.starting["m-0"].given_at is not None
+    scaler.starting.clear()
+    scaler.fill_pool()  # pool1 warming
+    scaler.start_te("m-2", "m", "queue", 4.0)
+    assert scaler.is_waiting("m-2")
+    node.table.procs["pool1"].returncode = 1  # the pod died
+    scaler.tick(5.0)
+    assert node.spawned[-1] == ("m-2", "m") and scaler.starting["m-2"].source == "cold"
+    scaler.close()
+    node.ctx.term()

@@ -22,7 +22,9 @@ A TE that went down stays down for REUP_FENCE_S: a TEUp that arrives that
 soon after its TEDown is stale (a dying TE's host may announce itself once
 more before it notices a dead process), and no TE restarts that fast
 (respawn delay, start, load, warm-up). Without the fence the TE would flap
-back into the list and the JE route resumed requests to a dead TE.
+back into the list and the JE route resumed requests to a dead TE. A TEUp
+naming another incarnation (TEInfo.incarnation: a pre-warmed process can
+replace a TE in well under REUP_FENCE_S) is the new TE, and passes.
 
 `python -m deepserve.control.cluster_manager --conf RUN_DIR/node.json --role
 cluster-manager`: its sockets are the run's (cm, cm_pub), te_timeout_s is [node]'s.
@@ -81,6 +83,7 @@ class ClusterManager:
         self.tes: dict[str, TEInfo] = {}
         self.last_seen: dict[str, float] = {}
         self.down_at: dict[str, float] = {}  # te id -> its last TEDown (the re-up fence)
+        self.down_incarnation: dict[str, str] = {}  # te id -> the incarnation that went
         self.last_published: float | None = None
         self.scaling: ScalingControl | None = None  # enable_scaling
 
@@ -115,7 +118,9 @@ class ClusterManager:
         now = self.clock()
         if isinstance(msg, TEUp):  # TEs repeat it, so a restarted CM relearns them
             te_id = msg.info.te_id
-            if now - self.down_at.get(te_id, -REUP_FENCE_S) < REUP_FENCE_S:
+            gone = self.down_incarnation.get(te_id, "")
+            is_new = bool(msg.info.incarnation) and bool(gone) and msg.info.incarnation != gone
+            if not is_new and now - self.down_at.get(te_id, -REUP_FENCE_S) < REUP_FENCE_S:
                 log.info("TE %s: TEUp %.3f s after its TEDown ignored (stale)", te_id,
                          now - self.down_at[te_id])
                 return
@@ -153,6 +158,8 @@ class ClusterManager:
     def _remove(self, te_id: str, reason: str) -> None:
         self.last_seen.pop(te_id, None)
         info = self.tes.get(te_id)
+        if info is not None:
+            self.down_incarnation[te_id] = info.incarnation
         if info is not None and self.scaling is not None:
             self.scaling.on_te_down(te_id, info.model, reason, self.clock())
         if self.tes.pop(te_id, None) is not None:

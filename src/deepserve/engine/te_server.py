@@ -119,6 +119,7 @@ class _Host:
         self.to_cm = PushSocket(ctx, s.cm, bind=False)
         self.sink = PullSocket(ctx, launcher.address["client"], bind=True, type=ToClient)
         self.up = TEUp(info=TEInfo(te_id=s.te_id, te_type=s.te_type, model=s.served_model,
+                                   incarnation=launcher.run_id,
                                    address=s.inbox, num_devices=s.engine.tp,
                                    block_size=launcher.config.block_size))
         self.last_up = 0.0

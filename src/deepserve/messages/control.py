@@ -33,6 +33,9 @@ class TEInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     block_size: int = 16
     draining: bool = False
     """Chosen for scale-in: routed nothing new; its tasks run to their end."""
+    incarnation: str = ""
+    """The TE process's run id (new on every restart): the CM's re-up fence
+    holds back only the incarnation that went down."""
 
 
 class TEUp(msgspec.Struct, tag="te_up", **_STRUCT):

@@ -134,10 +134,11 @@ class Node:
                           scaler=self.scaler)
 
     def _fill_weight_cache(self) -> None:
-        """DRAM pre-load: the scalable models' weights into the node's cache
-        (those that may scale from zero first), within its budget (LRU)."""
-        models = sorted((m for m in self.config.all_models if m.scalable),
-                        key=lambda m: (m.min_tes > 0 and m.idle_s is None, m.name))
+        """DRAM pre-load: every model's weights into the node's cache (those that
+        may scale from zero first, the fixed [[te]] one last: its TEs only need
+        it to restart), within its budget (LRU)."""
+        models = sorted(self.config.all_models, key=lambda m: (
+            not m.scalable, m.min_tes > 0 and m.idle_s is None, m.name))
         for model in models:
             if self._stopping.is_set():
                 return

@@ -42,13 +42,15 @@ class _Start:
     reason: str
     source: str
     decided_at: float
-    given_at: float  # the process was given the TE (Assign sent, or cold Popen)
+    given_at: float | None  # a process was given the TE (Assign sent, or cold Popen)
     ready_at: float | None = None  # the TE's own clock (Ready.time): same node, same clock
     listed_at: float | None = None
     stages: dict = field(default_factory=dict)
     weights: str = "disk"
 
 
+POD_WAIT_S = 60.0
+"""A start waits at most this long for a warming pre-warmed process (then: cold)."""
 READY_WAIT_S = 2.0
 """A TE listed before its Ready came in: scaled_out waits this long for its stages."""
 
@@ -85,13 +87,6 @@ class NodeScaler:
             self.pods[name] = False
             self.node.spawn_pod(name)
 
-    def _take_pod(self) -> str | None:
-        for name, ready in self.pods.items():
-            if ready and self.node.table.poll(name) is None:
-                del self.pods[name]
-                return name
-        return None
-
     # -- messages -------------------------------------------------------------------
     def on_message(self, msg, now: float) -> bool:
         """Handle what is the scaler's (True), or leave it to the supervisor."""
@@ -127,31 +122,63 @@ class NodeScaler:
             self.next_index[model] = self.next_index.get(model, 0) + 1
             self.start_te(te_id, model, reason, now)
 
-    def start_te(self, te_id: str, model: str, reason: str, now: float) -> str:
-        """Start (or restart) te_id: from a pre-warmed process if one is ready,
-        else cold. The source ("prewarmed" or "cold")."""
+    def start_te(self, te_id: str, model: str, reason: str, now: float) -> None:
+        """Start (or restart) te_id: from a pre-warmed process if one is ready;
+        else, if one is still warming, as soon as it is (it has a head start on
+        a cold process, and a cold start beside it would slow both on few
+        cores); else cold."""
         if te_id not in self.node.te_ids:
             self.node.te_ids.append(te_id)
         self.model_of[te_id] = model
-        pod = self._take_pod()
+        self.starting[te_id] = _Start(model, reason, "", now, None)
+        waiting = [t for t, st in self.starting.items() if st.given_at is None]
+        if self._ready_pod() is None and len(waiting) <= self._num_warming():
+            return  # given in tick() once a pod is ready (POD_WAIT_S at most)
+        self._give(te_id)
+
+    def _give(self, te_id: str) -> None:
+        start = self.starting[te_id]
+        pod = self._ready_pod()
         if pod is not None:
+            del self.pods[pod]
             incarnation = self.node.table.next_incarnation(te_id)
-            self.node.adopt_pod(pod, te_id, model)
+            self.node.adopt_pod(pod, te_id, start.model)
             self.assigns.put(self.node.run.te_address(pod), Assign(
-                te_id=te_id, model=model, run_id=self.node.te_run_id(te_id, incarnation),
+                te_id=te_id, model=start.model, run_id=self.node.te_run_id(te_id, incarnation),
                 sent_at=time.monotonic()))
-            source = "prewarmed"
+            start.source = "prewarmed"
         else:
-            self.node.spawn_te(te_id, model)
-            source = "cold"
-        self.starting[te_id] = _Start(model, reason, source, now, self.clock())
-        self.fill_pool()
-        return source
+            self.node.spawn_te(te_id, start.model)
+            start.source = "cold"
+        start.given_at = self.clock()
+
+    def _ready_pod(self) -> str | None:
+        return next((p for p, ready in self.pods.items()
+                     if ready and self.node.table.poll(p) is None), None)
+
+    def _num_warming(self) -> int:
+        return sum(1 for p, ready in self.pods.items()
+                   if not ready and self.node.table.poll(p) is None)
+
+    def _give_waiting(self, now: float) -> None:
+        """Starts waiting for a pod: given one as pods get ready; cold once
+        no pod is left warming for them, or after POD_WAIT_S."""
+        waiting = [t for t, st in self.starting.items() if st.given_at is None]
+        for i, te_id in enumerate(waiting):
+            if self._ready_pod() is not None or i >= self._num_warming() \
+                    or now - self.starting[te_id].decided_at > POD_WAIT_S:
+                self._give(te_id)
+
+    def is_waiting(self, te_id: str) -> bool:
+        """A (re)start of te_id waits for a pod: its previous process stays dead meanwhile."""
+        start = self.starting.get(te_id)
+        return start is not None and start.given_at is None
 
     def replace(self, te_id: str, now: float) -> bool:
-        """Restart a failed TE from the pool (True), or leave it to respawn (False)."""
+        """Restart a failed TE from the pool (True: now, or once a warming pod
+        is ready), or leave it to respawn cold (False: no pod at all)."""
         model = self.model_of.get(te_id)
-        if model is None or not any(self.pods.values()):
+        if model is None or self._ready_pod() is None and not self._num_warming():
             return False
         self.start_te(te_id, model, "replace", now)
         return True
@@ -169,7 +196,8 @@ class NodeScaler:
         start = self.starting.pop(te_id, None)
         if start is not None:
             ready_at = start.ready_at if start.ready_at is not None else now
-            stages = {"scaler_pre": round(start.given_at - start.decided_at, 4),
+            given_at = start.given_at if start.given_at is not None else start.decided_at
+            stages = {"scaler_pre": round(given_at - start.decided_at, 4),
                       **start.stages, "scaler_post": round(now - ready_at, 4)}
             source = start.source + ("_cache" if start.weights == "cache" and
                                      start.source == "prewarmed" else "")
@@ -203,6 +231,7 @@ class NodeScaler:
         self.stopped.add(te_id)
 
     def tick(self, now: float) -> None:
+        self._give_waiting(now)
         self.fill_pool()
         for te_id in [t for t in self.retiring if t in self.stopped]:
             began = self.retiring.pop(te_id)

@@ -134,8 +134,10 @@ class Supervisor:
             if popen.poll() is None or name in self.failed or (incident and not incident.restarted):
                 continue  # alive, given up on, or already being replaced
             if self.scaler is not None and (name in self.scaler.pods
-                                            or self.scaler.is_retiring(name)):
-                continue  # the pool replaces its processes; a retiring TE is meant to stop
+                                            or self.scaler.is_retiring(name)
+                                            or self.scaler.is_waiting(name)):
+                continue  # the pool replaces its processes; a retiring TE is meant to
+                # stop; a TE waiting for a warming pod is still its dead old process
             self._log(name, "crashed", popen.pid, exit_code=popen.returncode,
                       while_recovering=incident is not None)
             self._fail(name, now, popen.pid)
@@ -230,7 +232,7 @@ class Supervisor:
     def _restart(self, name: str, incident: _Incident) -> None:
         if self.scaler is not None and name in self.tes \
                 and self.scaler.replace(name, time.monotonic()):
-            popen = self.table.procs[name]  # a pre-warmed process, told to be this TE
+            popen = self.table.procs[name]  # a pre-warmed process, now or once one is ready
         else:
             popen = self.table.respawn(name)
         incident.restarted = True
