@@ -125,3 +125,19 @@ def test_gateway_latencies_past_the_slo_scale_out_and_within_it_do_not():
     c.on_demand(ModelDemand(arrivals={"m": 10}, latencies={"m": [(500.0, 5.0)] * 10}), 2.0)
     c.step(2.0, {"m-0": te("m-0")})
     assert [(type(m), m.reason) for m in sent] == [(ScaleOut, "slo")]
+
+
+def test_requests_that_waited_for_a_start_do_not_count_against_the_slo():
+    sent = []
+    spec = ModelSpec(name="m", path="/m", min_tes=0, max_tes=2,
+                     slo=SLOSection(ttft_ms=1000.0, percentile=0.9))
+    c = ScalingControl(policies_of([spec]), options_of(ScalingSection()), sent.append,
+                       lambda event, **d: None, 0.0, 60.0, {})
+    c.on_demand(ModelDemand(arrivals={"m": 6}, parked={"m": 6}), 1.0)
+    c.step(1.0, {})
+    assert [m.reason for m in sent] == ["demand_from_zero"]
+    c.on_te_up(te("m-0"), 9.0)  # 8 s to start: the six waited that long
+    c.step(9.0, {"m-0": te("m-0")})
+    c.on_demand(ModelDemand(parked={"m": 0}, latencies={"m": [(8200.0, 5.0)] * 6}), 9.5)
+    c.step(9.6, {"m-0": te("m-0")})
+    assert len(sent) == 1  # no "slo" scale-out for the start's own wait

@@ -36,6 +36,9 @@ import zmq
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.control import TEInfo, TEList, TEReport
 from deepserve.messages.engine import AbortRequest, RequestDelta, RequestFailed, SubmitRequest
+from deepserve.messages.scaling import RequestLatencies
+
+_JE_INBOX = SubmitRequest | AbortRequest | RequestLatencies
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
          "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
@@ -91,6 +94,8 @@ class FakeBackend:
     """TEs the fake CM lists; assign a new list to change what it publishes."""
     submits: list[SubmitRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    latencies: list[RequestLatencies] = field(default_factory=list)
+    """The gateway's SLO samples (TTFT / TPOT per model), as the JE gets them."""
     hold_submits: bool = False
     """Record submits but run none (a JE that took them and has not routed them)."""
     lost: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -149,7 +154,7 @@ class FakeBackend:
         socks = []
         try:
             self._inbox = PullSocket(ctx, self.je_address, bind=True,
-                                     type=SubmitRequest | AbortRequest)
+                                     type=_JE_INBOX)
             self._pub = PubSocket(ctx, self.cm_address)
             self._outboxes: dict[str, PushSocket] = {}
             socks = [self._inbox, self._pub]
@@ -174,14 +179,17 @@ class FakeBackend:
                 self._inbox.close()
                 time.sleep(self._restart_je_s)
                 self._inbox = PullSocket(ctx, self.je_address, bind=True,
-                                         type=SubmitRequest | AbortRequest)
+                                         type=_JE_INBOX)
                 self._restart_je_s = None
                 self.num_je_restarts += 1
             if time.monotonic() >= next_publish:
                 self._publish()
                 next_publish = time.monotonic() + self.publish_interval_s
 
-    def _handle(self, ctx: zmq.Context, msg: SubmitRequest | AbortRequest) -> None:
+    def _handle(self, ctx: zmq.Context, msg) -> None:
+        if isinstance(msg, RequestLatencies):
+            self.latencies.append(msg)
+            return
         if isinstance(msg, AbortRequest):
             self.aborts.append(msg.request_id)
             self._jobs.pop(msg.request_id, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import openai
@@ -196,3 +197,16 @@ def test_openapi_schema(stack):
     with stack.http() as http:
         paths = http.get("/openapi.json").json()["paths"]
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"} <= set(paths)
+
+
+def test_completed_requests_report_their_latencies_to_the_job_executor(make_stack):
+    """The autoscaler's SLO samples: TTFT (and TPOT past one token) per model."""
+    s = make_stack()
+    client = s.openai()
+    client.completions.create(model=MODEL, prompt="hello", max_tokens=4)
+    deadline = time.monotonic() + 5
+    while not s.backend.latencies and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [msg] = s.backend.latencies
+    [(ttft_ms, tpot_ms)] = msg.samples[MODEL]
+    assert 0 < ttft_ms < 5000 and (tpot_ms is None or tpot_ms >= 0)

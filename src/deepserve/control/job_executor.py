@@ -176,7 +176,10 @@ class JobExecutor:
             if time.monotonic() < park_until and len(self.parked) < PARK_MAX:
                 self.parked.append((park_until, msg, ids))
                 return False
-            self._fail(msg, "engine_dead", f"no TE can take the request: {e}")
+            model = self.book.name_of(msg.model)
+            why = (f"no engine of model {model!r} came up within {self.queue_timeout_s:g} s"
+                   if self.book.waits_for_scaling(model) else f"no TE can take the request: {e}")
+            self._fail(msg, "engine_dead", why)
             return True
         if self._send_task(msg, ids, te_id, prefill_te) and msg.attempt:
             self._note_migrated(msg, te_id, len(ids))

@@ -108,7 +108,10 @@ class ScalingControl:
             self.autoscaler.on_parked(model, n, now)
         for model, samples in msg.latencies.items():
             for ttft_ms, tpot_ms in samples:
-                self.autoscaler.on_latency(model, now, ttft_ms=ttft_ms, tpot_ms=tpot_ms)
+                # dated by arrival (finish - TTFT, or earlier): a request that waited
+                # for a TE to start is not held against the TEs up once it is served
+                arrived = now - (ttft_ms or 0.0) / 1e3
+                self.autoscaler.on_latency(model, arrived, ttft_ms=ttft_ms, tpot_ms=tpot_ms)
 
     def on_scale_event(self, msg: ScaleEvent) -> None:
         if msg.direction == "failed" and self.starting.get(msg.model):
