@@ -47,8 +47,9 @@ class SLOSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 class ScalingSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    pool_size: Annotated[int, Meta(ge=0, le=64)] = 1
-    """Pre-warmed TE processes kept ready (imports done, no model); 0: every TE starts cold."""
+    pool_size: Annotated[int, Meta(ge=0, le=64)] = 0
+    """Pre-warmed TE processes kept ready (imports done, no model); 0: every TE starts
+    cold (the schema's default, for embedded nodes; conf/node.toml keeps one)."""
     weight_cache_bytes: Annotated[int, Meta(ge=0)] = 1 << 30
     """Bytes of model weights the node keeps in shared memory (LRU); 0: no weight cache."""
     queue_timeout_s: Positive = 60.0
