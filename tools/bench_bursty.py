@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import random
 import shutil
@@ -65,18 +64,9 @@ POLL_S = 0.5
 BIN_S = 5.0  # the plot's load bins (seconds at scale 1)
 
 
-def _sibling(name: str):
-    """tools/ is no package: load a sibling module by its path, once."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-client = _sibling("bench_client")  # one streamed request, timed (TTFT, gaps, usage)
-percentile = _sibling("bench_stats").percentile
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is no package
+import bench_client as client  # noqa: E402  one streamed request, timed (TTFT, gaps, usage)
+from bench_stats import percentile  # noqa: E402
 
 
 # -- the trace ----------------------------------------------------------------------

@@ -40,7 +40,7 @@ from deepserve.worker.model_runner import ModelRunner
 from deepserve.worker.worker_actor import WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
-_PRELOAD = ["torch", "torch._dynamo", "deepserve.worker.worker_actor",
+PRELOAD = ["torch", "torch._dynamo", "deepserve.worker.worker_actor",
             "deepserve.engine.master", "deepserve.engine.tokenizer_actor"]
 """torch._dynamo: the first module init on the meta device imports it (~2.5 s
 per worker on 2 cores, in its weight load) unless the forkserver has."""
@@ -86,7 +86,7 @@ class TELauncher:
         # (re)starts in ~2.2 s instead of ~3.7 s on 2 idle cores, and faster
         # still when the cores are busy, which is when a TE gets replaced.
         self._mp = mp.get_context("forkserver")
-        self._mp.set_forkserver_preload(_PRELOAD)
+        self._mp.set_forkserver_preload(PRELOAD)
 
     @property
     def pids(self) -> dict[str, int]:

@@ -25,7 +25,7 @@ from multiprocessing import forkserver
 
 import zmq
 
-from deepserve.engine.launcher import _PRELOAD
+from deepserve.engine.launcher import PRELOAD
 from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.health import Ready
@@ -40,7 +40,7 @@ def prewarm() -> float:
     process through it (so its imports are done); seconds it took."""
     started = time.perf_counter()
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
     probe = ctx.Process(target=_noop, name="deepserve-prewarm")
     probe.start()
