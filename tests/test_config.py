@@ -507,3 +507,31 @@ def test_a_te_of_the_node_model_keeps_its_table_when_a_pool_process_becomes_it(t
         s = te_server.load_settings(args)
         assert (s.te_type, s.engine.block_size, s.served_model) == (kind, block, model)
         assert s.inbox.endswith(f"/{te_id}.sock")
+
+
+@pytest.mark.parametrize("table, ok", [
+    ({"min_tes": 0}, True), ({"min_tes": -1}, False),
+    ({"min_tes": 64, "max_tes": 64}, True), ({"min_tes": 65, "max_tes": 64}, False),
+    ({"max_tes": 1}, True), ({"max_tes": 0}, False), ({"max_tes": 65}, False),
+    ({"min_tes": 3, "max_tes": 2}, False),
+    ({"slo": {"percentile": 1.0}}, True), ({"slo": {"percentile": 1.01}}, False),
+    ({"slo": {"percentile": 0.0}}, False), ({"idle_s": 0.0}, False), ({"idle_s": 0.1}, True),
+])
+def test_model_table_limits_at_and_past_their_boundary(tmp_path, table, ok):
+    path = write_toml(tmp_path, {"model": [{"path": "models/x", **table}]})
+    if ok:
+        assert load_node_config(path).models[0].path == at(tmp_path, "models/x")
+        return
+    with pytest.raises(ValueError, match=r"\[\[model\]\]"):
+        load_node_config(path)
+
+
+@pytest.mark.parametrize("key, good, bad", [("pool_size", 64, 65), ("pool_size", 0, -1),
+                                            ("weight_cache_bytes", 0, -1),
+                                            ("queue_timeout_s", 0.001, 0.0)])
+def test_scaling_limits_at_and_past_their_boundary(tmp_path, key, good, bad):
+    base = {"node": {"model": "m"}, "te": [{}]}
+    assert getattr(load_node_config(write_toml(tmp_path, {**base, "scaling": {key: good}}))
+                   .scaling, key) == good
+    with pytest.raises(ValueError, match=rf"\[scaling\] {key}"):
+        load_node_config(write_toml(tmp_path, {**base, "scaling": {key: bad}}))

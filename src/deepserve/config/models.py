@@ -114,7 +114,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         if not self.name:
             raise ValueError("model: a model needs a name")
         if self.min_tes > self.max_tes:
-            raise ValueError(f"model {self.name!r}: min_tes {self.min_tes} > max_tes {self.max_tes}")
+            raise ValueError(f"model: {self.name!r}: min_tes {self.min_tes} > "
+                             f"max_tes {self.max_tes}")
         self.engine_config()
 
 
