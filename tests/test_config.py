@@ -23,6 +23,7 @@ from deepserve.config.models import ModelSection, ScalingSection, SLOSection
 from deepserve.config.node import (ENGINE_OPTIONS, FLAT_SECTIONS, GatewaySection, NodeConfig,
                                    NodeSection, PDOptions, RouterSection, RunAddresses,
                                    SupervisorConfig, TESection, TESpec)
+from deepserve.cache import tier_server
 from deepserve.control import cluster_manager, job_executor
 from deepserve.engine import te_server
 from deepserve.gateway import __main__ as gateway_main
@@ -30,7 +31,7 @@ from deepserve.supervisor.node_config import with_models, with_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"cluster-manager": cluster_manager, "job-executor": job_executor,
-           "gateway": gateway_main, "te": te_server}
+           "gateway": gateway_main, "te": te_server, "kv-cache": tier_server}
 BASE = {"node": {"model": "models/m"}, "te": [{}]}
 
 
@@ -57,7 +58,8 @@ def write_toml(tmp_path: Path, tables: dict) -> Path:
 def resolve(path: Path, run_dir: Path) -> Path:
     """What the node does before it starts children: resolve, add the run, write."""
     config = load_node_config(path)
-    run = RunAddresses.in_dir(run_dir, "run1", [te.te_id for te in config.tes])
+    run = RunAddresses.in_dir(run_dir, "run1", [te.te_id for te in config.tes],
+                              kv_cache=config.node.host_cache_bytes > 0)
     return write_run_config(config.with_run(run), run_dir / "node.json")
 
 
@@ -68,7 +70,8 @@ def effective(role: str, conf: Path):
     if role == "supervisor":
         return load_node_config(conf).supervisor
     resolved = resolve(conf, conf.parent.parent)
-    extra = ["--te-id", "te0", "--run-id", "r0"] if role == "te" else []
+    extra = {"te": ["--te-id", "te0", "--run-id", "r0"], "kv-cache": ["--run-id", "r0"]
+             }.get(role, [])
     if role == "te-scaled":  # a TE the autoscaler added, of the first [[model]]
         config = load_node_config(conf)
         if not config.models:
@@ -104,6 +107,13 @@ CASES = [
     ("node", "te_timeout_s", 2.5, "cluster-manager", lambda s, t: s.te_timeout_s == 2.5),
     ("node", "num_devices", 4, "node", lambda s, t: s.node.num_devices == 4),
     ("node", "max_attempts", 7, "job-executor", lambda s, t: s.max_attempts == 7),
+    ("node", "host_cache_bytes", 1 << 20, "kv-cache", lambda s, t: s.host_bytes == 1 << 20),
+    ("node", "host_cache_bytes", 1 << 20, "te", lambda s, t: s.kv_cache != ""),
+    ("node", "disk_cache_dir", "var/kv", "kv-cache", lambda s, t: s.disk_dir == at(t, "var/kv")),
+    ("node", "disk_cache_bytes", 4096, "kv-cache", lambda s, t: s.disk_bytes == 4096),
+    ("node", "disk_fsync", "always", "kv-cache", lambda s, t: s.fsync == "always"),
+    ("node", "context_cache_bytes", 1000, "kv-cache", lambda s, t: s.pin_bytes == 1000),
+    ("node", "cache_cost_model", False, "te", lambda s, t: s.cache_cost_model is False),
     ("gateway", "api_keys", {"k": "t"}, "gateway", lambda s, t: dict(s.api_keys) == {"k": "t"}),
     ("gateway", "max_open_requests", 9, "gateway", lambda s, t: s.max_open_requests == 9),
     ("gateway", "request_timeout_s", 4.5, "gateway", lambda s, t: s.request_timeout_s == 4.5),
@@ -123,6 +133,7 @@ CASES = [
      lambda s, t: s.router.pd_heatmap == at(t, "conf/h.json")),
     ("router", "pd_predictor", "conf/p.json", "job-executor",
      lambda s, t: s.router.pd_predictor == at(t, "conf/p.json")),
+    ("router", "token_continuity", False, "job-executor", lambda s, t: s.continuity is False),
     ("router", "isolate_suspects", True, "job-executor",
      lambda s, t: s.router.isolate_suspects is True),
     ("router", "pd_options", {"margin": 0.5, "min_prompt_len": 10, "max_decode_len": 20},

@@ -2,7 +2,8 @@
 
     DeepServeError
     ├── InvalidRequestError (also ValueError)   bad prompt or sampling field
-    │   └── PromptTooLongError                  prompt + room to generate > max_model_len
+    │   ├── PromptTooLongError                  prompt + room to generate > max_model_len
+    │   └── ContextNotFoundError                no such context (for this tenant)
     ├── ModelLoadError                          model directory unusable
     │   └── UnsupportedModelError               architecture we do not implement
     └── EngineDeadError                         a TE process died; its requests fail
@@ -16,8 +17,11 @@ class DeepServeError(Exception):
 class InvalidRequestError(DeepServeError, ValueError):
     """A request is malformed; raised before it enters the batch.
 
-    `param` names the offending field (OpenAI's error body has the same slot).
+    `param` names the offending field (OpenAI's error body has the same slot);
+    `code` is the RequestFailed.error it travels as.
     """
+
+    code = "invalid_request"
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -26,6 +30,14 @@ class InvalidRequestError(DeepServeError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt does not fit the model's context (`max_model_len`)."""
+
+    code = "prompt_too_long"
+
+
+class ContextNotFoundError(InvalidRequestError):
+    """A context id that does not exist for the caller (expired, deleted, another tenant's)."""
+
+    code = "context_not_found"
 
 
 class ModelLoadError(DeepServeError):

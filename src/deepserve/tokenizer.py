@@ -97,7 +97,32 @@ class Tokenizer:
             raise InvalidRequestError("prompt is empty", "prompt")
         return prompt, self.encode(prompt)
 
-    def _render_guarded(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True
+               ) -> tuple[str, list[tuple[int, int]]]:
+        """The chat template's text and its guarded spans (encode_rendered takes both)."""
+        return self._render_guarded(messages, add_generation_prompt)
+
+    def encode_rendered(self, text: str, guarded: list[tuple[int, int]],
+                        prefix: tuple[str, list[int]] | None = None) -> list[int] | None:
+        """Ids of rendered text; with prefix = (text, ids) of an earlier prompt
+        this one starts with, those ids and only the rest encoded (token-id
+        continuity: the KV of those ids is cached). None if `text` does not
+        start with the prefix text, or a guarded span straddles its end."""
+        if prefix is None:
+            if not guarded:
+                return self.encode(text, add_special_tokens=False)
+            return self._encode_guarded(text, guarded)
+        head, head_ids = prefix
+        cut = len(head)
+        if not text.startswith(head) or any(s < cut < e for s, e in guarded):
+            return None
+        tail, spans = text[cut:], [(s - cut, e - cut) for s, e in guarded if s >= cut]
+        if not tail:
+            return list(head_ids)
+        return list(head_ids) + self.encode_rendered(tail, spans)
+
+    def _render_guarded(self, messages: list[dict], add_generation_prompt: bool = True
+                        ) -> tuple[str, list[tuple[int, int]]]:
         """(rendered prompt, [start, end) spans of it that came from message
         text and look like special tokens or markers: encode them as text)."""
         _check_messages(messages)
@@ -113,7 +138,7 @@ class Tokenizer:
 
         escaped = [{k: self._guard_re.sub(mark, v) if isinstance(v, str) else v
                     for k, v in m.items()} for m in messages]
-        rendered = self.apply_chat_template(escaped)
+        rendered = self.apply_chat_template(escaped, add_generation_prompt)
         if not markers:
             return rendered, []
         originals = {marker: text for text, marker in markers.items()}

@@ -1,11 +1,10 @@
 """The job executor over real ZeroMQ sockets: a test PUB plays the cluster
-manager, test PULL sockets play two TEs and the gateway."""
+manager, test PULL sockets play two TEs and the gateway (je_rig.py)."""
 
 import shutil
 import tempfile
 import time
 
-import pytest
 import zmq
 
 from deepserve.cache.block_hash import prompt_block_hashes
@@ -17,46 +16,7 @@ from deepserve.messages.control import TEInfo, TEList, TEReport
 from deepserve.messages.engine import AbortRequest, RequestFailed, SubmitRequest, ToClient
 from deepserve.messages.sampling import SamplingParams
 from deepserve.tokenizer import Tokenizer
-
-_TE_IN = SubmitRequest | AbortRequest
-
-
-@pytest.fixture
-def rig(tiny_model):
-    d = tempfile.mkdtemp(prefix="dsje")
-    ctx = zmq.Context()
-    addr = {n: f"ipc://{d}/{n}.sock" for n in ("je", "cm", "gw", "te0", "te1")}
-    cm = PubSocket(ctx, addr["cm"], bind=True)
-    events = []
-    je = JobExecutor(ctx, addr["je"], addr["cm"], str(tiny_model), Router("combined"),
-                     events=lambda event, **details: events.append((event, details)),
-                     isolate_suspects=True)
-    je.links.fence_s = 0.0  # TEs "restart" here at once; test_a_te_that_just_failed_is_fenced
-    rig = {"ctx": ctx, "addr": addr, "cm": cm, "je": je, "events": events,
-           "gw": PullSocket(ctx, addr["gw"], bind=True, type=ToClient),
-           "to_je": PushSocket(ctx, addr["je"], bind=False),
-           "te": {t: PullSocket(ctx, addr[t], bind=True, type=_TE_IN) for t in ("te0", "te1")},
-           "tok": Tokenizer(tiny_model)}
-    yield rig
-    je.close()
-    for sock in [cm, rig["gw"], rig["to_je"], *rig["te"].values()]:
-        sock.close()
-    ctx.term()
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def _publish(rig, tes):
-    rig["cm"].put(TEList(tes=[TEInfo(te_id=t, model="m", address=rig["addr"][t]) for t in tes]))
-
-
-def _pump(rig, until, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rig["je"].step(20)
-        got = until()
-        if got is not None:
-            return got
-    raise AssertionError("timed out")
+from tests.control.je_rig import _TE_IN, _publish, _pump
 
 
 def _recv(sock):

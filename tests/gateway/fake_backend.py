@@ -36,9 +36,10 @@ import zmq
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.control import TEInfo, TEList, TEReport
 from deepserve.messages.engine import AbortRequest, RequestDelta, RequestFailed, SubmitRequest
+from deepserve.messages.contexts import TurnDone
 from deepserve.messages.scaling import RequestLatencies
 
-_JE_INBOX = SubmitRequest | AbortRequest | RequestLatencies
+_JE_INBOX = SubmitRequest | AbortRequest | RequestLatencies | TurnDone
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
          "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
@@ -95,6 +96,8 @@ class FakeBackend:
     submits: list[SubmitRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     latencies: list[RequestLatencies] = field(default_factory=list)
+    turns_done: list[TurnDone] = field(default_factory=list)
+    """What the gateway said of finished chat requests (token-id continuity)."""
     """The gateway's SLO samples (TTFT / TPOT per model), as the JE gets them."""
     hold_submits: bool = False
     """Record submits but run none (a JE that took them and has not routed them)."""
@@ -187,6 +190,9 @@ class FakeBackend:
                 next_publish = time.monotonic() + self.publish_interval_s
 
     def _handle(self, ctx: zmq.Context, msg) -> None:
+        if isinstance(msg, TurnDone):
+            self.turns_done.append(msg)
+            return
         if isinstance(msg, RequestLatencies):
             self.latencies.append(msg)
             return

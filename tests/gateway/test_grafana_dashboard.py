@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deepserve.gateway.metrics import GatewayMetrics, RequestTiming
+from deepserve.messages.cache import TierReport
 from deepserve.messages.control import TEInfo, TEReport
 from deepserve.messages.scaling import ScaleEvent
 
@@ -87,8 +88,12 @@ def families():
                                           finished_at=1.0, num_tokens=5))
     report = TEReport(te_id="m-0", num_waiting=1, num_running=2, load_tokens=30, kv_usage=0.5,
                       num_prompt_tokens=100, num_cached_tokens=40, kv_transfer_bytes=4096,
-                      kv_transfer_seconds=[0.01])
+                      kv_transfer_seconds=[0.01], tier_hit_tokens={"host": 16, "disk": 16},
+                      tier_fetch_seconds={"host": [0.002], "disk": [0.01]},
+                      kv_cached_bytes=1 << 20)
     metrics.observe_te_report(report)
+    metrics.observe_tiers(TierReport(host_bytes=1 << 20, disk_bytes=1 << 22, num_contexts=1),
+                          {"m-0": report})
     metrics.observe_scale_event(ScaleEvent(model="m", te_id="m-0", direction="out",
                                            source="cold", stages={"te_load": 0.1}))
     metrics.refresh(num_running=2, num_waiting=1, te_ids=["m-0"], reports={"m-0": report})
@@ -131,7 +136,8 @@ def test_panels_are_well_formed(dashboard):
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     rows = [p["title"] for p in panels if p["type"] == "row"]
-    assert rows == ["Traffic", "Latency", "TEs & cache", "Scaling", "KV transfer"]
+    assert rows == ["Traffic", "Latency", "TEs & cache", "Scaling", "KV transfer",
+                    "KV cache tiers"]
     for panel in panels:
         assert panel["title"], panel
         assert {"h", "w", "x", "y"} <= set(panel["gridPos"]), panel["title"]

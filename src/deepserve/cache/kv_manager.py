@@ -11,6 +11,12 @@ full, computed blocks are shared through the tree (ref-counted), the rest are
 its own. commit() moves newly completed blocks into the tree; when an equal
 block is already there, the sequence adopts the tree's block and gives its
 own copy back (the KV is the same tokens' KV).
+
+Lower tiers (engine/tiers.py): with collect_new_nodes, every node commit()
+inserts is kept until pop_new_nodes() (the master writes those blocks
+through to the host tier); pin() holds a set of nodes and all their
+ancestors (so ref_count(parent) >= ref_count(child) still holds) until
+unpin(), while their blocks are copied out.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ class _SeqBlocks:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 record_events: bool = False):
+                 record_events: bool = False, collect_new_nodes: bool = False):
         self.num_blocks = num_blocks
+        self.collect_new_nodes = collect_new_nodes
+        self._new_nodes: list[RadixNode] = []
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.tree = RadixTree(block_size, record_events)
@@ -108,11 +116,43 @@ class KVCacheManager:
             node = self.tree.child(parent, key)
             if node is None:
                 node = self.tree.insert(parent, key, entry.blocks[i])
+                if self.collect_new_nodes:
+                    self._new_nodes.append(node)
             else:  # an equal block is cached already: use it, return ours
                 self._free.append(entry.blocks[i])
                 entry.blocks[i] = node.block_id
             self.tree.acquire([node])
             entry.nodes.append(node)
+
+    def truncate(self, seq_id: int, num_blocks: int) -> None:
+        """Give back the sequence's private blocks past its first num_blocks."""
+        entry = self._seqs[seq_id]
+        keep = max(num_blocks, len(entry.nodes))
+        self._free.extend(entry.blocks[keep:])
+        del entry.blocks[keep:]
+
+    def nodes_of(self, seq_id: int) -> list[RadixNode]:
+        """The tree nodes of the sequence's leading (committed) blocks."""
+        return list(self._seqs[seq_id].nodes)
+
+    def pop_new_nodes(self) -> list[RadixNode]:
+        """Nodes inserted since the last call that are still in the tree."""
+        new, self._new_nodes = self._new_nodes, []
+        return [n for n in new if n.parent is not None and n.parent.children.get(n.key) is n]
+
+    def pin(self, nodes: list[RadixNode]) -> list[RadixNode]:
+        """Hold nodes and their ancestors (each once); unpin() the result."""
+        held: dict[int, RadixNode] = {}
+        for node in nodes:
+            while node is not None and not node.is_root and id(node) not in held:
+                held[id(node)] = node
+                node = node.parent
+        pinned = list(held.values())
+        self.tree.acquire(pinned)
+        return pinned
+
+    def unpin(self, pinned: list[RadixNode]) -> None:
+        self.tree.release(pinned)
 
     def free(self, seq_id: int) -> None:
         entry = self._seqs.pop(seq_id)
@@ -131,8 +171,9 @@ class KVCacheManager:
         return [self._free.popleft() for _ in range(n)]
 
     # -- integrity -----------------------------------------------------------
-    def check_integrity(self) -> None:
-        """Assert the ownership and ref-count invariants of the module docstring."""
+    def check_integrity(self, pinned: list[RadixNode] | None = None) -> None:
+        """Assert the ownership and ref-count invariants of the module docstring;
+        pinned: every node held by pin() now (each pin()'s list, concatenated)."""
         owner: dict[int, str] = {}
 
         def own(block: int, who: str) -> None:
@@ -154,6 +195,8 @@ class KVCacheManager:
                 refs[id(node)] += 1
             for b in entry.blocks[len(entry.nodes):]:
                 own(b, f"sequence {seq_id}")
+        for node in pinned or ():
+            refs[id(node)] += 1
         assert len(owner) == self.num_blocks, f"{self.num_blocks - len(owner)} blocks leaked"
         nodes = list(self.tree.nodes())
         assert all(refs[id(n)] == n.ref_count for n in nodes), "ref_count != holders"

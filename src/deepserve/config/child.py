@@ -19,7 +19,7 @@ from typing import Mapping
 
 import msgspec
 
-ROLES = ("cluster-manager", "job-executor", "gateway", "te")
+ROLES = ("cluster-manager", "job-executor", "gateway", "te", "kv-cache")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,9 @@ def parse_child_args(argv: list[str] | None, role: str, description: str) -> Chi
         ap.add_argument("--model", default=None, help="a scaled TE: the model it serves")
         ap.add_argument("--pool", action="store_true",
                         help="start pre-warmed and wait to be assigned a TE")
+    if role == "kv-cache":
+        ap.add_argument("--run-id", default=None,
+                        help="names its shared memory (the supervisor sweeps it)")
     ap.add_argument("--print-config", action="store_true",
                     help="print this process's effective config as JSON and exit")
     args = ap.parse_args(argv)
@@ -66,6 +69,8 @@ def child_argv(conf: str | Path, role: str, te_id: str | None = None,
     argv = ["--conf", str(conf), "--role", role]
     if te_id is not None:
         argv += ["--te-id", te_id, "--run-id", run_id or te_id]
+    elif run_id is not None:
+        argv += ["--run-id", run_id]
     if model is not None:
         argv += ["--model", model]
     if pool:

@@ -23,8 +23,8 @@ from deepserve.config.models import ModelSpec, model_spec
 from deepserve.config.node import (_SECTION_TYPES, ENGINE_OPTIONS, NodeConfig, RunAddresses,
                                    TESpec)
 
-_PATHS = {"node": ("model",), "router": ("pd_heatmap", "pd_predictor"), "supervisor": ("log_dir",),
-          "model": ("path",)}
+_PATHS = {"node": ("model", "disk_cache_dir"), "router": ("pd_heatmap", "pd_predictor"),
+          "supervisor": ("log_dir",), "model": ("path",)}
 _ARRAYS = ("te", "model")
 """Sections written as arrays of tables ([[te]], [[model]])."""
 """Keys holding paths, resolved against the repository root."""

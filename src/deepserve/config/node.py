@@ -57,6 +57,21 @@ class NodeSection(Section):
     """Devices this node can give TEs (a TE takes tp of them, gang scheduled); None: no limit."""
     max_attempts: Count = 3
     """TEs one request may run on (job executor): it resumes elsewhere when its TE is lost."""
+    host_cache_bytes: Annotated[int, Meta(ge=0)] = 0
+    """Bytes of node DRAM (shared memory) for the host KV tier, split evenly among the
+    node's models and shared by each model's TEs; 0: no host tier (and no disk tier)."""
+    disk_cache_dir: str = ""
+    """Directory of the disk KV tier's block files (kept across node restarts); "": off."""
+    disk_cache_bytes: Annotated[int, Meta(ge=0)] = 0
+    """Bytes of block files the disk tier keeps (LRU), split evenly among the models."""
+    disk_fsync: Literal["never", "always"] = "never"
+    """fsync block files before they are renamed into place (cache/block_file.py)."""
+    context_cache_bytes: Annotated[int, Meta(ge=0)] = 0
+    """Bytes of KV blocks that contexts (POST /v1/contexts) may pin, split among the
+    models; 0: half of the lowest tier (disk if on, else host)."""
+    cache_cost_model: bool = True
+    """Fetch cached blocks from host / disk only when that beats recomputing them
+    (measured bandwidths and prefill speed); false: fetch every hit."""
 
     def __post_init__(self):
         if not self.served_model:  # derived before anyone reads it; frozen after
@@ -116,6 +131,9 @@ class RouterSection(Section):
     """JSON decode-length predictor written by tools/train_predictor.py."""
     pd_options: PDOptions = PDOptions()
     """Thresholds of the PD policy, an inline table: { margin = 0.0, min_prompt_len = 1024 }."""
+    token_continuity: bool = True
+    """Tokenize a chat turn that continues an earlier one (same tenant) as that
+    turn's exact prompt + reply ids and the rest (control/turns.py), so its KV hits."""
     isolate_suspects: bool = False
     """Resume a request whose TE crashed only in isolation (control/suspects.py): never
     beside another suspect, only while another TE stays free of suspects, back on the TE
@@ -200,15 +218,18 @@ class RunAddresses(msgspec.Struct, frozen=True, kw_only=True):
     """The supervisor's heartbeat inbox (also in $DEEPSERVE_HEARTBEAT, which ActorLife reads)."""
     tes: dict[str, str] = {}
     """TE id -> the inbox its tokenizer binds (the [[te]] TEs)."""
+    kv_cache: str = ""
+    """The KV tier service's inbox ("" when [node] host_cache_bytes is 0)."""
     run_dir: str = ""
     """Where TEs started later (scaling) and pre-warmed processes bind theirs."""
 
     @classmethod
-    def in_dir(cls, run_dir: str | Path, run_id: str, te_ids) -> "RunAddresses":
+    def in_dir(cls, run_dir: str | Path, run_id: str, te_ids,
+               kv_cache: bool = False) -> "RunAddresses":
         at = lambda name: f"ipc://{run_dir}/{name}.sock"  # noqa: E731
         return cls(run_id=run_id, cm=at("cm"), cm_pub=at("cm-pub"), je=at("je"),
                    gw_reply=at("gw-reply"), hb=at("hb"), tes={t: at(t) for t in te_ids},
-                   run_dir=str(run_dir))
+                   kv_cache=at("kv-cache") if kv_cache else "", run_dir=str(run_dir))
 
     def te_address(self, te_id: str) -> str:
         """The inbox of any TE (or pre-warmed process) of the run."""
@@ -249,6 +270,10 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"model: two models are named alike: {names}")
         for model in self.models:
             model.check()
+        n = self.node
+        if n.disk_cache_dir and n.disk_cache_bytes and not n.host_cache_bytes:
+            raise ValueError("node: disk_cache_bytes: the disk tier is fed through the host "
+                             "tier; set host_cache_bytes too")
 
     @property
     def all_models(self) -> tuple[ModelSpec, ...]:

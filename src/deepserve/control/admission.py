@@ -105,7 +105,7 @@ class PromptTokens:
     def __init__(self, tokenizer: Tokenizer, max_chars: int | None,
                  clock: Callable[[], float] = time.monotonic):
         self.tokenizer, self.max_chars, self.clock = tokenizer, max_chars, clock
-        self._cache: OrderedDict[bytes, tuple[float, list[int]]] = OrderedDict()
+        self._cache: OrderedDict[bytes, tuple[float, str | None, list[int]]] = OrderedDict()
         self.num_tokenized = 0
 
     @classmethod
@@ -116,26 +116,39 @@ class PromptTokens:
         max_chars = max_len * per_token if max_len and per_token else None
         return cls(tokenizer, max_chars)
 
-    def ids(self, msg) -> list[int]:
-        """The prompt ids of a SubmitRequest; InvalidRequestError (or
-        PromptTooLongError) naming the field when unusable."""
-        if msg.messages is None and msg.prompt_token_ids is not None:
-            return list(msg.prompt_token_ids)
+    def check_chars(self, msg) -> None:
+        """PromptTooLongError when the text cannot fit the model (the char bound)."""
         chars, field = num_chars(msg)
         if self.max_chars is not None and chars > self.max_chars:
             raise PromptTooLongError(
                 f"{field} has {chars} characters: more tokens than the model's maximum "
                 f"context length can hold", field)
-        key = msgspec.msgpack.encode([msg.prompt, msg.messages])
+
+    def ids(self, msg) -> list[int]:
+        """The prompt ids of a SubmitRequest; InvalidRequestError (or
+        PromptTooLongError) naming the field when unusable."""
+        if msg.messages is None and msg.prompt_token_ids is not None:
+            return list(msg.prompt_token_ids)
+        self.check_chars(msg)
+        _, ids = self.memo(msg, lambda: self.tokenizer.request_ids(msg.prompt, None,
+                                                                   msg.messages))
+        return ids
+
+    def memo(self, msg, compute, scope=None) -> tuple[str | None, list[int]]:
+        """compute() -> (text, ids), done once for the same content, context
+        and scope (the tenant: continuity differs per tenant) within
+        CACHE_TTL_S: the n sub-requests of one request."""
+        key = msgspec.msgpack.encode([msg.prompt, msg.messages,
+                                      getattr(msg, "context_id", None), scope])
         now = self.clock()
         hit = self._cache.get(key)
         if hit is not None and now - hit[0] <= CACHE_TTL_S:
             self._cache.move_to_end(key)
-            return list(hit[1])
-        _, ids = self.tokenizer.request_ids(msg.prompt, None, msg.messages)
+            return hit[1], list(hit[2])
+        text, ids = compute()
         self.num_tokenized += 1
-        self._cache[key] = (now, ids)
+        self._cache[key] = (now, text, ids)
         self._cache.move_to_end(key)
         while len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
-        return list(ids)
+        return text, list(ids)

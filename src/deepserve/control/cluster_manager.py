@@ -52,6 +52,7 @@ from deepserve.config.loading import read_run_config
 from deepserve.control.scaling import ScalingControl, options_of, policies_of
 from deepserve.config.models import ModelSpec, ScalingSection
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
+from deepserve.messages.cache import TierReport
 from deepserve.messages.control import TEDown, TEInfo, TEList, TEReport, TEUp, ToClusterManager
 from deepserve.messages.scaling import ModelDemand, ScaleEvent
 
@@ -148,6 +149,8 @@ class ClusterManager:
             if self.scaling is not None:
                 self.scaling.on_scale_event(msg)
             self.pub.put(msg)  # gateways count it (/metrics)
+        elif isinstance(msg, TierReport):
+            self.pub.put(msg)  # the KV tiers' state, for the gateways' /metrics
 
     def _expire(self) -> None:
         now = self.clock()

@@ -31,6 +31,12 @@ class JESettings(msgspec.Struct, frozen=True, kw_only=True):
     """[node] max_attempts."""
     router: RouterSection
     """[router]: routing policy, PD policy and its files and thresholds."""
+    kv_cache: str = ""
+    """The KV tier service's inbox (ContextUnpin); "": none."""
+    contexts_path: str = ""
+    """Where the context registry is kept (the run directory's contexts.json)."""
+    continuity: bool = True
+    """[router] token_continuity."""
 
 
 def load_settings(args: ChildArgs) -> JESettings:
@@ -38,4 +44,6 @@ def load_settings(args: ChildArgs) -> JESettings:
     return JESettings(inbox=run.je, cm_pub=run.cm_pub, models=config.served_models,
                       scalable=tuple(m.name for m in config.all_models if m.scalable),
                       cm=run.cm, queue_timeout_s=config.scaling.queue_timeout_s,
-                      max_attempts=config.node.max_attempts, router=config.router)
+                      max_attempts=config.node.max_attempts, router=config.router,
+                      kv_cache=run.kv_cache, contexts_path=f"{run.run_dir}/contexts.json",
+                      continuity=config.router.token_continuity)

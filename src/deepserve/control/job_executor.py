@@ -41,63 +41,45 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Protocol
 
 import msgspec
 import zmq
 
 from deepserve.actor import ActorLife
 from deepserve.config.child import parse_child_args, print_config
+from deepserve.control.context_jobs import ContextJobs
+from deepserve.control.contexts import ContextBook
 from deepserve.control.je_settings import PARK_S, JESettings, load_settings
 from deepserve.control.model_book import ModelBook
 from deepserve.control.pd_policy import PDPolicy
 from deepserve.control.router import NoTEAvailable, Router
 from deepserve.control.suspects import HeldSuspects, SuspectBook
+from deepserve.control.tasks import CRASHED, EventSink, Task, crashed_text, no_event
 from deepserve.control.te_links import TELinks
-from deepserve.errors import InvalidRequestError, PromptTooLongError
+from deepserve.control.turns import TurnBook, prompt_ids
+from deepserve.errors import ContextNotFoundError, InvalidRequestError
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, SubSocket
 from deepserve.messages.control import FromClusterManager, TEList, TEReport
-from deepserve.messages.engine import AbortRequest, RequestFailed, SubmitRequest
+from deepserve.messages.cache import ContextUnpin
+from deepserve.messages.contexts import CreateContext, DeleteContext, GetContext, TurnDone
+from deepserve.messages.engine import AbortRequest, RequestDelta, RequestFailed, SubmitRequest
 from deepserve.messages.scaling import RequestLatencies
 
 log = logging.getLogger(__name__)
-_IN = SubmitRequest | AbortRequest | RequestLatencies
+_IN = (SubmitRequest | AbortRequest | RequestLatencies | CreateContext | GetContext
+       | DeleteContext | TurnDone | RequestDelta | RequestFailed)
 PARK_MAX = 4096
-CRASHED = "request_crashed_engine"
-"""RequestFailed.error of a quarantined request (the gateway: 500, this code)."""
-
-
-class EventSink(Protocol):
-    """A health-log event out (ActorLife.event in the process; a list in tests)."""
-
-    def __call__(self, event: str, **details) -> None: ...
-
-
-def _no_event(event: str, **details) -> None:
-    pass
-
-
-@dataclass
-class Task:
-    request_id: str
-    te_id: str  # the TE that streams to the caller (colocated or decode)
-    reply_to: str | None
-    prefill_te: str | None = None  # disaggregated: where its KV is computed
-    attempt: int = 0
-    is_suspect: bool = False  # resumed isolated after a crash (module doc)
-
-
 class JobExecutor:
     """models: served name -> directory (or one directory); cm: the CM's inbox
     (ModelDemand; None: not sent); scalable: models started on demand, whose
     requests wait up to queue_timeout_s for a TE."""
 
     def __init__(self, ctx: zmq.Context, inbox: str, cm_pub: str, models, router: Router,
-                 pd_policy=None, max_attempts: int = 3, events: EventSink = _no_event,
+                 pd_policy=None, max_attempts: int = 3, events: EventSink = no_event,
                  isolate_suspects: bool = False, cm: str | None = None, scalable=(),
-                 queue_timeout_s: float = PARK_S):
+                 queue_timeout_s: float = PARK_S, kv_cache: str = "",
+                 contexts_path: str | None = None, continuity: bool = True):
         self.ctx = ctx
         self.inbox = PullSocket(ctx, inbox, bind=True, type=_IN)
         self.cm = SubSocket(ctx, cm_pub, bind=False, type=FromClusterManager)
@@ -115,6 +97,11 @@ class JobExecutor:
         self.isolate_suspects = isolate_suspects  # [router] isolate_suspects: _hold
         self.held = HeldSuspects()  # resumed suspects waiting to run isolated
         self.parked: list[tuple[float, SubmitRequest, list[int]]] = []  # _dispatch
+        self.kv_cache = kv_cache  # the tier service: ContextUnpin
+        self.turns = TurnBook(continuity)  # token-id continuity (turns.py)
+        self.contexts = ContextJobs(ContextBook(contexts_path), self.book, inbox,
+                                    lambda m, ids: self._dispatch(m, ids, time.monotonic() + PARK_S),
+                                    self._reply, self._unpin)
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.socket, zmq.POLLIN)
         self.poller.register(self.cm.socket, zmq.POLLIN)
@@ -131,12 +118,8 @@ class JobExecutor:
                 self._on_cm(msg)
         if self.inbox.socket in events:
             for msg in self.inbox.drain():
-                if isinstance(msg, SubmitRequest):
-                    self._submit(msg)
-                elif isinstance(msg, AbortRequest):
-                    self._abort(msg)
-                else:
-                    self.book.add_latencies(msg.samples)
+                self._on_inbox(msg)
+        self.contexts.step()
         if self.parked:
             self._unpark()
         if self.held:
@@ -147,24 +130,58 @@ class JobExecutor:
                 self.replies.put(self.cm_inbox, demand)
 
     # -- requests ----------------------------------------------------------------
+    def _on_inbox(self, msg) -> None:
+        if isinstance(msg, SubmitRequest):
+            self._submit(msg)
+        elif isinstance(msg, AbortRequest):
+            self._abort(msg)
+        elif isinstance(msg, RequestLatencies):
+            self.book.add_latencies(msg.samples)
+        elif isinstance(msg, (RequestDelta, RequestFailed)):
+            self.contexts.on_reply(msg)  # of a context's prefill (reply_to is this JE)
+        elif isinstance(msg, TurnDone):
+            self.turns.on_done(msg.request_id, msg.output_ids)
+        else:
+            {CreateContext: self.contexts.create, GetContext: self.contexts.get,
+             DeleteContext: self.contexts.delete}[type(msg)](msg)
+
+    def _unpin(self, context_id: str) -> None:
+        if self.kv_cache:
+            self.replies.put(self.kv_cache, ContextUnpin(context_id=context_id))
+
     def _submit(self, msg: SubmitRequest) -> None:
         if self.suspects.is_quarantined(msg.request_id):
-            return self._fail(msg, CRASHED, _crashed_text(self.suspects.crashes(msg.request_id)))
+            return self._fail(msg, CRASHED, crashed_text(self.suspects.crashes(msg.request_id)))
         if msg.attempt >= self.max_attempts:
             return self._fail(msg, "engine_dead", f"the request's TE failed {msg.attempt} times; "
                               f"giving up after {self.max_attempts} attempts")
         try:
             model = self.book.name_of(msg.model)
-            ids = self.book.prompts(model).ids(msg)
+            ids = self._prompt_ids(msg, model)
         except InvalidRequestError as e:
-            error = "prompt_too_long" if isinstance(e, PromptTooLongError) else "invalid_request"
-            return self._fail(msg, error, str(e), e.param)
+            return self._fail(msg, e.code, str(e), e.param)
         if msg.attempt == 0:
             self.book.note_arrival(model)
         if self.isolate_suspects and self.suspects.is_suspect(msg.request_id):
             return self._hold(msg, ids)
         wait_s = self.queue_timeout_s if self.book.waits_for_scaling(model) else PARK_S
         self._dispatch(msg, ids, time.monotonic() + wait_s)
+
+    def _prompt_ids(self, msg: SubmitRequest, model: str) -> list[int]:
+        """Tokenized once, continuing an earlier turn or a context (turns.py)."""
+        ctx = None
+        if msg.context_id is not None and msg.attempt == 0:  # a resumed attempt has its ids
+            ctx = self.contexts.book.get(msg.context_id, msg.salt)
+            if ctx is None or ctx.model != model:
+                raise ContextNotFoundError(f"No context with id {msg.context_id!r}.",
+                                           "context_id")
+        key = (msg.salt, model)
+        prompts = self.book.prompts(model)
+        text, ids = prompt_ids(prompts, msg, self.turns, key, ctx)
+        if text is not None and msg.attempt == 0:
+            self.turns.note_prompt(msg.request_id, key, text, ids,
+                                   lambda out: prompts.tokenizer.decode(out, False))
+        return ids
 
     def _dispatch(self, msg: SubmitRequest, ids: list[int], park_until: float) -> bool:
         """Route and send the job, or park it until park_until; False: parked."""
@@ -203,7 +220,8 @@ class JobExecutor:
                              sampling=msg.sampling, salt=msg.salt, reply_to=msg.reply_to,
                              prefill_from=prefill_from, attempt=msg.attempt,
                              resumed_output_ids=msg.resumed_output_ids,
-                             resumed_text_chars=msg.resumed_text_chars)
+                             resumed_text_chars=msg.resumed_text_chars,
+                             pin_context=msg.pin_context)
         if not self.links.put(te_id, task):
             self._fail(msg, "te_lost", "the engine chosen for the request did not take it in "
                                        "time; retry")
@@ -340,20 +358,14 @@ class JobExecutor:
         self.events("request_quarantined", request_id=task.request_id, crashed_tes=crashes,
                     crashes=len(crashes))
         self._reply(task.reply_to, RequestFailed(request_id=task.request_id, error=CRASHED,
-                                                 message=_crashed_text(crashes)))
+                                                 message=crashed_text(crashes)))
 
     def close(self) -> None:
         for sock in [self.inbox, self.cm, self.links, self.replies]:
             sock.close()
 
 
-def _crashed_text(crashes: list[str]) -> str:
-    """For the tenant: what happened, without naming TEs (the event names them)."""
-    return (f"The request was in flight each time an engine crashed ({len(crashes)} crashes); "
-            "it is quarantined as a likely cause and will not be retried.")
-
-
-def build(ctx: zmq.Context, s: JESettings, events: EventSink = _no_event) -> JobExecutor:
+def build(ctx: zmq.Context, s: JESettings, events: EventSink = no_event) -> JobExecutor:
     r = s.router
     options = {} if r.balance_threshold is None else {"balance_threshold": r.balance_threshold}
     pd_policy = None
@@ -362,7 +374,9 @@ def build(ctx: zmq.Context, s: JESettings, events: EventSink = _no_event) -> Job
                                         **msgspec.structs.asdict(r.pd_options))
     return JobExecutor(ctx, s.inbox, s.cm_pub, s.models, Router(r.policy, **options), pd_policy,
                        s.max_attempts, events, r.isolate_suspects, cm=s.cm or None,
-                       scalable=s.scalable, queue_timeout_s=s.queue_timeout_s)
+                       scalable=s.scalable, queue_timeout_s=s.queue_timeout_s,
+                       kv_cache=s.kv_cache, contexts_path=s.contexts_path or None,
+                       continuity=s.continuity)
 
 
 def main(argv: list[str] | None = None) -> None:

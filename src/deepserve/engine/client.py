@@ -22,8 +22,9 @@ from deepserve.messages.engine import (AbortRequest, EngineStats, GetStats, Requ
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig):
-        self.launcher = TELauncher(config)
+    def __init__(self, config: EngineConfig, **launcher_options):
+        """launcher_options: TELauncher's (tier_address, cache_cost_model)."""
+        self.launcher = TELauncher(config, **launcher_options)
         self.config = self.launcher.config
         self.ctx = zmq.Context()
         self.inbox = PullSocket(self.ctx, self.launcher.address["client"], bind=True,

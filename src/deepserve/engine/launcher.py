@@ -61,7 +61,8 @@ class TELauncher:
     for other TEs' masters; its master reports to the CM)."""
 
     def __init__(self, config: EngineConfig, te_id: str = "te", inbox_address: str | None = None,
-                 report_address: str | None = None, run_id: str | None = None):
+                 report_address: str | None = None, run_id: str | None = None,
+                 tier_address: str = "", cache_cost_model: bool = True):
         model_config = load_model_config(config.model, config.dtype)
         self.config = config.resolve(
             model_config.max_position_embeddings,
@@ -75,6 +76,7 @@ class TELauncher:
             self.address["tokenizer"] = inbox_address
         self.address["pd"] = pd_address(self.address["tokenizer"])
         self.te_id, self.report_address = te_id, report_address
+        self.tier_address, self.cache_cost_model = tier_address, cache_cost_model  # tiers.py
         self.children: list[_Child] = []
         # startup stages, for the TE's report: each child's ready detail (a
         # worker's {"weights": "cache" | "disk", "load_s", "rank", "pid"}), and
@@ -171,7 +173,8 @@ class TELauncher:
         a = self.address
         return MasterSpec(self.config, segment_name(self.run_id, "steps"), a["ring"],
                           a["master"], a["steps"], a["tokenizer"], a["client"], a["pd"],
-                          self.te_id, self.report_address)
+                          self.te_id, self.report_address, tier_address=self.tier_address,
+                          cache_cost_model=self.cache_cost_model)
 
     def _worker_spec(self, rank: int, init_method: str) -> WorkerSpec:
         return WorkerSpec(self.run_id, rank, self.config, segment_name(self.run_id, "steps"),

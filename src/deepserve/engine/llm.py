@@ -31,10 +31,15 @@ _ERRORS = {"invalid_request": InvalidRequestError, "prompt_too_long": PromptTooL
 
 class LLM:
     def __init__(self, model: str, **options):
+        """options: EngineConfig's; with processes=True also tier_address (a
+        node KV tier service, cache/tier_server.py) and cache_cost_model."""
+        tiers = {k: options.pop(k) for k in ("tier_address", "cache_cost_model") if k in options}
         config = EngineConfig.from_options(model, **options)
         self.engine = self.client = None
+        if tiers and not config.processes:
+            raise ValueError("tier_address and cache_cost_model need processes=True")
         if config.processes:
-            self.client = EngineClient(config)
+            self.client = EngineClient(config, **tiers)
             self.tokenizer = Tokenizer(config.model)
         else:
             self.engine = LLMEngine(config)

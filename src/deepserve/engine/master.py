@@ -10,6 +10,7 @@
     master ──StepTokens/FailRequest──> tokenizer (detokenizes, streams to the client)
     master ──PD messages──> peers' [pd PULL];  TEReport ──> cluster manager
     master ──RequestFailed──> client (on the way out)
+    master <──ToTier / FromTier──> the node's KV tier service (tier_link.py, tiers.py)
 
 Pipeline: with async scheduling up to two steps are in flight, so while the
 workers run step N the master has already built and sent N+1; synchronous
@@ -34,18 +35,21 @@ from deepserve.engine.pd import Effects, PDCoordinator
 from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.step_core import StepCore, check_request
+from deepserve.engine.te_report import answers, build_report, new_tokens
+from deepserve.engine.tier_link import TierLink, tier_reply_address
 from deepserve.errors import InvalidRequestError
 from deepserve.ipc.shm_ring import BroadcastRing
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, PushSocket
-from deepserve.messages.control import TEReport
 from deepserve.messages.engine import (AddRequest, EngineStats, FinishRequest, FromWorker,
                                        GetStats, NewTokens, RequestFailed, StepDone,
                                        StepTokens, ToMaster, WorkerFailed, WorkerReady)
 from deepserve.messages.pd import (CancelOrder, FailRequest, KVAck, KVReady, KVSent,
                                    PrefillOrder, ToPeer, pd_address)
-from deepserve.messages.step import SHUTDOWN_STEP_ID, StepBatch
+from deepserve.messages.cache import BlockGeometry, CacheOpsDone
+from deepserve.messages.step import CACHE_ONLY_STEP_ID, SHUTDOWN_STEP_ID, StepBatch
 from deepserve.model.config import load_model_config
+from deepserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,8 @@ class MasterSpec:
     te_id: str = "te"
     report_address: str | None = None  # the cluster manager's inbox, if any
     report_interval_s: float = 0.5
+    tier_address: str = ""  # the node's KV tier service ("": no host / disk tier)
+    cache_cost_model: bool = True  # [node] cache_cost_model
 
 
 def master_main(spec: MasterSpec, death_pipe: Connection, ready_pipe: Connection) -> None:
@@ -83,32 +89,14 @@ def master_main(spec: MasterSpec, death_pipe: Connection, ready_pipe: Connection
         life.close()
 
 
-def _answers(done: StepDone, step_id: int, scheduled: SchedulerOutput,
-             sampling_ids: frozenset[int]) -> bool:
-    """Is `done` rank 0's answer to this step? Its id, and one token or one
-    failure for each sequence the step samples, except sequences finished
-    already (a seq failed earlier is not reported again)."""
-    out = done.output
-    if out.step_id != step_id:
-        return False
-    answered = [t.seq_id for t in out.sampled] + [f.seq_id for f in out.failed]
-    if len(set(answered)) != len(answered) or not set(answered) <= sampling_ids:
-        return False
-    return all(scheduled.seqs[i].is_finished for i in sampling_ids.difference(answered))
-
-
-def _remaining_tokens(seq: Sequence) -> int:
-    """Load a sequence still puts on the TE: tokens to compute + tokens to generate."""
-    return (seq.num_uncomputed_tokens
-            + max(0, seq.sampling.max_tokens - seq.num_output_tokens))
-
-
 class Master:
     def __init__(self, spec: MasterSpec, life: ActorLife):
         self.spec, self.life, cfg = spec, life, spec.config
-        model_config = load_model_config(cfg.model, cfg.dtype)
+        self.model_config = model_config = load_model_config(cfg.model, cfg.dtype)
         self.core = StepCore(cfg, model_config.eos_token_ids, model_config.vocab_size,
-                             record_events=spec.report_address is not None)
+                             record_events=spec.report_address is not None,
+                             collect_new_nodes=bool(spec.tier_address))
+        self.block_bytes = ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, cfg.tp)
         self.kv, self.scheduler = self.core.kv, self.core.scheduler
         self.depth = 2 if cfg.async_scheduling else 1
         # (step id, what it scheduled, the seq ids it samples), oldest first
@@ -117,7 +105,7 @@ class Master:
         self.last_report = 0.0
         self.ctx = zmq.Context()
         self.encoder = msgspec.msgpack.Encoder()
-        self.ring = self.pd = self.to_cm = None
+        self.ring = self.pd = self.to_cm = self.tier = None
         self.num_steps = self.num_tokens = 0
 
     def start(self) -> None:
@@ -135,6 +123,17 @@ class Master:
         self.poller = zmq.Poller()
         for sock in (self.requests, self.from_peers, self.steps):
             self.poller.register(sock.socket, zmq.POLLIN)
+        if s.tier_address and s.config.enable_prefix_caching:
+            self.tier = self._tier_link()
+            self.poller.register(self.tier.socket, zmq.POLLIN)
+
+    def _tier_link(self) -> TierLink:
+        s, m = self.spec, self.model_config
+        geometry = BlockGeometry(m.num_layers, m.num_kv_heads, s.config.block_size, m.head_dim,
+                                 str(m.dtype).removeprefix("torch."))
+        return TierLink(self.ctx, s.tier_address, tier_reply_address(s.pd_address), self.kv,
+                        s.config.model, geometry, s.config.tp, self.block_bytes,
+                        self.core.new_seq_id, s.cache_cost_model, self.life.event)
 
     def wait_for_workers(self) -> None:
         cfg = self.spec.config
@@ -158,10 +157,12 @@ class Master:
 
     # -- the loop ------------------------------------------------------------
     def progress(self) -> dict[str, int]:
-        return {"steps": self.num_steps, "tokens": self.num_tokens}
+        tier_events = self.tier.tiers.num_events if self.tier is not None else 0
+        return {"steps": self.num_steps, "tokens": self.num_tokens, "tier": tier_events}
 
     def holds_work(self) -> bool:
-        return bool(self.in_flight or self.pd.has_work or self.scheduler.has_unfinished)
+        return bool(self.in_flight or self.pd.has_work or self.scheduler.has_unfinished
+                    or (self.tier is not None and self.tier.has_work))
 
     def step(self) -> None:
         """Fill the pipeline, wait (bounded) for anything, handle it, deadlines."""
@@ -176,19 +177,29 @@ class Master:
         if self.steps.socket in events:
             self._collect()
         self._apply(self.pd.poll(time.monotonic()))
+        if self.tier is not None:
+            if self.tier.socket in events:
+                self.tier.recv()
+            self.tier.tick()
+            self._take_tiers()
         self._maybe_report()
 
     def _fill_pipeline(self) -> None:
         while len(self.in_flight) < self.depth:
             step = self.core.schedule()
             if step is None:
-                return
+                break
             scheduled, batch = step
             self.pd.attach_transfers(batch)
+            if self.tier is not None:
+                batch.cache_ops = self.tier.take_ops()
             self.ring.put(self.encoder.encode(batch), timeout=30)
             self.scheduler.on_dispatched(scheduled)
             self.in_flight.append((batch.step_id, scheduled,
                                    frozenset(s.seq_id for s in batch.seqs if s.do_sample)))
+        if self.tier is not None and self.tier.pending_ops:  # nothing to run: ops alone
+            ops = StepBatch(CACHE_ONLY_STEP_ID, [], cache_ops=self.tier.take_ops())
+            self.ring.put(self.encoder.encode(ops), timeout=30)
 
     def _recv_requests(self) -> None:
         for msg in self.requests.drain():
@@ -220,10 +231,38 @@ class Master:
             self.finish(msg.request_id, "abort")
         is_decode_task = msg.prefill_from is not None
         seq = self.core.add(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.salt,
-                            schedule=not is_decode_task)
+                            schedule=not is_decode_task and self.tier is None)
+        if msg.pin_context is not None and self.tier is not None:
+            seq.pin_context, seq.keep_kv = msg.pin_context, True  # freed once pinned
         if is_decode_task:  # the JE names the prefill TE by its inbox
             self._apply(self.pd.add_decode(msg.request_id, seq, pd_address(msg.prefill_from),
                                            time.monotonic()))
+        elif self.tier is not None:  # sched-enqueue: its prefix may be below the device
+            self.tier.admit(seq)
+            self._take_tiers()
+
+    def _take_tiers(self) -> None:
+        """Queue what the tiers made ready; end the contexts they pinned."""
+        ready, ended, failed = self.tier.take()
+        for seq in ready:
+            if not seq.is_finished:
+                self.scheduler.add(seq)
+        for seq in ended:
+            if seq.seq_id in self.core.request_ids:  # not aborted while being pinned
+                self._stream([self.new_tokens(seq)])
+        for seq, error, why in failed:
+            request_id = self.core.request_ids.get(seq.seq_id)
+            if request_id is not None:
+                self.to_tokenizer.put(FailRequest(request_id=request_id, error=error,
+                                                  message=why))
+        for seq in ended + [seq for seq, _, _ in failed]:
+            self._drop_kept(seq)
+            self.core.release(seq)
+
+    def _drop_kept(self, seq: Sequence | None) -> None:
+        """A context request's KV (kept until its pin is done) goes."""
+        if seq is not None and seq.pin_context is not None and self.kv.has_seq(seq.seq_id):
+            self.kv.free(seq.seq_id)
 
     def _recv_peers(self) -> None:
         for msg in self.from_peers.drain():
@@ -251,7 +290,7 @@ class Master:
         if effects is not None:
             self._apply(effects)
         else:
-            self.core.finish(request_id, reason)
+            self._drop_kept(self.core.finish(request_id, reason))
 
     def _apply(self, effects: Effects) -> None:
         """Carry out what the PD policy decided, in the order Effects documents."""
@@ -276,9 +315,11 @@ class Master:
                 self._on_step_done(msg)
             elif isinstance(msg, KVSent):
                 self._apply(self.pd.on_kv_sent(msg, time.monotonic()))
+            elif isinstance(msg, CacheOpsDone) and self.tier is not None:
+                self.tier.on_ops_done(msg)
 
     def _on_step_done(self, done: StepDone) -> None:
-        if not self.in_flight or not _answers(done, *self.in_flight[0]):
+        if not self.in_flight or not answers(done, *self.in_flight[0]):
             log.warning("StepDone for step %d does not answer the oldest step in flight "
                         "(%s): dropped", done.output.step_id,
                         self.in_flight[0][0] if self.in_flight else "none")
@@ -287,9 +328,15 @@ class Master:
         self.num_steps += 1
         self.forward_spans.append((done.forward_start, done.forward_end))
         items, now = [], time.monotonic()
+        if self.tier is not None:
+            self.tier.observe_step(scheduled.scheduled.values(),
+                                   done.forward_end - done.forward_start)
         for seq in self.scheduler.on_sampled(scheduled, done.output.sampled):
             if self.pd.is_prefill(seq):  # its token goes to the decode TE in KVReady
                 self._apply(self.pd.on_first_token(seq, now))
+            elif seq.pin_context is not None and seq.is_finished:
+                self.tier.pin_context(seq, self.kv.nodes_of(seq.seq_id))  # streams once pinned
+                continue
             else:
                 items.append(self.new_tokens(seq))
             if seq.is_finished:
@@ -308,6 +355,7 @@ class Master:
             self._apply(self.pd.on_prefill_failed(seq, message))
             return
         request_id = self.core.fail(seq)
+        self._drop_kept(seq)
         if request_id is not None:
             self.to_tokenizer.put(FailRequest(request_id=request_id, error="request_failed",
                                               message=f"the request failed: {message}"))
@@ -318,30 +366,15 @@ class Master:
             self.to_tokenizer.put(StepTokens(items=items))
 
     def new_tokens(self, seq: Sequence) -> NewTokens:
-        num_known = seq.num_tokens - seq.num_pending_tokens
-        token = seq.token_ids[num_known - 1]
-        logprobs = None
-        if seq.sampling.logprobs is not None:
-            last = seq.logprobs[-1]
-            logprobs = [(last.token_id, last.logprob, last.top or [])]
-        return NewTokens(self.core.request_ids[seq.seq_id], [token], seq.finish_reason,
-                         seq.num_cached_tokens or 0, logprobs)
+        return new_tokens(self.core.request_ids[seq.seq_id], seq)
 
     def _maybe_report(self) -> None:
         now = time.monotonic()
         if self.to_cm is None or now - self.last_report < self.spec.report_interval_s:
             return
         self.last_report = now
-        inserted, evicted = self.kv.tree.pop_events()
-        transfer_bytes, transfer_seconds = self.pd.pop_transfer_stats()
-        waiting, running = self.scheduler.waiting, self.scheduler.running
-        self.to_cm.put(TEReport(
-            te_id=self.spec.te_id, num_waiting=len(waiting), num_running=len(running),
-            load_tokens=sum(map(_remaining_tokens, waiting)) + sum(map(_remaining_tokens, running)),
-            kv_usage=self.kv.usage, num_prompt_tokens=self.core.num_prompt_tokens,
-            num_cached_tokens=self.core.num_cached_tokens, inserted=inserted, evicted=evicted,
-            finished=self.core.pop_finished(), kv_transfer_bytes=transfer_bytes,
-            kv_transfer_seconds=transfer_seconds))
+        self.to_cm.put(build_report(self.spec.te_id, self.core, self.pd, self.tier,
+                                    self.spec.config.tp * self.block_bytes))
 
     def close(self) -> None:
         for request_id in list(self.core.seqs):
@@ -358,7 +391,7 @@ class Master:
             self.ring.close()
             self.ring.unlink()
         for sock in ("requests", "from_peers", "steps", "to_tokenizer", "to_client", "to_cm",
-                     "peers"):
+                     "peers", "tier"):
             if getattr(self, sock, None) is not None:
                 getattr(self, sock).close()
         self.ctx.term()

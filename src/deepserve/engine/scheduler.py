@@ -8,6 +8,10 @@ Each step:
   2. if nothing was preempted, waiting sequences are admitted in arrival
      order while the budget, max_num_seqs and free blocks allow, each reusing
      its cached prefix.
+A sequence may arrive with a holder (engine/tiers.py): a pseudo-sequence
+holding the blocks a lower tier (host, disk) filled for its prefix, so they
+are prefix-cache hits when it is admitted; the holder is freed then (or
+when the sequence ends before that).
 After the step, update() advances the sequences, publishes their computed
 blocks to the prefix cache, appends sampled tokens and retires finished ones.
 
@@ -82,8 +86,9 @@ class Scheduler:
             seq.num_pending_tokens = 0
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        else:
+        elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._free_holder(seq)
         if self.kv.has_seq(seq.seq_id) and not seq.keep_kv:
             self.kv.free(seq.seq_id)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
@@ -129,6 +134,7 @@ class Scheduler:
             if not self.kv.allocate(seq.seq_id, seq.token_ids, num_cached + num_new, seq.salt):
                 break
             self.waiting.popleft()
+            self._free_holder(seq)
             seq.num_computed_tokens = num_cached
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = num_cached
@@ -136,6 +142,12 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled[seq.seq_id], out.seqs[seq.seq_id] = num_new, seq
             budget -= num_new
+
+    def _free_holder(self, seq: Sequence) -> None:
+        if seq.holder_seq_id is not None:
+            if self.kv.has_seq(seq.holder_seq_id):
+                self.kv.free(seq.holder_seq_id)
+            seq.holder_seq_id = None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -48,13 +48,14 @@ class StepCore:
     for a cluster manager's reports (else nothing accumulates)."""
 
     def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int], vocab_size: int,
-                 record_events: bool = False):
+                 record_events: bool = False, collect_new_nodes: bool = False):
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.record_events = record_events
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size,
-                                 config.enable_prefix_caching, record_events=record_events)
+                                 config.enable_prefix_caching, record_events=record_events,
+                                 collect_new_nodes=collect_new_nodes)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.max_model_len)
         self.seqs: dict[str, Sequence] = {}  # request id -> its sequence, until released

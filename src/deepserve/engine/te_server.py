@@ -62,6 +62,10 @@ class TESettings(msgspec.Struct, frozen=True, kw_only=True):
     engine: EngineConfig
     """[node] model + the [[te]] table's engine options (processes=True)."""
     run_id: str | None = None
+    kv_cache: str = ""
+    """The node's KV tier service ("": none)."""
+    cache_cost_model: bool = True
+    """[node] cache_cost_model."""
 
 
 def load_settings(args: ChildArgs) -> TESettings:
@@ -75,14 +79,16 @@ def load_settings(args: ChildArgs) -> TESettings:
                              f"it has {list(config.served_models)}") from None
         return TESettings(te_id=args.te_id, te_type="colocated", inbox=run.te_address(args.te_id),
                           cm=run.cm, served_model=model.name, engine=model.engine_config(),
-                          run_id=args.run_id)
+                          run_id=args.run_id, kv_cache=run.kv_cache,
+                          cache_cost_model=config.node.cache_cost_model)
     te = next((te for te in config.tes if te.te_id == args.te_id), None)
     if te is None:
         raise SystemExit(f"{args.conf}: no TE {args.te_id!r}; "
                          f"it has {[t.te_id for t in config.tes]}")
     return TESettings(te_id=te.te_id, te_type=te.te_type, inbox=run.tes[te.te_id], cm=run.cm,
                       served_model=config.node.served_model,
-                      engine=te.engine_config(config.node.model), run_id=args.run_id)
+                      engine=te.engine_config(config.node.model), run_id=args.run_id,
+                      kv_cache=run.kv_cache, cache_cost_model=config.node.cache_cost_model)
 
 
 def serve(s: TESettings, parent_pid: int | None, started_at: float | None = None) -> int:
@@ -94,7 +100,7 @@ def serve(s: TESettings, parent_pid: int | None, started_at: float | None = None
         life.close()
         raise SystemExit(f"drill: TE {s.te_id} crashes at start")
     launcher = TELauncher(dataclasses.replace(s.engine, processes=True), s.te_id, s.inbox, s.cm,
-                          s.run_id)
+                          s.run_id, tier_address=s.kv_cache, cache_cost_model=s.cache_cost_model)
     ctx = zmq.Context()
     host = _Host(s, launcher, ctx)
     try:

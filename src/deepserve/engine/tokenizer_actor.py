@@ -157,7 +157,8 @@ class TokenizerActor:
             resumed_text_chars=msg.resumed_text_chars)
         self.to_master.put(AddRequest(request_id=msg.request_id, prompt_token_ids=ids,
                                       sampling=msg.sampling, salt=msg.salt,
-                                      prefill_from=msg.prefill_from))
+                                      prefill_from=msg.prefill_from,
+                                      pin_context=msg.pin_context))
 
     def _tokens(self, item: NewTokens) -> None:
         state = self.states.get(item.request_id)

@@ -1,7 +1,8 @@
 """The gateway's HTTP app (OpenAI API); gateway/server.py runs it under uvicorn.
 
     POST /v1/chat/completions, /v1/completions   auth -> validate -> generation.generate
-    GET  /v1/models, /v1/models/{model}           the one served model
+    GET  /v1/models, /v1/models/{model}           the served models
+    POST /v1/contexts, GET|DELETE /v1/contexts/{id}  contexts by id (gateway/contexts.py)
     GET  /health                                  200 while the CM lists >= 1 TE, else 503
     GET  /metrics                                 Prometheus text of the gateway's registry
     GET  /openapi.json, /docs, /redoc             the API's description (gateway/openapi.py)
@@ -16,7 +17,6 @@ app's lifespan, on the server's event loop.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -25,6 +25,9 @@ from typing import Awaitable, Callable
 from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.responses import Response
 
+from deepserve.gateway import contexts
+from deepserve.gateway.auth import state_of as _state
+from deepserve.gateway.auth import tenant_of
 from deepserve.gateway.body_limit import BodyLimit
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.errors import APIError, error_response, install_error_handlers
@@ -36,31 +39,7 @@ from deepserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TENANT = "default"
 router = APIRouter()
-
-
-def _state(request: Request) -> GatewayState:
-    return request.app.state.gateway
-
-
-def tenant_of(request: Request) -> str:
-    """The caller's tenant from `Authorization: Bearer KEY`; 401 if keys are
-    configured and the key is missing or unknown. The tenant is the salt."""
-    keys = _state(request).config.api_keys
-    if not keys:
-        return DEFAULT_TENANT
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    key = key.strip().encode()
-    if scheme.lower() != "bearer" or not key:
-        raise APIError.unauthorized("Missing API key: send 'Authorization: Bearer KEY'.")
-    tenant = None
-    for known, name in keys.items():  # compare with every key, in constant time each
-        if hmac.compare_digest(known.encode(), key):
-            tenant = name
-    if tenant is None:
-        raise APIError.unauthorized()
-    return tenant
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -111,6 +90,7 @@ async def metrics(request: Request) -> Response:
     client = state.client
     state.metrics.refresh(client.num_running, client.num_waiting, client.te_ids, client.reports)
     state.metrics.refresh_models(state.config.served_models, client.cluster.tes)
+    state.metrics.observe_tiers(client.cluster.tier_report, client.reports)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
@@ -143,5 +123,6 @@ def create_app(config: GatewayConfig,
     app.add_middleware(BodyLimit, max_body_bytes=config.max_body_bytes)
     app.add_middleware(RequestCounter, metrics=gateway_metrics)
     app.include_router(router)
+    app.include_router(contexts.router)
     install_openapi(app, config, auth=tenant_of)
     return app

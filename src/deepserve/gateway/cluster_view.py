@@ -1,8 +1,8 @@
 """ClusterView: what the gateway knows of the TEs, from the cluster manager's PUB.
 
-    CM PUB ──TEList / TEReport──> JobClient's SUB ──> ClusterView.on_message
+    CM PUB ──TEList / TEReport / TierReport──> JobClient's SUB ──> ClusterView.on_message
         te_ids (admission, /health), addresses (aborts of orphaned attempts),
-        reports (metrics)
+        reports and the KV tiers' state (metrics)
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from deepserve.gateway.metrics import GatewayMetrics
+from deepserve.messages.cache import TierReport
 from deepserve.messages.control import TEInfo, TEList, TEReport
 from deepserve.messages.scaling import ScaleEvent
 
@@ -24,8 +25,12 @@ class ClusterView:
         self._has_te_list = False
         self._reports: dict[str, TEReport] = {}
         self._report_times: dict[str, float] = {}
+        self.tier_report: TierReport | None = None  # the KV tier service's latest
 
-    def on_message(self, msg: TEList | TEReport | ScaleEvent) -> None:
+    def on_message(self, msg: TEList | TEReport | ScaleEvent | TierReport) -> None:
+        if isinstance(msg, TierReport):
+            self.tier_report = msg
+            return
         if isinstance(msg, ScaleEvent):
             if self.metrics is not None:
                 self.metrics.observe_scale_event(msg)

@@ -41,6 +41,13 @@ _FAILURES = {
     "engine_dead": (503, "service_unavailable", "engine_dead", _RETRY),
     "te_lost": (503, "service_unavailable", "engine_dead", _RETRY),
     "kv_transfer_failed": (503, "service_unavailable", "kv_transfer_failed", _RETRY),
+    "context_not_found": (404, "invalid_request_error", "context_not_found", None),
+    "too_many_contexts": (429, "rate_limit_error", "too_many_contexts", None),
+    "context_over_budget": (507, "insufficient_storage", "context_over_budget",
+                            "The KV budget for contexts is full; delete a context or retry "
+                            "later."),
+    "context_failed": (503, "service_unavailable", "context_failed",
+                       "The context could not be stored; retry."),
     # the request crashed two TEs (control/job_executor.py): final, never resumed
     "request_crashed_engine": (500, "server_error", "request_crashed_engine",
                                "The request crashed the engine serving it more than once; "
@@ -49,7 +56,8 @@ _FAILURES = {
 _INTERNAL = "The server had an error while processing the request."
 _HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                404: "not_found_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error"}
+               413: "invalid_request_error", 429: "rate_limit_error",
+               507: "insufficient_storage"}
 
 
 class APIError(Exception):

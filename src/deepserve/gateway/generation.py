@@ -58,6 +58,7 @@ async def generate(request: Request, state: GatewayState,
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", body.model,
                                       body.logprobs is not None, body.include_usage)
     stream = state.client.submit(renderer.response_id, samplings, salt=tenant, model=body.model,
+                                 context_id=body.context_id,
                                  is_disconnected=request.is_disconnected, **inputs)
     try:
         await stream.wait_started()

@@ -57,6 +57,7 @@ from deepserve.gateway.reply_stream import SHUTDOWN, IsDisconnected, ReplyStream
 from deepserve.gateway.routes import Route, RouteTable, next_attempt
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.messages.control import FromClusterManager, TEReport
+from deepserve.messages.contexts import TurnDone
 from deepserve.messages.scaling import RequestLatencies
 from deepserve.messages.engine import (RETRYABLE_ERRORS, AbortRequest, RequestDelta,
                                        RequestFailed, SubmitRequest, ToClient)
@@ -84,6 +85,7 @@ class JobClient:
         self._te_outboxes: Outboxes | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._latencies: dict[str, list] = {}  # _note_latency
+        self._calls: dict[str, asyncio.Future] = {}  # context calls: request id -> answer
         self._latencies_sent_at = 0.0
         self._ctx: zmq.asyncio.Context | None = None
         self._sockets: list = []
@@ -137,7 +139,7 @@ class JobClient:
     def submit(self, request_id: str, samplings: Sequence[SamplingParams], *,
                prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                messages: list[dict] | None = None, salt: str | None = None,
-               model: str | None = None,
+               model: str | None = None, context_id: str | None = None,
                is_disconnected: IsDisconnected | None = None) -> ReplyStream:
         """Send one SubmitRequest per sampling (ids `{request_id}-{i}`); 503 with
         no TE, 429 past max_open_requests, 400 for text that cannot be sent.
@@ -150,7 +152,8 @@ class JobClient:
         ids = [f"{request_id}-{i}" for i in range(len(samplings))]
         submits = [SubmitRequest(
             request_id=rid, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
-            sampling=sampling, salt=salt, reply_to=self.config.reply_address, model=model)
+            sampling=sampling, salt=salt, reply_to=self.config.reply_address, model=model,
+            context_id=context_id)
             for rid, sampling in zip(ids, samplings)]
         payloads = [self._encode(submit) for submit in submits]
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.max_queued_replies)
@@ -200,7 +203,7 @@ class JobClient:
         for address in self.cluster.addresses:
             self._te_outboxes.put(address, abort)
 
-    def _encode(self, msg: SubmitRequest) -> bytes:
+    def _encode(self, msg) -> bytes:
         try:
             return self._encoder.encode(msg)
         except (UnicodeEncodeError, OverflowError, msgspec.EncodeError) as exc:
@@ -288,7 +291,11 @@ class JobClient:
         await _recv_forever(self._pull, ToClient, self._on_reply, "reply")
 
     def _on_reply(self, msg) -> None:
-        if isinstance(msg, (RequestDelta, RequestFailed)):
+        call = self._calls.pop(getattr(msg, "request_id", None), None)
+        if call is not None:  # a context call's answer (gateway/contexts.py)
+            if not call.done():
+                call.set_result(msg)
+        elif isinstance(msg, (RequestDelta, RequestFailed)):
             self._route_reply(msg)  # no await: a reply is routed whole or not at all
 
     def _route_reply(self, msg: RequestDelta | RequestFailed) -> None:
@@ -322,6 +329,9 @@ class JobClient:
                 self.metrics.observe_request(route.timing)
             if isinstance(msg, RequestDelta):
                 self._note_latency(route.submit.model or self.config.served_model, route.timing)
+                if route.submit.messages is not None and msg.finish_reason in ("stop", "length"):
+                    self._send(self._encoder.encode(TurnDone(  # token-id continuity
+                        request_id=route.submit.request_id, output_ids=route.token_ids)))
 
     def _note_latency(self, model: str, timing) -> None:
         """TTFT / TPOT per model, to the JE at most every LATENCY_INTERVAL_S: the
@@ -338,6 +348,21 @@ class JobClient:
         if now - self._latencies_sent_at >= LATENCY_INTERVAL_S:
             self._send(self._encoder.encode(RequestLatencies(samples=self._latencies)))
             self._latencies, self._latencies_sent_at = {}, now
+
+    async def call(self, msg, timeout_s: float):
+        """Send a context message (CreateContext, ...) to the JE and await its
+        answer (ContextInfo or RequestFailed); APIError 503 / 504 when none comes."""
+        future = asyncio.get_running_loop().create_future()
+        self._calls[msg.request_id] = future
+        try:
+            if not self._send(self._encode(msg)):
+                raise APIError.unavailable("The job executor is not accepting requests.",
+                                           "job_executor_busy")
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError.timeout(timeout_s) from None
+        finally:
+            self._calls.pop(msg.request_id, None)
 
     async def _recv_cluster(self) -> None:
         await _recv_forever(self._sub, FromClusterManager, self.cluster.on_message, "cluster")

@@ -14,6 +14,7 @@ from typing import Iterable, Mapping
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
 
+from deepserve.messages.cache import TierReport
 from deepserve.messages.control import TEInfo, TEReport
 from deepserve.messages.scaling import ScaleEvent
 
@@ -81,6 +82,20 @@ class GatewayMetrics:
         self.kv_transfer_seconds = Histogram(
             "deepserve_kv_transfer_seconds", "Seconds to send one request's KV to its decode TE",
             buckets=_TPOT_BUCKETS + (5.0, 10.0, 30.0), registry=r)
+        self.cache_hit_tokens = Counter(
+            "deepserve_cache_hit_tokens", "Prompt tokens served from the KV cache instead of "
+            "computed, by the tier they came from (device, host, disk)", ["tier"], registry=r)
+        self.cache_bytes = Gauge("deepserve_cache_bytes", "Bytes of KV blocks held, per tier "
+                                 "(device: all TEs' prefix trees)", ["tier"], registry=r)
+        self.cache_fetch_seconds = Histogram(
+            "deepserve_cache_fetch_seconds", "Seconds to bring one request's cached blocks up "
+            "from a tier to a TE's device pool", ["tier"], buckets=_TPOT_BUCKETS + (5.0,),
+            registry=r)
+        self.contexts = Gauge("deepserve_contexts", "Live contexts (POST /v1/contexts)",
+                              registry=r)
+        self.pinned_bytes = Gauge("deepserve_contexts_pinned_bytes", "Bytes of KV blocks the "
+                                  "live contexts pin in the host / disk tiers", registry=r)
+        self._hits_seen: dict[tuple[str, str], int] = {}
 
     def count_request(self, path: str, status: int) -> None:
         endpoint = path if path in ENDPOINTS else "other"
@@ -104,6 +119,25 @@ class GatewayMetrics:
             self.kv_transfer_bytes.labels(te_id=report.te_id).inc(report.kv_transfer_bytes)
         for seconds in report.kv_transfer_seconds:
             self.kv_transfer_seconds.observe(seconds)
+        for tier, values in report.tier_fetch_seconds.items():
+            for seconds in values:
+                self.cache_fetch_seconds.labels(tier=tier).observe(seconds)
+        below = sum(report.tier_hit_tokens.values())
+        totals = {"device": max(0, report.num_cached_tokens - below), **report.tier_hit_tokens}
+        for tier, total in totals.items():  # cumulative per TE: count what is new
+            key = (report.te_id, tier)
+            seen = self._hits_seen.get(key, 0)
+            self._hits_seen[key] = total
+            self.cache_hit_tokens.labels(tier=tier).inc(total - seen if total >= seen else total)
+
+    def observe_tiers(self, tiers: TierReport | None, reports: Mapping[str, TEReport]) -> None:
+        """deepserve_cache_bytes per tier and live contexts, when /metrics is scraped."""
+        self.cache_bytes.labels(tier="device").set(sum(r.kv_cached_bytes
+                                                       for r in reports.values()))
+        self.cache_bytes.labels(tier="host").set(tiers.host_bytes if tiers else 0)
+        self.cache_bytes.labels(tier="disk").set(tiers.disk_bytes if tiers else 0)
+        self.contexts.set(tiers.num_contexts if tiers else 0)
+        self.pinned_bytes.set(tiers.pinned_bytes if tiers else 0)
 
     def observe_scale_event(self, event: ScaleEvent) -> None:
         self.scale_events.labels(model=event.model, direction=event.direction,

@@ -39,6 +39,10 @@ ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
     # 503 no engine could serve it, 504 past request_timeout_s
     "/v1/chat/completions": _GENERATION,
     "/v1/completions": _GENERATION,
+    # contexts: 404 unknown model or context (another tenant's included), 429 too many
+    # contexts of the tenant, 507 the contexts' KV budget is full
+    "/v1/contexts": (400, 404, 413, 429, 500, 503, 504, 507),
+    "/v1/contexts/{context_id}": (404, 413, 500, 503, 504),
     "/v1/models": (413, 500),
     "/v1/models/{model}": (404, 413, 500),
     "/health": (413, 500, 503),
@@ -49,7 +53,8 @@ limit sits in front of every route, a GET with a body included."""
 _DESCRIPTIONS = {400: "Invalid request", 401: "Missing or unknown API key",
                  404: "Unknown model", 413: "Request body too large",
                  429: "Too many open requests", 500: "Internal error",
-                 503: "No engine available", 504: "Request timed out"}
+                 503: "No engine available", 504: "Request timed out",
+                 507: "No room for the context's KV"}
 
 
 # -- response models: documentation of gateway/responses.py -----------------------
@@ -155,7 +160,25 @@ class Health(BaseModel):
     status: str
 
 
-_MODELS = (ErrorBody, ChatCompletion, Completion, ModelCard, ModelList, Health)
+class ContextObject(BaseModel):
+    """expires_at, created: Unix seconds."""
+
+    id: str
+    object: Literal["context"]
+    model: str
+    tokens: int
+    expires_at: int
+    created: int
+
+
+class ContextDeleted(BaseModel):
+    id: str
+    object: Literal["context.deleted"]
+    deleted: bool
+
+
+_MODELS = (ErrorBody, ChatCompletion, Completion, ModelCard, ModelList, Health, ContextObject,
+           ContextDeleted)
 _REF = "#/components/schemas/{model}"
 _SSE = {"text/event-stream": {"schema": {  # one event (OpenAPI 3.1: `schema` is per event)
     "type": "object", "required": ["data"], "properties": {"data": {
@@ -166,6 +189,7 @@ _OK = {"/v1/chat/completions": ({"application/json": ChatCompletion} | _SSE),
        "/v1/models": {"application/json": ModelList},
        "/v1/models/{model}": {"application/json": ModelCard},
        "/health": {"application/json": Health},
+       "/v1/contexts": {"application/json": ContextObject},
        "/metrics": {"text/plain": {"schema": {"type": "string"}}}}
 
 
@@ -182,7 +206,7 @@ def build_openapi(app: FastAPI, config: GatewayConfig) -> dict[str, Any]:
         schemas.pop(name, None)
     _, defs = models_json_schema([(m, "serialization") for m in _MODELS], ref_template=_REF)
     schemas.update(defs["$defs"])
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
+    for name in ("ChatCompletionRequest", "CompletionRequest", "ContextCreateRequest"):
         if name in schemas:
             schemas[name]["properties"]["model"] = {"type": "string", "title": "Model",
                                                     "enum": list(config.served_models)}
@@ -199,6 +223,10 @@ def _complete(operation: dict[str, Any], path: str, has_auth: bool) -> None:
     responses.pop("422", None)
     if path in _OK:
         responses["200"] = {"description": "Successful Response", "content": _content(_OK[path])}
+    elif path == "/v1/contexts/{context_id}":
+        model = ContextDeleted if "delete" in operation.get("operationId", "") else ContextObject
+        responses["200"] = {"description": "Successful Response",
+                            "content": _content({"application/json": model})}
     statuses = set(ROUTE_ERRORS.get(path, (413, 500)))
     if has_auth and path not in PUBLIC_PATHS:
         statuses.add(401)

@@ -64,6 +64,7 @@ def next_attempt(route: Route) -> SubmitRequest | None:
         return msgspec.structs.replace(first, request_id=route.wire_id, attempt=route.attempt)
     return msgspec.structs.replace(
         first, request_id=route.wire_id, prompt=None, messages=None, attempt=route.attempt,
+        context_id=None,  # the prompt ids below begin with the context's
         sampling=msgspec.structs.replace(first.sampling, max_tokens=max_tokens),
         prompt_token_ids=route.prompt_token_ids + route.token_ids,
         resumed_output_ids=len(route.token_ids), resumed_text_chars=route.num_text_chars)

@@ -25,6 +25,10 @@ MAX_STOP_CHARS = 256
 MAX_NUM_MESSAGES = 1024
 """Chat messages of one request at most."""
 
+MAX_CONTEXT_ID_CHARS = 64
+MIN_TTL_S, MAX_TTL_S, DEFAULT_TTL_S = 1.0, 7 * 24 * 3600.0, 3600.0
+"""A context's lifetime (seconds), as control/contexts.py bounds it."""
+
 _STRICT = ConfigDict(strict=True, extra="ignore")
 
 
@@ -84,6 +88,8 @@ class _GenerationRequest(BaseModel):
     stop: Stop | None = None
     n: Int(ge=1, le=8) | None = None
     user: str | None = None
+    context_id: Annotated[str, Field(min_length=1, max_length=MAX_CONTEXT_ID_CHARS)] | None = None
+    """A context (POST /v1/contexts) whose messages / prompt come first."""
     stream: bool | None = None
     stream_options: StreamOptions | None = None
 
@@ -181,3 +187,33 @@ class CompletionRequest(_GenerationRequest):
 
 def _wrap_int64(value: int) -> int:
     return (value - INT64_MIN) % 2**64 + INT64_MIN
+
+
+class ContextCreateRequest(BaseModel):
+    """POST /v1/contexts: messages (for chat) or a prompt (for completions), kept
+    with its KV until ttl_s seconds have passed or it is deleted."""
+
+    model_config = _STRICT
+    model: str
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_NUM_MESSAGES)] \
+        | None = None
+    prompt: PromptText | TokenIds | None = None
+    ttl_s: Annotated[float, Field(ge=MIN_TTL_S, le=MAX_TTL_S, allow_inf_nan=False)] = \
+        DEFAULT_TTL_S
+
+    def wire_input(self, max_chars: int) -> dict:
+        """{messages} or {prompt | prompt_token_ids}; 400 for none, both, or too long."""
+        if (self.messages is None) == (self.prompt is None):
+            raise APIError.bad_request("give exactly one of messages and prompt", "messages")
+        if self.messages is not None:
+            wire = [{"role": m.role, "content": m.text()} for m in self.messages]
+            if sum(len(m["content"]) for m in wire) > max_chars:
+                raise APIError.prompt_too_long(f"messages have more than {max_chars} "
+                                               "characters", "messages")
+            return {"messages": wire}
+        if len(self.prompt) > max_chars:
+            raise APIError.prompt_too_long(f"prompt has more than {max_chars} characters or "
+                                           "tokens", "prompt")
+        if isinstance(self.prompt, str):
+            return {"prompt": self.prompt}
+        return {"prompt_token_ids": list(self.prompt)}

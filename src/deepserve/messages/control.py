@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
+from deepserve.messages.cache import TierReport
 from deepserve.messages.scaling import ModelDemand, ScaleEvent
 
 _STRUCT = dict(tag_field="kind", omit_defaults=True, kw_only=True)
@@ -67,9 +68,12 @@ class TEReport(msgspec.Struct, tag="te_report", **_STRUCT):
     finished: list[str] = []
     kv_transfer_bytes: int = 0  # KV this TE sent to decode TEs since the last report
     kv_transfer_seconds: list[float] = []  # one per request sent
+    tier_hit_tokens: dict[str, int] = {}  # cumulative: prompt tokens fetched, per lower tier
+    kv_cached_bytes: int = 0  # bytes of KV blocks in its prefix tree (all ranks)
+    tier_fetch_seconds: dict[str, list[float]] = {}  # fetches since the last report, per tier
 
 
-ToClusterManager = TEUp | TEDown | TEReport | ModelDemand | ScaleEvent
+ToClusterManager = TEUp | TEDown | TEReport | ModelDemand | ScaleEvent | TierReport
 
 
 class TEList(msgspec.Struct, tag="te_list", **_STRUCT):
@@ -88,4 +92,4 @@ class TEList(msgspec.Struct, tag="te_list", **_STRUCT):
     is_complete: bool = True
 
 
-FromClusterManager = TEList | TEReport | ScaleEvent
+FromClusterManager = TEList | TEReport | ScaleEvent | TierReport

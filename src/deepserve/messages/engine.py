@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import msgspec
 
+from deepserve.messages.cache import CacheOpsDone, ContextPin
+from deepserve.messages.contexts import ContextInfo
 from deepserve.messages.pd import FailRequest, KVEndpoint, KVSent
 from deepserve.messages.sampling import SamplingParams
 from deepserve.messages.step import StepOutput
@@ -48,6 +50,8 @@ class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     attempt: int = 0
     resumed_output_ids: int = 0
     resumed_text_chars: int = 0
+    context_id: str | None = None  # gateway -> JE: a context's prompt comes first
+    pin_context: ContextPin | None = None  # JE -> TE: this request creates that context
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_STRUCT):
@@ -62,6 +66,7 @@ class AddRequest(msgspec.Struct, tag="add", **_STRUCT):
     sampling: SamplingParams
     salt: str | None = None
     prefill_from: str | None = None
+    pin_context: ContextPin | None = None
 
 
 class FinishRequest(msgspec.Struct, tag="finish", **_STRUCT):
@@ -135,7 +140,7 @@ class EngineStats(msgspec.Struct, tag="stats", **_STRUCT):
     num_preemptions: int
 
 
-ToClient = RequestDelta | RequestFailed | EngineStats
+ToClient = RequestDelta | RequestFailed | EngineStats | ContextInfo
 
 
 # -- workers -> master ---------------------------------------------------------
@@ -159,4 +164,4 @@ class WorkerFailed(msgspec.Struct, tag="worker_failed", **_STRUCT):
     message: str
 
 
-FromWorker = StepDone | WorkerReady | WorkerFailed | KVSent
+FromWorker = StepDone | WorkerReady | WorkerFailed | KVSent | CacheOpsDone

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import msgspec
 
+from deepserve.messages.cache import CacheOp
 from deepserve.messages.pd import KVTransferOrder
 from deepserve.messages.sampling import SamplingParams
 
 SHUTDOWN_STEP_ID = -1  # a StepBatch with this id tells the workers to exit
+CACHE_ONLY_STEP_ID = -2  # a StepBatch with this id only carries cache_ops: no forward, no StepDone
 PLACEHOLDER = -1  # an input token the workers fill in: the one they sampled last for the seq
 
 
@@ -46,6 +48,7 @@ class StepBatch(msgspec.Struct, array_like=True, gc=False):
     new_seqs: list[NewSeq] = []
     finished_seq_ids: list[int] = []  # drop their sampling state
     transfers: list[KVTransferOrder] = []  # KV to send to decode TEs (messages/pd.py)
+    cache_ops: list[CacheOp] = []  # host / disk tier copies (messages/cache.py), off the forward
 
 
 class SampledToken(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

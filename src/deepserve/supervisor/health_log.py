@@ -48,6 +48,8 @@ SEVERITY: dict[str, str] = {
     "scaled_in": INFO,
     "scale_failed": ERROR,
     "pool_ready": INFO,
+    "cache_block_corrupt": WARNING,
+    "cache_tier_disabled": ERROR,
 }
 
 EVENTS: frozenset[str] = frozenset(SEVERITY)

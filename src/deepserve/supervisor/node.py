@@ -4,6 +4,7 @@ together (`bin/deepserve-node --conf conf/node.toml`).
     node (this process; its supervisor thread: supervisor/supervisor.py)
     ├─ cluster manager   python -m deepserve.control.cluster_manager
     ├─ job executor      python -m deepserve.control.job_executor
+    ├─ kv-cache          python -m deepserve.cache.tier_server   (host + disk KV tiers)
     ├─ TE te0 … teN      python -m deepserve.engine.te_server  (each: tokenizer, master, workers)
     ├─ TE tiny-0 …       the same, for a [[model]] (--model NAME): scaled by the autoscaler
     ├─ pool0 …           the same with --pool: pre-warmed, waiting to be told its TE
@@ -62,6 +63,7 @@ from deepserve.supervisor.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 RUN_CONFIG = "node.json"
+KV_CACHE = "kv-cache"
 """The resolved config every child reads, in the run directory."""
 
 
@@ -71,7 +73,8 @@ class Node:
         self.run_id = uuid.uuid4().hex[:8]
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"ds-n{self.run_id}-"))
         self.run = RunAddresses.in_dir(self.run_dir, self.run_id,
-                                       [te.te_id for te in config.tes])
+                                       [te.te_id for te in config.tes],
+                                       kv_cache=config.node.host_cache_bytes > 0)
         sup = config.supervisor
         self.log_dir = Path(sup.log_dir) if sup.log_dir else self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -110,6 +113,9 @@ class Node:
                         *child_argv(conf, "cluster-manager"))
             self._spawn("job-executor", "deepserve.control.job_executor",
                         *child_argv(conf, "job-executor"))
+            if self.run.kv_cache:  # before the TEs: their first lookups find it
+                self._spawn(KV_CACHE, "deepserve.cache.tier_server",
+                            *child_argv(conf, KV_CACHE, run_id=self.te_run_id(KV_CACHE)))
             for te in self.config.tes:
                 if self._place(te):
                     self._spawn(te.te_id, "deepserve.engine.te_server",
@@ -279,7 +285,7 @@ class Node:
                              [n for n in names if n in control]], grace_s)
         for name in names:
             self.table.remove(name)
-        for te_id in set(self.te_ids) | self.ever:  # what killed TEs (or their children) left
+        for te_id in set(self.te_ids) | self.ever | {KV_CACHE}:  # what killed children left
             sweep_scratch(self._scratch(te_id))
         self.scaler.close()
         self.ctx.term()

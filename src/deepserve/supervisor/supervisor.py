@@ -50,7 +50,7 @@ from deepserve.supervisor.watchdog import ComponentSpec, Fault, Watchdog
 
 log = logging.getLogger(__name__)
 
-NODE_PROCESSES = ("job-executor", "cluster-manager", "gateway")
+NODE_PROCESSES = ("job-executor", "cluster-manager", "gateway", "kv-cache")
 """The node-level processes that beat: watched from their spawn."""
 
 

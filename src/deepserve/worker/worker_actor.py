@@ -5,6 +5,7 @@
     ranks <── torch.distributed (gloo on CPU) ──> ranks      two all-reduces a layer
     worker r ══ DistFlow (KVTransferOrder of a step) ══> rank r of a decode TE
     worker r ──KVSent──> master
+    StepBatch.cache_ops ──> cache executor thread (cache_executor.py) ──CacheOpsDone──> master
 
 The worker holds work from the moment it takes a StepBatch off the ring
 until it has put that step's StepDone; its progress counter is steps
@@ -51,8 +52,9 @@ from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
 from deepserve.ipc.shm_ring import BroadcastRing
 from deepserve.ipc.sockets import PushSocket
 from deepserve.messages.engine import StepDone, WorkerFailed, WorkerReady
+from deepserve.worker.cache_executor import CacheExecutor
 from deepserve.worker.kv_sender import KVSender
-from deepserve.messages.step import SHUTDOWN_STEP_ID, StepBatch
+from deepserve.messages.step import CACHE_ONLY_STEP_ID, SHUTDOWN_STEP_ID, StepBatch
 from deepserve.model.llama import CausalLM
 from deepserve.model.loader import load_model
 from deepserve.model.parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
@@ -104,6 +106,7 @@ class _Worker:
         self.ctx = zmq.Context()
         self.kv_name = segment_name(spec.run_id, f"kv-r{spec.rank}")
         self.kv_segment = self.runner = self.ring = self.out = self.kv_sender = None
+        self.cache_exec: CacheExecutor | None = None
         self.decoder = msgspec.msgpack.Decoder(StepBatch)
         self.num_steps = 0  # steps completed: the progress counter
         self.in_step = False  # a batch taken off the ring, its StepDone not yet put
@@ -123,6 +126,8 @@ class _Worker:
         self.ring = self._attach_ring(time.monotonic() + cfg.startup_timeout_s)
         self.kv_sender = KVSender(pool, self.kv_name, self.tp.rank, cfg, self.ctx,
                                   self.life.faults)
+        self.cache_exec = CacheExecutor(pool, self.tp.rank, self.tp.size, self.ctx,
+                                        self.spec.step_done_address)
         self.out.put(WorkerReady(rank=self.tp.rank, pid=os.getpid(),
                                  kv_endpoint=self.kv_sender.endpoint))
 
@@ -178,6 +183,10 @@ class _Worker:
         batch = self.decoder.decode(data)
         if batch.step_id == SHUTDOWN_STEP_ID:
             return False
+        if batch.cache_ops:  # copies of committed or holder-owned blocks: never wait
+            self.cache_exec.submit(batch.cache_ops)
+        if batch.step_id == CACHE_ONLY_STEP_ID:
+            return True
         self.in_step = True
         self._drill_bad_sampling(batch)
         self._drill_poison(batch)
@@ -239,6 +248,9 @@ class _Worker:
 
     def close(self) -> None:
         """Release in reverse order; the pool's tensors must die before its segment."""
+        if self.cache_exec is not None:
+            self.cache_exec.close()
+            self.cache_exec = None
         self.runner = None
         if self.kv_sender is not None:
             self.kv_sender.close()

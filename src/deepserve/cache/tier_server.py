@@ -1,0 +1,301 @@
+"""The node's KV tier service: host DRAM pools and the disk tier, for every TE.
+
+    TE masters, JE ──ToTier──> [inbox PULL] ──> TierIndex per model key (tier_index.py)
+                                    │    └──replies (Outboxes)──> each master's reply_to
+                                    │ commit: slots to copy to disk
+                                    ▼
+                    disk writer thread: host slot ──write_block──> DIR/<key>/..
+                                    │ results (queue) ──> disk_written, deletes
+    every REPORT_S: TierReport ──> cluster manager (relayed to gateways: /metrics)
+
+Host pools: one shared-memory segment per model key, (num_slots, 2, L, H,
+bs, D) in the model's dtype, created on the key's first message (its
+geometry is in every lookup / reserve); workers attach it by name and copy
+blocks in and out themselves: no tensor ever rides in a message. Every
+key's pool gets host_cache_bytes / num_models bytes, its disk directory
+disk_cache_bytes / num_models, its context pins context_cache_bytes /
+num_models (0: half of its lowest persistent tier).
+
+A disk that fails a write (ENOSPC, any OSError) turns the disk tier off for
+every key, loudly (`cache_tier_disabled`), and serving goes on from host.
+A restarted service starts with empty host pools (a miss, never a wrong
+block: the segments of its predecessor are gone) and finds the disk tier's
+files again (scan_blocks). Only this process creates and unlinks its pools.
+
+`python -m deepserve.cache.tier_server --conf RUN_DIR/node.json --role kv-cache
+--run-id ID`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import zmq
+
+from deepserve.actor import ActorLife
+from deepserve.cache import block_file
+from deepserve.cache.tier_index import TierIndex
+from deepserve.config.child import parse_child_args, print_config
+from deepserve.config.loading import read_run_config
+from deepserve.ipc.outboxes import Outboxes
+from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
+from deepserve.ipc.sockets import PullSocket, PushSocket
+from deepserve.messages.cache import (BlockGeometry, ContextUnpin, TierCommit, TierCommitted,
+                                      TierDrop, TierHits, TierLookup, TierRelease, TierReport,
+                                      TierReserve, TierReserved, ToTier)
+
+log = logging.getLogger(__name__)
+REPORT_S = 1.0
+EXPIRE_S = 0.25
+MAX_KEYS = 64  # model keys at most (each has a pool): a forged key cannot exhaust memory
+
+
+class TierSettings(msgspec.Struct, frozen=True, kw_only=True):
+    inbox: str
+    cm: str = ""
+    run_id: str = "kvc"
+    host_bytes: int = 0
+    """Per model key."""
+    disk_dir: str = ""
+    disk_bytes: int = 0
+    """Per model key (0: no disk tier)."""
+    pin_bytes: int = 0
+    """Per model key (0: half of its lowest persistent tier)."""
+    fsync: str = "never"
+    lease_s: float = 30.0
+
+
+def load_settings(args) -> TierSettings:
+    config, run = read_run_config(args.conf)
+    node = config.node
+    n = max(1, len(config.all_models))
+    return TierSettings(inbox=run.kv_cache, cm=run.cm, run_id=args.run_id or "kvc",
+                        host_bytes=node.host_cache_bytes // n, disk_dir=node.disk_cache_dir,
+                        disk_bytes=node.disk_cache_bytes // n,
+                        pin_bytes=node.context_cache_bytes // n, fsync=node.disk_fsync)
+
+
+@dataclass
+class _Pool:
+    key: str
+    geometry: BlockGeometry
+    index: TierIndex
+    segment: str
+    shm: object
+    slots: np.ndarray  # (num_slots, block bytes) uint8 over the segment
+    disk_dir: str
+
+
+class TierServer:
+    def __init__(self, s: TierSettings, ctx: zmq.Context, life: ActorLife | None = None):
+        self.s, self.life = s, life
+        self.inbox = PullSocket(ctx, s.inbox, bind=True, type=ToTier)
+        self.replies = Outboxes(ctx, timeout_s=0.2)
+        self.to_cm = PushSocket(ctx, s.cm, bind=False) if s.cm else None
+        self.pools: dict[str, _Pool] = {}
+        self.disk_enabled = bool(s.disk_dir and s.disk_bytes > 0)
+        self.num_corrupt = self.num_handled = 0
+        self._writes: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="disk-writer",
+                                         daemon=True)
+        self._writer.start()
+        self._reported = self._expired = 0.0
+
+    # -- the loop -------------------------------------------------------------------
+    def step(self) -> None:
+        if self.inbox.poll(0.05):
+            for msg in self.inbox.drain():
+                self.handle(msg)
+                self.num_handled += 1
+        self._apply_disk_results()
+        now = time.monotonic()
+        if now - self._expired >= EXPIRE_S:
+            self._expired = now
+            for pool in self.pools.values():
+                self._delete(pool, pool.index.expire(now, time.time()))
+        if self.to_cm is not None and now - self._reported >= REPORT_S:
+            self._reported = now
+            try:
+                self.to_cm.put(self.report(), timeout=0.2)
+            except TimeoutError:
+                pass
+
+    def handle(self, msg) -> None:
+        now = time.monotonic()
+        if isinstance(msg, TierLookup):
+            pool = self._pool(msg.model_key, msg.geometry)
+            lease, slots = pool.index.lookup(msg.hashes, now) if pool else (0, [])
+            self._reply(msg.reply_to, TierHits(
+                lookup_id=msg.lookup_id, lease_id=lease, slots=slots,
+                segment=pool.segment if pool else "", disk_dir=pool.disk_dir if pool else ""))
+        elif isinstance(msg, TierReserve):
+            pool = self._pool(msg.model_key, msg.geometry)
+            if pool is None:
+                self._reply(msg.reply_to, TierReserved(reserve_id=msg.reserve_id,
+                                                       error="unavailable"))
+                return
+            lease, slots, error = pool.index.reserve(msg.hashes, now, msg.context_id,
+                                                     msg.expires_at)
+            self._reply(msg.reply_to, TierReserved(reserve_id=msg.reserve_id, lease_id=lease,
+                                                   slots=slots, segment=pool.segment,
+                                                   error=error))
+        elif isinstance(msg, TierCommit):
+            pool = self.pools.get(msg.model_key)
+            ok = pool is not None
+            if ok:
+                for slot, h in pool.index.commit(msg.lease_id, msg.slots):
+                    self._writes.put((pool.key, slot, h))
+            if msg.reply_to:
+                self._reply(msg.reply_to, TierCommitted(reserve_id=msg.reserve_id, ok=ok))
+        elif isinstance(msg, TierRelease):
+            pool = self.pools.get(msg.model_key)
+            if pool is not None:
+                pool.index.release(msg.lease_id)
+        elif isinstance(msg, TierDrop):
+            pool = self.pools.get(msg.model_key)
+            if pool is not None:
+                self.num_corrupt += len(msg.hashes)
+                self._delete(pool, pool.index.drop_disk(msg.hashes))
+        elif isinstance(msg, ContextUnpin):
+            for pool in self.pools.values():
+                self._delete(pool, pool.index.unpin(msg.context_id))
+
+    def _reply(self, address: str, msg) -> None:
+        self.replies.put(address, msg)
+
+    # -- pools -----------------------------------------------------------------------
+    def _pool(self, key: str, geometry: BlockGeometry) -> _Pool | None:
+        pool = self.pools.get(key)
+        if pool is not None:
+            return pool if pool.geometry == geometry else None
+        if len(self.pools) >= MAX_KEYS or geometry.dtype not in block_file._ITEMSIZE:
+            return None
+        nbytes = block_file.block_nbytes(geometry)
+        if nbytes <= 0 or nbytes > (1 << 30):
+            return None
+        num_slots = self.s.host_bytes // nbytes
+        if num_slots < 1:
+            return None
+        digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+        name = segment_name(self.s.run_id, f"kvh-{digest}")
+        shm = create_segment(name, num_slots * nbytes)
+        slots = np.frombuffer(shm.buf, dtype=np.uint8).reshape(num_slots, nbytes)
+        disk_dir = str(Path(self.s.disk_dir) / _dir_name(key)) if self.disk_enabled else ""
+        index = TierIndex(num_slots, nbytes, self.s.disk_bytes if self.disk_enabled else 0,
+                          self.s.pin_bytes or None, self.s.lease_s)
+        for h, size, _ in sorted(block_file.scan_blocks(disk_dir) if disk_dir else [],
+                                 key=lambda e: e[2]):
+            index.add_disk(h, size)
+        self._delete_files(disk_dir, index.evict_disk())
+        pool = self.pools[key] = _Pool(key, geometry, index, name, shm, slots, disk_dir)
+        log.info("host pool %s for %s: %d slots of %d bytes, disk %s", name, key, num_slots,
+                 nbytes, disk_dir or "off")
+        return pool
+
+    # -- disk ------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        """One block at a time: read-pinned slot -> file; never touches the index."""
+        while (job := self._writes.get()) is not None:
+            key, slot, h = job
+            pool = self.pools.get(key)
+            try:
+                if pool is None or not self.disk_enabled:
+                    raise OSError("disk tier off")
+                if self.life is not None and self.life.faults.active("disk-full") is not None:
+                    raise OSError(28, "No space left on device (drill)")
+                nbytes = block_file.write_block(pool.disk_dir, h, pool.geometry,
+                                                memoryview(pool.slots[slot]), self.s.fsync)
+                self._done.put((key, slot, h, nbytes, None))
+            except OSError as e:
+                self._done.put((key, slot, h, 0, e))
+
+    def _apply_disk_results(self) -> None:
+        while True:
+            try:
+                key, slot, h, nbytes, error = self._done.get_nowait()
+            except queue.Empty:
+                return
+            pool = self.pools[key]
+            gone = pool.index.disk_written(slot, h, nbytes, error is None)
+            self._delete(pool, gone)
+            if error is not None and self.disk_enabled:
+                self._disable_disk(error)
+
+    def _disable_disk(self, error: OSError) -> None:
+        self.disk_enabled = False
+        log.error("disk tier disabled: %s", error)
+        for pool in self.pools.values():
+            pool.index.disable_disk()
+        if self.life is not None:
+            self.life.event("cache_tier_disabled", tier="disk", reason=str(error))
+
+    def _delete(self, pool: _Pool, hashes: list[int]) -> None:
+        self._delete_files(pool.disk_dir, hashes)
+
+    @staticmethod
+    def _delete_files(disk_dir: str, hashes: list[int]) -> None:
+        for h in hashes:
+            try:
+                block_file.delete_block(disk_dir, h)
+            except OSError as e:
+                log.warning("cannot delete block file %x: %s", h, e)
+
+    def report(self) -> TierReport:
+        pools = list(self.pools.values())
+        return TierReport(
+            host_bytes=sum(p.index.num_valid * p.index.block_bytes for p in pools),
+            host_capacity=sum(p.index.num_slots * p.index.block_bytes for p in pools),
+            disk_bytes=sum(p.index.disk_bytes for p in pools),
+            disk_capacity=self.s.disk_bytes * len(pools) if self.disk_enabled else 0,
+            num_contexts=sum(len(p.index.contexts) for p in pools),
+            pinned_bytes=sum(p.index.pinned_bytes for p in pools),
+            disk_enabled=self.disk_enabled, num_corrupt=self.num_corrupt)
+
+    def close(self) -> None:
+        self._writes.put(None)
+        self._writer.join(5)
+        for pool in self.pools.values():
+            pool.slots = None
+            try:
+                pool.shm.close()
+            except BufferError:  # a view is still alive: the name goes anyway
+                pass
+            unlink_segment(pool.segment)
+        for sock in (self.inbox, self.replies, self.to_cm):
+            if sock is not None:
+                sock.close()
+
+
+def _dir_name(key: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)[:64]
+    return f"{safe}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_child_args(argv, "kv-cache", "DeepServe KV tier service (host + disk)")
+    settings = load_settings(args)
+    if args.print_config:
+        return print_config(settings)
+    life = ActorLife("kv-cache", parent_pid=args.parent_pid)
+    ctx = zmq.Context()
+    server = TierServer(settings, ctx, life)
+    try:
+        life.ready()
+        life.run(server.step, lambda: {"messages": server.num_handled})
+    finally:
+        server.close()
+        ctx.term()
+        life.close()
+
+
+if __name__ == "__main__":
+    main()

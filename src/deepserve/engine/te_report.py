@@ -1,0 +1,61 @@
+"""What a TE's master says: its TEReport to the cluster manager every report
+interval, a sequence's newest token for the tokenizer, and the check that a
+StepDone answers the step the master waits for."""
+
+from __future__ import annotations
+
+from deepserve.engine.scheduler import SchedulerOutput
+from deepserve.engine.sequence import Sequence
+from deepserve.messages.control import TEReport
+from deepserve.messages.engine import NewTokens, StepDone
+
+
+def answers(done: StepDone, step_id: int, scheduled: SchedulerOutput,
+            sampling_ids: frozenset[int]) -> bool:
+    """Is `done` rank 0's answer to this step? Its id, and one token or one
+    failure for each sequence the step samples, except sequences finished
+    already (a seq failed earlier is not reported again)."""
+    out = done.output
+    if out.step_id != step_id:
+        return False
+    answered = [t.seq_id for t in out.sampled] + [f.seq_id for f in out.failed]
+    if len(set(answered)) != len(answered) or not set(answered) <= sampling_ids:
+        return False
+    return all(scheduled.seqs[i].is_finished for i in sampling_ids.difference(answered))
+
+
+def remaining_tokens(seq: Sequence) -> int:
+    """Load a sequence still puts on the TE: tokens to compute + tokens to generate."""
+    return (seq.num_uncomputed_tokens
+            + max(0, seq.sampling.max_tokens - seq.num_output_tokens))
+
+
+def build_report(te_id: str, core, pd, tier, block_bytes: int = 0) -> TEReport:
+    """core: the StepCore; pd: the PDCoordinator; tier: the TierLink or None;
+    block_bytes: one block's KV over all ranks."""
+    kv, scheduler = core.kv, core.scheduler
+    inserted, evicted = kv.tree.pop_events()
+    transfer_bytes, transfer_seconds = pd.pop_transfer_stats()
+    waiting, running = scheduler.waiting, scheduler.running
+    hits, fetch_seconds = tier.tiers.pop_stats() if tier is not None else ({}, {})
+    return TEReport(
+        te_id=te_id, num_waiting=len(waiting), num_running=len(running),
+        load_tokens=sum(map(remaining_tokens, waiting)) + sum(map(remaining_tokens, running)),
+        kv_usage=kv.usage, num_prompt_tokens=core.num_prompt_tokens,
+        num_cached_tokens=core.num_cached_tokens, inserted=inserted, evicted=evicted,
+        finished=core.pop_finished(), kv_transfer_bytes=transfer_bytes,
+        kv_transfer_seconds=transfer_seconds, tier_hit_tokens=hits,
+        tier_fetch_seconds={t: s for t, s in fetch_seconds.items() if s},
+        kv_cached_bytes=kv.tree.num_nodes * block_bytes)
+
+
+def new_tokens(request_id: str, seq: Sequence) -> NewTokens:
+    """The sequence's newest known token (and its logprobs) for its request."""
+    num_known = seq.num_tokens - seq.num_pending_tokens
+    token = seq.token_ids[num_known - 1]
+    logprobs = None
+    if seq.sampling.logprobs is not None:
+        last = seq.logprobs[-1]
+        logprobs = [(last.token_id, last.logprob, last.top or [])]
+    return NewTokens(request_id, [token], seq.finish_reason, seq.num_cached_tokens or 0,
+                     logprobs)

@@ -1,0 +1,137 @@
+"""TierLink: the master's sockets to the node's KV tier service, and the
+TierCoordinator's effects carried out (what the master itself need not know).
+
+    master ──ToTier (PUSH)──> kv-cache       kv-cache ──FromTier──> [tier PULL, bound here]
+    TierEffects.ops ──(attach_ops: the next StepBatch, or a cache-only batch)──> workers
+
+The master asks `take` for what it must do itself: queue the ready
+sequences, and stream (or fail) the context requests whose pins are done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import zmq
+
+from deepserve.cache.cost_model import CostModel
+from deepserve.cache.kv_manager import KVCacheManager
+from deepserve.engine.sequence import Sequence
+from deepserve.engine.tiers import TierCoordinator, TierEffects
+from deepserve.ipc.sockets import PullSocket, PushSocket
+from deepserve.messages.cache import (BlockGeometry, CacheOp, FromTier, TierCommitted,
+                                      TierHits, TierReserved)
+
+log = logging.getLogger(__name__)
+PUT_TIMEOUT_S = 0.05  # a tier service that does not take a message: it is dropped (a miss)
+
+
+def tier_reply_address(pd_or_inbox: str) -> str:
+    """ipc://DIR/te1.pd.sock -> ipc://DIR/te1.tier.sock; tcp://H:P -> tcp://H:P+1."""
+    scheme, _, rest = pd_or_inbox.partition("://")
+    if scheme == "ipc":
+        stem = rest.removesuffix(".sock").removesuffix(".pd")
+        return f"ipc://{stem}.tier.sock"
+    host, _, port = rest.rpartition(":")
+    return f"tcp://{host}:{int(port) + 1}"
+
+
+def model_key(model_dir: str, geometry: BlockGeometry) -> str:
+    """The key TEs of one model share: the directory and the block geometry."""
+    real = os.path.realpath(model_dir)
+    digest = hashlib.sha1(f"{real}|{geometry}".encode()).hexdigest()[:12]
+    return f"{Path(real).name}-{digest}"
+
+
+class TierLink:
+    def __init__(self, ctx: zmq.Context, tier_address: str, reply_address: str,
+                 kv: KVCacheManager, model_dir: str, geometry: BlockGeometry, tp: int,
+                 block_bytes: int, new_seq_id, cost_model: bool = True, events=None):
+        self.to_tier = PushSocket(ctx, tier_address, bind=False)
+        self.replies = PullSocket(ctx, reply_address, bind=True, type=FromTier)
+        cost = CostModel(block_bytes=block_bytes, block_size=kv.block_size, enabled=cost_model)
+        self.tiers = TierCoordinator(kv, model_key=model_key(model_dir, geometry),
+                                     geometry=geometry, address=reply_address, cost=cost, tp=tp,
+                                     new_seq_id=new_seq_id)
+        self.events = events or (lambda event, **details: None)
+        self.pending_ops: list[CacheOp] = []
+        self.num_dropped = 0
+        self._ready: list[Sequence] = []
+        self._ended: list[Sequence] = []
+        self._failed: list[tuple[Sequence, str, str]] = []
+
+    @property
+    def socket(self) -> zmq.Socket:
+        return self.replies.socket
+
+    @property
+    def has_work(self) -> bool:
+        return self.tiers.has_work
+
+    # -- what the master calls ---------------------------------------------------------
+    def admit(self, seq: Sequence) -> None:
+        self._apply(self.tiers.admit(seq, time.monotonic()))
+
+    def pin_context(self, seq: Sequence, nodes) -> None:
+        self._apply(self.tiers.write_through(time.monotonic(), context=seq, nodes=nodes))
+
+    def recv(self) -> None:
+        now = time.monotonic()
+        for msg in self.replies.drain():
+            if isinstance(msg, TierHits):
+                self._apply(self.tiers.on_hits(msg, now))
+            elif isinstance(msg, TierReserved):
+                self._apply(self.tiers.on_reserved(msg, now))
+            elif isinstance(msg, TierCommitted):
+                self._apply(self.tiers.on_committed(msg, now))
+
+    def on_ops_done(self, msg) -> None:
+        self._apply(self.tiers.on_ops_done(msg, time.monotonic()))
+
+    def tick(self) -> None:
+        """New tree blocks go to the host tier; deadlines."""
+        now = time.monotonic()
+        self._apply(self.tiers.write_through(now))
+        self._apply(self.tiers.poll(now))
+
+    def observe_step(self, num_new_tokens, seconds: float) -> None:
+        """A step that is mostly prompt tokens measures the prefill speed (cost model)."""
+        counts = list(num_new_tokens)
+        prompt = sum(n for n in counts if n > 1)
+        if prompt * 2 >= sum(counts):
+            self.tiers.cost.observe_prefill(prompt, seconds)
+
+    def take(self) -> tuple[list[Sequence], list[Sequence], list[tuple[Sequence, str, str]]]:
+        """(sequences to queue, contexts to end, contexts that failed) since the last call."""
+        out = self._ready, self._ended, self._failed
+        self._ready, self._ended, self._failed = [], [], []
+        return out
+
+    def take_ops(self) -> list[CacheOp]:
+        ops, self.pending_ops = self.pending_ops, []
+        return ops
+
+    # -- effects -----------------------------------------------------------------------
+    def _apply(self, effects: TierEffects) -> None:
+        if not effects:
+            return
+        for msg in effects.sends:
+            try:
+                self.to_tier.put(msg, timeout=PUT_TIMEOUT_S)
+            except TimeoutError:  # its deadline turns what waits on it into a miss
+                self.num_dropped += 1
+        self.pending_ops.extend(effects.ops)
+        self._ready.extend(effects.ready)
+        self._ended.extend(effects.ended)
+        self._failed.extend(effects.failed)
+        for event, details in effects.events:
+            log.warning("%s: %s", event, details)
+            self.events(event, **details)
+
+    def close(self) -> None:
+        self.to_tier.close()
+        self.replies.close()

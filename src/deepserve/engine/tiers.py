@@ -1,0 +1,359 @@
+"""The master's side of the KV tiers below the device: a pure policy object.
+
+Like PDCoordinator it opens no socket and reads time only from `now`; every
+event returns TierEffects for the master to carry out. Three pipelines:
+
+  admit (the sched-enqueue stage; the request waits, the batch does not):
+      device match -> TierLookup of the hashes past it -> TierHits
+      -> cost model (cache/cost_model.py): fetch the first k hits or none
+      -> a holder pseudo-sequence gets blocks for them -> CacheOps load_host /
+         load_disk -> every rank's CacheOpsDone -> commit the blocks that came
+         up into the prefix tree -> the request is queued (the holder keeps
+         them until the scheduler admits it) -> TierRelease
+  write-through (every block the prefix tree takes, as soon as it is computed):
+      new tree nodes, pinned with their ancestors -> TierReserve -> CacheOp
+      store_host of the slots given -> CacheOpsDone -> TierCommit, unpin.
+      So evicting from the device never has to wait for a copy, and a TE that
+      crashes has already handed its blocks to the node.
+  contexts (a request that creates a context, SubmitRequest.pin_context):
+      when it ends, every full block of its prompt -> TierReserve with the
+      context id (pins them all) -> store the absent ones -> TierCommit with
+      a reply -> TierCommitted -> only then its last token is streamed.
+
+Every wait has a deadline: a tier service that does not answer is a miss
+(lookups, reserves) and a context that cannot be pinned fails its request.
+Blocks a worker may still be writing (a load whose ops never came back) are
+never handed out again: a holder whose ops time out keeps its blocks until
+op_timeout_s more have passed (the workers of a TE die together).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from deepserve.cache.block_hash import chain_hash, root_hash
+from deepserve.cache.cost_model import DISK, HOST, CostModel
+from deepserve.cache.kv_manager import KVCacheManager
+from deepserve.cache.radix_tree import RadixNode
+from deepserve.engine.sequence import Sequence
+from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, NO_SLOT, ON_DISK, STORE_HOST,
+                                      BlockGeometry, CacheOp, CacheOpsDone, TierCommit,
+                                      TierCommitted, TierDrop, TierHits, TierLookup,
+                                      TierRelease, TierReserve, TierReserved)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TierEffects:
+    """In this order: send `sends` to the tier service; attach `ops` to the
+    next StepBatch; queue `ready` (scheduler.add); stream `ended` contexts'
+    last tokens (or fail them: `failed`, with why); log `events`."""
+
+    sends: list = field(default_factory=list)
+    ops: list[CacheOp] = field(default_factory=list)
+    ready: list[Sequence] = field(default_factory=list)
+    ended: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, str, str]] = field(default_factory=list)  # seq, error, why
+    events: list[tuple[str, dict]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.sends or self.ops or self.ready or self.ended or self.failed
+                    or self.events)
+
+
+@dataclass
+class _Lookup:
+    seq: Sequence
+    num_device: int
+    hashes: list[int]
+    deadline: float
+
+
+@dataclass
+class _Load:
+    seq: Sequence
+    holder: int  # seq id of the holder
+    first_block: int  # the holder's first block that a lower tier fills
+    ops: list[tuple[int, str, int]]  # (op id, kind, blocks), in block order
+    lease_id: int
+    started: float
+    deadline: float
+    done: dict[int, dict[int, CacheOpsDone]] = field(default_factory=dict)
+
+
+@dataclass
+class _Store:
+    nodes: list[RadixNode]  # the blocks to write, in reserve order
+    pinned: list[RadixNode]  # kv.pin() of them: released when done
+    deadline: float
+    lease_id: int = 0
+    slots: list[int] = field(default_factory=list)
+    op_id: int = 0
+    done: dict[int, CacheOpsDone] = field(default_factory=dict)
+    context: Sequence | None = None  # the context request waiting for this pin
+    reserve_id: int = 0
+
+
+class TierCoordinator:
+    def __init__(self, kv: KVCacheManager, *, model_key: str, geometry: BlockGeometry,
+                 address: str, cost: CostModel, tp: int, new_seq_id, lookup_timeout_s=1.0,
+                 op_timeout_s: float = 10.0):
+        self.kv, self.key, self.geometry, self.address = kv, model_key, geometry, address
+        self.cost, self.tp, self.new_seq_id = cost, tp, new_seq_id
+        self.lookup_timeout_s, self.op_timeout_s = lookup_timeout_s, op_timeout_s
+        self.block_size = kv.block_size
+        self._ids = itertools.count(1)
+        self.lookups: dict[int, _Lookup] = {}
+        self.loads: dict[int, _Load] = {}  # by op id of each of its ops
+        self.stores: dict[int, _Store] = {}  # by reserve id, then also by op id
+        self.stalled: list[tuple[int, float]] = []  # (holder seq id, free after)
+        self.hit_tokens = {HOST: 0, DISK: 0}
+        self.fetch_seconds: dict[str, list[float]] = {HOST: [], DISK: []}
+        self.num_events = 0  # progress: tier events handled
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.lookups or self.loads or self.stores)
+
+    # -- admit ---------------------------------------------------------------------------
+    def admit(self, seq: Sequence, now: float) -> TierEffects:
+        """A new request: look below the device for its prefix, or queue it now."""
+        effects = TierEffects()
+        ids, bs = seq.token_ids, self.block_size
+        nodes = self.kv.match(ids, seq.salt)
+        limit = (len(ids) - 1) // bs
+        if not self.kv.enable_prefix_caching or len(nodes) >= limit:
+            effects.ready.append(seq)
+            return effects
+        h = nodes[-1].block_hash if nodes else root_hash(seq.salt)
+        hashes = []
+        for i in range(len(nodes), limit):
+            h = chain_hash(h, ids[i * bs:(i + 1) * bs])
+            hashes.append(h)
+        lookup_id = next(self._ids)
+        self.lookups[lookup_id] = _Lookup(seq, len(nodes), hashes, now + self.lookup_timeout_s)
+        effects.sends.append(TierLookup(lookup_id=lookup_id, model_key=self.key,
+                                        geometry=self.geometry, hashes=hashes,
+                                        reply_to=self.address))
+        return effects
+
+    def on_hits(self, msg: TierHits, now: float) -> TierEffects:
+        effects = TierEffects()
+        self.num_events += 1
+        lookup = self.lookups.pop(msg.lookup_id, None)
+        if lookup is None or lookup.seq.is_finished:
+            self._release(msg.lease_id, effects)
+            return effects
+        seq = lookup.seq
+        tiers = [DISK if s == ON_DISK else HOST for s in msg.slots[:len(lookup.hashes)]]
+        plan = self.cost.plan(tiers)
+        log.debug("seq %d: %d device + %s below; plan %s (%s)", seq.seq_id, lookup.num_device,
+                  tiers, plan, self.cost.snapshot())
+        if plan.num_blocks == 0 or not self._start_load(lookup, msg, plan.num_blocks, now,
+                                                        effects):
+            self._release(msg.lease_id, effects)
+            effects.ready.append(seq)
+        return effects
+
+    def _start_load(self, lookup: _Lookup, msg: TierHits, k: int, now: float,
+                    effects: TierEffects) -> bool:
+        seq, bs = lookup.seq, self.block_size
+        holder = self.new_seq_id()
+        if not self.kv.allocate(holder, seq.token_ids, (lookup.num_device + k) * bs, seq.salt):
+            return False
+        first = self.kv.num_shared_blocks(holder)
+        skip = first - lookup.num_device  # blocks the device got meanwhile
+        if skip < 0 or skip >= k:  # device blocks evicted meanwhile (a gap), or nothing left
+            self.kv.free(holder)
+            return False
+        table = self.kv.block_table(holder)
+        ops: list[CacheOp] = []
+        for i in range(skip, k):  # runs of one tier each, in block order
+            slot, block = msg.slots[i], table[lookup.num_device + i]
+            kind = LOAD_DISK if slot == ON_DISK else LOAD_HOST
+            if not ops or ops[-1].kind != kind:
+                ops.append(CacheOp(next(self._ids), kind, [], segment=msg.segment,
+                                   disk_dir=msg.disk_dir))
+            ops[-1].block_ids.append(block)
+            if kind == LOAD_DISK:
+                ops[-1].hashes.append(lookup.hashes[i])
+            else:
+                ops[-1].slots.append(slot)
+        load = _Load(seq, holder, first, [(op.op_id, op.kind, len(op.block_ids)) for op in ops],
+                     msg.lease_id, now, now + self.op_timeout_s)
+        for op in ops:
+            self.loads[op.op_id] = load
+        effects.ops.extend(ops)
+        return True
+
+    def _finish_load(self, load: _Load, now: float, effects: TierEffects) -> None:
+        for op_id, _, _ in load.ops:
+            self.loads.pop(op_id, None)
+        num_ok, corrupt = 0, []
+        for op_id, kind, n in load.ops:
+            ranks = load.done[op_id].values()
+            ok = min(d.num_ok for d in ranks)
+            corrupt += [h for d in ranks for h in d.corrupt]
+            tier = DISK if kind == LOAD_DISK else HOST
+            if ok:
+                self.cost.observe_fetch(tier, ok * self.cost.block_bytes, now - load.started)
+                self.fetch_seconds[tier].append(now - load.started)
+                load.seq.tier_tokens[tier] = load.seq.tier_tokens.get(tier, 0) + ok * \
+                    self.block_size
+                self.hit_tokens[tier] += ok * self.block_size
+            num_ok += ok
+            if ok < n:
+                break
+        if corrupt:
+            effects.sends.append(TierDrop(model_key=self.key, hashes=corrupt))
+            for h in corrupt:
+                effects.events.append(("cache_block_corrupt", {"tier": "disk", "block": h}))
+        seq = load.seq
+        self.kv.commit(load.holder, seq.token_ids, (load.first_block + num_ok) * self.block_size)
+        self.kv.truncate(load.holder, load.first_block + num_ok)
+        self._release(load.lease_id, effects)
+        if seq.is_finished:
+            self.kv.free(load.holder)
+            return
+        seq.holder_seq_id = load.holder
+        effects.ready.append(seq)
+
+    # -- write-through -------------------------------------------------------------------
+    def write_through(self, now: float, context: Sequence | None = None,
+                      nodes: list[RadixNode] | None = None) -> TierEffects:
+        """Reserve host slots for the tree's new blocks (or, for a context,
+        all of its prompt's full blocks, which it pins)."""
+        effects = TierEffects()
+        nodes = self.kv.pop_new_nodes() if nodes is None else nodes
+        if not nodes and context is None:
+            return effects
+        store = _Store(nodes, self.kv.pin(nodes), now + self.lookup_timeout_s, context=context)
+        rid = store.reserve_id = next(self._ids)
+        self.stores[rid] = store
+        pin = context.pin_context if context is not None else None
+        effects.sends.append(TierReserve(
+            reserve_id=rid, model_key=self.key, geometry=self.geometry,
+            hashes=[n.block_hash for n in nodes], reply_to=self.address,
+            context_id=pin.context_id if pin else None,
+            expires_at=pin.expires_at if pin else 0.0))
+        return effects
+
+    def on_reserved(self, msg: TierReserved, now: float) -> TierEffects:
+        effects = TierEffects()
+        self.num_events += 1
+        store = self.stores.pop(msg.reserve_id, None)
+        if store is None:
+            if msg.lease_id:  # too late: let its slots go
+                effects.sends.append(TierCommit(lease_id=msg.lease_id, model_key=self.key,
+                                                slots=[]))
+            return effects
+        if msg.error is not None:
+            self._end_store(store, effects, f"the KV tier refused: {msg.error}",
+                            "context_over_budget" if msg.error == "over_budget" else None)
+            return effects
+        pairs = [(n.block_id, s) for n, s in zip(store.nodes, msg.slots) if s != NO_SLOT]
+        store.lease_id, store.slots = msg.lease_id, [s for _, s in pairs]
+        if not pairs:
+            if store.context is not None:  # every block is in the tier already: pinned
+                return self._commit(store, effects, now)
+            self._end_store(store, effects)
+            return effects
+        store.op_id = next(self._ids)
+        store.deadline = now + self.op_timeout_s
+        self.stores[store.op_id] = store
+        effects.ops.append(CacheOp(store.op_id, STORE_HOST, [b for b, _ in pairs],
+                                   slots=store.slots, segment=msg.segment))
+        return effects
+
+    def _commit(self, store: _Store, effects: TierEffects, now: float,
+                written=()) -> TierEffects:
+        needs_reply = store.context is not None
+        effects.sends.append(TierCommit(lease_id=store.lease_id, model_key=self.key,
+                                        slots=list(written), reserve_id=store.reserve_id,
+                                        reply_to=self.address if needs_reply else ""))
+        if needs_reply:  # the context's request ends on TierCommitted
+            store.deadline = now + self.lookup_timeout_s
+            self.stores[-store.reserve_id] = store
+        else:
+            self.kv.unpin(store.pinned)
+        return effects
+
+    def on_committed(self, msg: TierCommitted, now: float) -> TierEffects:
+        effects = TierEffects()
+        self.num_events += 1
+        store = self.stores.pop(-msg.reserve_id, None)
+        if store is not None:
+            self._end_store(store, effects, None if msg.ok else "the KV tier lost the blocks")
+        return effects
+
+    def _end_store(self, store: _Store, effects: TierEffects, error: str | None = None,
+                   code: str | None = None) -> None:
+        self.kv.unpin(store.pinned)
+        if store.context is not None:
+            if error is None:
+                effects.ended.append(store.context)
+            else:
+                effects.failed.append((store.context, code or "context_failed", error))
+
+    # -- workers -------------------------------------------------------------------------
+    def on_ops_done(self, msg: CacheOpsDone, now: float) -> TierEffects:
+        effects = TierEffects()
+        self.num_events += 1
+        load = self.loads.get(msg.op_id)
+        if load is not None:
+            load.done.setdefault(msg.op_id, {})[msg.rank] = msg
+            if all(len(load.done.get(op_id, {})) == self.tp for op_id, _, _ in load.ops):
+                self._finish_load(load, now, effects)
+            return effects
+        store = self.stores.get(msg.op_id)
+        if store is not None and store.op_id == msg.op_id:
+            store.done[msg.rank] = msg
+            if len(store.done) == self.tp:
+                del self.stores[msg.op_id]
+                ok = min(d.num_ok for d in store.done.values())
+                if ok < len(store.slots) and store.context is not None:
+                    effects.sends.append(TierCommit(lease_id=store.lease_id, model_key=self.key,
+                                                    slots=store.slots[:ok]))
+                    self._end_store(store, effects, "a copy to the KV tier failed")
+                else:
+                    self._commit(store, effects, now, store.slots[:ok])
+        return effects
+
+    # -- deadlines ---------------------------------------------------------------------
+    def poll(self, now: float) -> TierEffects:
+        effects = TierEffects()
+        for lookup_id, lookup in list(self.lookups.items()):
+            if now > lookup.deadline:  # the tier service is slow or gone: a miss
+                del self.lookups[lookup_id]
+                if not lookup.seq.is_finished:
+                    effects.ready.append(lookup.seq)
+        for load in {id(v): v for v in self.loads.values()}.values():
+            if now > load.deadline:
+                log.warning("cache ops of seq %d not done in %g s", load.seq.seq_id,
+                            self.op_timeout_s)
+                for op_id, _, _ in load.ops:
+                    self.loads.pop(op_id, None)
+                self.stalled.append((load.holder, now + self.op_timeout_s))
+                if not load.seq.is_finished:
+                    effects.ready.append(load.seq)
+        for key, store in list(self.stores.items()):
+            if now > store.deadline:  # an unwritten slot is never committed: it lapses
+                del self.stores[key]
+                self._end_store(store, effects, "the KV tier did not answer in time")
+        for holder, after in [s for s in self.stalled if now > s[1]]:
+            self.stalled.remove((holder, after))
+            if self.kv.has_seq(holder):
+                self.kv.free(holder)
+        return effects
+
+    def _release(self, lease_id: int, effects: TierEffects) -> None:
+        if lease_id:
+            effects.sends.append(TierRelease(lease_id=lease_id, model_key=self.key))
+
+    def pop_stats(self) -> tuple[dict[str, int], dict[str, list[float]]]:
+        """Cumulative hit tokens per tier; fetch seconds since the last call."""
+        seconds, self.fetch_seconds = self.fetch_seconds, {HOST: [], DISK: []}
+        return dict(self.hit_tokens), seconds

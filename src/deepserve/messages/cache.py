@@ -1,0 +1,186 @@
+"""The node's KV tiers (host DRAM + disk): the tier service's channel, and
+the cache ops a step carries to the workers.
+
+    TE master ──TierLookup / TierReserve / TierCommit / TierRelease / TierDrop──┐
+    job executor ──ContextUnpin─────────────────────────────────────────────────┴> [kv-cache PULL]
+    kv-cache ──TierHits / TierReserved / TierCommitted──> the master's tier reply PULL
+    kv-cache ──TierReport (PUSH, every second)──> cluster manager ──(PUB)──> JEs, gateways
+
+    master ══ StepBatch.cache_ops: CacheOp ══> every worker (its cache executor thread)
+    worker r ──CacheOpsDone──> master
+
+Blocks are named by their salted chained hash (cache/block_hash.py) within a
+*model key* (one per model geometry: TEs of the same model share one host
+pool and one disk directory). A full block is (2, L, H, bs, D): all layers
+and every KV head of block_size tokens, in one host slot or one disk file.
+
+Leases: a lookup pins the host slots and disk files it found, a reserve the
+slots it handed out, until TierRelease / TierCommit, or until the lease
+expires (a master that died releases nothing; its pins lapse).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+_STRUCT = dict(tag_field="kind", omit_defaults=True, kw_only=True)
+
+
+class BlockGeometry(msgspec.Struct, array_like=True, frozen=True):
+    """One full block of a model: (2, num_layers, num_kv_heads, block_size, head_dim)."""
+
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: str  # "float32", "bfloat16", "float16"
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (2, self.num_layers, self.num_kv_heads, self.block_size, self.head_dim)
+
+
+class ContextPin(msgspec.Struct, array_like=True, frozen=True):
+    """On the request that creates a context (JE -> TE): when it ends, pin
+    every full block of its prompt in the tiers until expires_at (time.time())."""
+
+    context_id: str
+    expires_at: float
+
+
+class TierLookup(msgspec.Struct, tag="tier_lookup", **_STRUCT):
+    """Which leading hashes does a lower tier hold? Answered with TierHits."""
+
+    lookup_id: int
+    model_key: str
+    geometry: BlockGeometry
+    hashes: list[int]
+    reply_to: str
+
+
+class TierHits(msgspec.Struct, tag="tier_hits", **_STRUCT):
+    """slots[i] for hashes[i] of the leading run held: a host slot (>= 0) or
+    ON_DISK. lease_id pins them (0: nothing held)."""
+
+    lookup_id: int
+    lease_id: int = 0
+    slots: list[int] = []
+    segment: str = ""  # the host pool's shared-memory name
+    disk_dir: str = ""  # where the model key's block files are
+
+
+ON_DISK = -1
+"""A TierHits slot: the block is in a file, not in host memory."""
+NO_SLOT = -1
+"""A TierReserved slot: nothing to write (present already, or no room)."""
+
+
+class TierReserve(msgspec.Struct, tag="tier_reserve", **_STRUCT):
+    """Slots to write these blocks into. With context_id every hash is also
+    pinned for that context until expires_at (time.time()), present or not."""
+
+    reserve_id: int
+    model_key: str
+    geometry: BlockGeometry
+    hashes: list[int]
+    reply_to: str
+    context_id: str | None = None
+    expires_at: float = 0.0
+
+
+class TierReserved(msgspec.Struct, tag="tier_reserved", **_STRUCT):
+    """slots[i] for hashes[i]: a slot to write, or NO_SLOT. error: the whole
+    reserve failed ("over_budget": a context's pins do not fit)."""
+
+    reserve_id: int
+    lease_id: int = 0
+    slots: list[int] = []
+    segment: str = ""
+    error: str | None = None
+
+
+class TierCommit(msgspec.Struct, tag="tier_commit", **_STRUCT):
+    """The reserve's writes are done: `slots` hold their blocks now (the rest
+    of the lease's slots were not written and go back). With reply_to set,
+    answered by TierCommitted."""
+
+    lease_id: int
+    model_key: str
+    slots: list[int]
+    reply_to: str = ""
+    reserve_id: int = 0
+
+
+class TierCommitted(msgspec.Struct, tag="tier_committed", **_STRUCT):
+    reserve_id: int
+    ok: bool = True
+
+
+class TierRelease(msgspec.Struct, tag="tier_release", **_STRUCT):
+    lease_id: int
+    model_key: str
+
+
+class TierDrop(msgspec.Struct, tag="tier_drop", **_STRUCT):
+    """These blocks are bad where they are stored (a disk file failed its
+    checksum): forget them and delete their files."""
+
+    model_key: str
+    hashes: list[int]
+
+
+class ContextUnpin(msgspec.Struct, tag="context_unpin", **_STRUCT):
+    """The context was deleted or expired: free every block only it pinned."""
+
+    context_id: str
+
+
+ToTier = TierLookup | TierReserve | TierCommit | TierRelease | TierDrop | ContextUnpin
+FromTier = TierHits | TierReserved | TierCommitted
+
+
+class TierReport(msgspec.Struct, tag="tier_report", **_STRUCT):
+    """The tier service's state, for /metrics: bytes held per tier, live
+    contexts, and whether the disk tier is on."""
+
+    host_bytes: int = 0
+    host_capacity: int = 0
+    disk_bytes: int = 0
+    disk_capacity: int = 0
+    num_contexts: int = 0
+    pinned_bytes: int = 0
+    disk_enabled: bool = False
+    num_corrupt: int = 0
+
+
+# -- master -> workers (inside a StepBatch) ------------------------------------------
+LOAD_HOST, LOAD_DISK, STORE_HOST = "load_host", "load_disk", "store_host"
+
+
+class CacheOp(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One copy job for every rank (each copies its own KV heads):
+    load_host   host slots[i] -> device block_ids[i]
+    load_disk   the block file of hashes[i] under disk_dir -> device block_ids[i]
+    store_host  device block_ids[i] -> host slots[i]
+    Loads stop at the first block that fails (CacheOpsDone.num_ok)."""
+
+    op_id: int
+    kind: str
+    block_ids: list[int]
+    slots: list[int] = []
+    hashes: list[int] = []
+    segment: str = ""
+    disk_dir: str = ""
+
+
+class CacheOpsDone(msgspec.Struct, tag="cache_ops_done", **_STRUCT):
+    """Worker -> master: one rank did `op_id`'s first num_ok blocks.
+    error names why it stopped there; corrupt: hashes whose file failed its check."""
+
+    rank: int
+    op_id: int
+    num_ok: int
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    corrupt: list[int] = []

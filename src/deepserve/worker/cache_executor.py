@@ -1,0 +1,165 @@
+"""The worker's RTC executor: a step's cache ops, copied on a thread of their own.
+
+    StepBatch.cache_ops ──submit──> [queue] ──> executor thread: copy blocks
+                                                  └──CacheOpsDone (its own PUSH)──> master
+
+Each rank copies only its own KV heads (h0 .. h1 of the model's H): a host
+slot and a disk file hold a full block, (2, L, H, bs, D), whatever the tp of
+the TEs that write or read it. The forward never waits for these copies:
+
+  load_host / load_disk write device blocks that only a populate holder
+      owns (engine/tiers.py), which no step reads before this op is done;
+  store_host reads committed blocks (immutable; the master pins them until
+      this op is done), written by steps that finished before this op was
+      taken off the ring (the worker takes batches in order).
+
+The thread owns its socket; copies are torch ops on the pool and on the
+host pool's shared memory (attached by name, the mapping kept until the
+name changes: a restarted tier service has new pools). A load stops at the
+first block it cannot get (a missing or corrupt file): CacheOpsDone.num_ok.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import torch
+import zmq
+
+from deepserve.cache import block_file
+from deepserve.ipc.segments import attach_segment
+from deepserve.ipc.sockets import PushSocket
+from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, STORE_HOST, BlockGeometry,
+                                      CacheOp, CacheOpsDone)
+
+log = logging.getLogger(__name__)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class CacheExecutor:
+    """pool: this rank's (2, L, Hl, NB, bs, D) KV pool; the model has Hl * tp KV heads."""
+
+    def __init__(self, pool: torch.Tensor, rank: int, tp: int, ctx: zmq.Context,
+                 done_address: str):
+        two, layers, local_heads, self.num_blocks, bs, dim = pool.shape
+        self.pool, self.rank = pool, rank
+        self.h0, self.h1 = rank * local_heads, (rank + 1) * local_heads
+        self.geometry = BlockGeometry(layers, local_heads * tp, bs, dim, _dtype_name(pool.dtype))
+        self.block_shape = self.geometry.shape  # (2, L, H, bs, D)
+        self.ctx, self.done_address = ctx, done_address
+        self._host: tuple[str, object, torch.Tensor] | None = None  # name, shm, slots view
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.num_done = 0
+        self._thread = threading.Thread(target=self._loop, name="cache-executor", daemon=True)
+        self._thread.start()
+
+    def submit(self, ops: list[CacheOp]) -> None:
+        for op in ops:
+            self._jobs.put(op)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(5)
+
+    # -- the thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        out = PushSocket(self.ctx, self.done_address, bind=False)
+        try:
+            while (op := self._jobs.get()) is not None:
+                msg = self.run(op)
+                try:
+                    out.put(msg, timeout=5)
+                except TimeoutError:
+                    log.warning("cache op %d: the master does not listen", op.op_id)
+        finally:
+            out.close()
+            self._detach()
+
+    def run(self, op: CacheOp) -> CacheOpsDone:
+        started = time.perf_counter()
+        num_ok, error, corrupt = 0, None, []
+        try:
+            self._check(op)
+            if op.kind == LOAD_HOST:
+                num_ok = self._load_host(op)
+            elif op.kind == STORE_HOST:
+                num_ok = self._store_host(op)
+            elif op.kind == LOAD_DISK:
+                num_ok, error, corrupt = self._load_disk(op)
+            else:
+                error = f"unknown cache op {op.kind!r}"
+        except (OSError, ValueError, RuntimeError, IndexError) as e:  # this op fails alone
+            error = f"{type(e).__name__}: {e}"
+            log.warning("cache op %d (%s) failed: %s", op.op_id, op.kind, error)
+        self.num_done += 1
+        nbytes = num_ok * block_file.block_nbytes(self.geometry)
+        return CacheOpsDone(rank=self.rank, op_id=op.op_id, num_ok=num_ok, nbytes=nbytes,
+                            seconds=time.perf_counter() - started, error=error,
+                            corrupt=corrupt)
+
+    def _check(self, op: CacheOp) -> None:
+        if any(not 0 <= b < self.num_blocks for b in op.block_ids):
+            raise ValueError(f"device block id out of range [0, {self.num_blocks})")
+        n = len(op.block_ids)
+        if op.kind in (LOAD_HOST, STORE_HOST) and len(op.slots) != n:
+            raise ValueError(f"{len(op.slots)} slots for {n} blocks")
+        if op.kind == LOAD_DISK and len(op.hashes) != n:
+            raise ValueError(f"{len(op.hashes)} hashes for {n} blocks")
+
+    def _slots(self, segment: str) -> torch.Tensor:
+        """The host pool as (num_slots, 2, L, H, bs, D), attached once per name."""
+        if self._host is None or self._host[0] != segment:
+            self._detach()
+            shm = attach_segment(segment)
+            flat = torch.frombuffer(shm.buf, dtype=self.pool.dtype)
+            per_slot = int(torch.Size(self.block_shape).numel())
+            if flat.numel() % per_slot:
+                shm.close()
+                raise ValueError(f"host pool {segment} does not hold whole blocks of this model")
+            self._host = (segment, shm, flat.view(-1, *self.block_shape))
+        return self._host[2]
+
+    def _detach(self) -> None:
+        if self._host is not None:
+            _, shm, _ = self._host
+            self._host = None
+            try:
+                shm.close()
+            except BufferError:
+                pass  # a view is still referenced: the mapping goes with the process
+
+    def _load_host(self, op: CacheOp) -> int:
+        slots = self._slots(op.segment)
+        s = torch.tensor(op.slots, dtype=torch.long)
+        b = torch.tensor(op.block_ids, dtype=torch.long)
+        src = slots.index_select(0, s)[:, :, :, self.h0:self.h1]  # (n, 2, L, Hl, bs, D)
+        self.pool.index_copy_(3, b, src.permute(1, 2, 3, 0, 4, 5))
+        return len(op.block_ids)
+
+    def _store_host(self, op: CacheOp) -> int:
+        slots = self._slots(op.segment)
+        s = torch.tensor(op.slots, dtype=torch.long)
+        b = torch.tensor(op.block_ids, dtype=torch.long)
+        src = self.pool.index_select(3, b).permute(3, 0, 1, 2, 4, 5)  # (n, 2, L, Hl, bs, D)
+        slots[:, :, :, self.h0:self.h1].index_copy_(0, s, src)
+        return len(op.block_ids)
+
+    def _load_disk(self, op: CacheOp) -> tuple[int, str | None, list[int]]:
+        nbytes = block_file.block_nbytes(self.geometry)
+        buf = bytearray(nbytes)
+        block = torch.frombuffer(buf, dtype=self.pool.dtype).view(self.block_shape)
+        for i, (h, b) in enumerate(zip(op.hashes, op.block_ids)):
+            try:
+                block_file.read_block(op.disk_dir, h, self.geometry, memoryview(buf))
+            except FileNotFoundError:
+                return i, f"block file {block_file.hash_name(h)} is gone", []
+            except block_file.BlockCorrupt as e:
+                return i, f"corrupt: {e}", [h]
+            self.pool[:, :, :, b].copy_(block[:, :, self.h0:self.h1])
+        return len(op.block_ids), None, []
