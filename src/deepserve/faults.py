@@ -17,6 +17,7 @@ and not at all when drills are off: `FaultHooks.from_env` returns `NoFaults`.
                             token ids (a request of death; drill `poison`)
     bad-sampling worker     a new sequence seeded <file content> gets a sampling
                             state that raises: a per-request error, not a crash
+    disk-full   kv-cache    every disk tier write fails with ENOSPC (the tier turns off)
 
 A fault that takes effect calls `on_fired(fault, value)` once per activation
 (ActorLife turns that into a `fault_injected` health event), so a drill can

@@ -21,6 +21,10 @@ from openai import OpenAI
 from deepserve import LLM, SamplingParams
 from deepserve.ipc.sockets import free_port
 from deepserve.supervisor.node import Node
+from deepserve.cache.block_file import HEADER_BYTES, hash_name
+from deepserve.cache.block_hash import prompt_block_hashes
+from deepserve.config.node import SupervisorConfig
+from deepserve.supervisor.health_log import read_events
 from deepserve.supervisor.node_config import NodeConfig, TESpec
 from tests.supervisor.test_node import _metrics, _shm
 
@@ -42,7 +46,7 @@ def node(tiny_model, tmp_path_factory):
         api_keys={"key-a": "tenant-a", "key-b": "tenant-b"}, startup_timeout_s=120,
         host_cache_bytes=80 * BLOCK_BYTES, disk_cache_dir=str(disk),
         disk_cache_bytes=400 * BLOCK_BYTES, cache_cost_model=False,
-        tes=[TESpec("te0", "colocated", TE)])
+        supervisor=SupervisorConfig(drill=True), tes=[TESpec("te0", "colocated", TE)])
     before = _shm()
     node = Node(config)
     node.start()
@@ -56,7 +60,7 @@ def node(tiny_model, tmp_path_factory):
 def reference(tiny_model):
     """Greedy tokens of every prompt seed with every cache off."""
     llm = LLM(str(tiny_model), enable_prefix_caching=False, num_kv_blocks=128)
-    outs = llm.generate([ids(s) for s in range(8)],
+    outs = llm.generate([ids(s) for s in range(16)],
                         SamplingParams(temperature=0, max_tokens=8))
     return {s: out.token_ids for s, out in enumerate(outs)}
 
@@ -209,3 +213,69 @@ def test_disk_block_files_are_whole_and_named_by_hash(node):
     files = list(Path(node.disk).rglob("*.kv"))
     assert files and all(f.stat().st_size == 64 + BLOCK_BYTES for f in files)
     assert not list(Path(node.disk).rglob("*.tmp"))
+
+
+# -- faults: each is proven (its event) before the recovery is judged ----------------------
+def events(node, name: str) -> list[dict]:
+    return [e for e in read_events(node.log_dir / "health.jsonl") if e["event"] == name]
+
+
+def push_out(node, seeds) -> None:
+    """Four other prompts (100 blocks): out of the device pool and the host tier."""
+    for seed in seeds:
+        complete(node, seed)
+
+
+def test_a_corrupt_disk_block_is_a_miss_an_event_and_never_a_wrong_token(node, reference):
+    complete(node, 9)
+    push_out(node, (10, 11, 12, 13))
+    block5 = prompt_block_hashes(ids(9), 16, "tenant-a")[5]
+    [path] = Path(node.disk).rglob(f"{hash_name(block5)}.kv")
+    data = bytearray(path.read_bytes())
+    data[HEADER_BYTES + 100] ^= 0x55  # the fault: one payload byte flipped on disk
+    path.write_bytes(bytes(data))
+    tokens, cached = complete(node, 9)
+    assert tokens == reference[9]
+    assert cached == 5 * 16  # blocks 0-4 came from disk; 5 on were recomputed
+    found = [e for e in events(node, "cache_block_corrupt") if e["details"]["block"] == block5]
+    assert found, "the corrupt block was not reported"
+    time.sleep(1.0)  # dropped, and the recomputed block written back through host to disk
+    assert path.read_bytes() != bytes(data)
+
+
+def test_a_lost_host_tier_is_a_miss_and_serving_goes_on(node, reference):
+    complete(node, 14)
+    pid = node.procs["kv-cache"].pid
+    os.kill(pid, signal.SIGKILL)  # the fault: the host tier's pools die with their owner
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and node.procs["kv-cache"].pid == pid:
+        time.sleep(0.2)
+    assert [e for e in events(node, "crashed") if e["pid"] == pid], "no crash seen"
+    push_out(node, (10, 11, 12, 13))
+    time.sleep(1.5)
+    disk_before = tier_hits(node)["disk"]
+    tokens, cached = complete(node, 14)
+    assert tokens == reference[14] and cached == 384
+    time.sleep(1.5)  # its host copy died: every block came from disk (the files it found)
+    assert tier_hits(node)["disk"] - disk_before == 384
+
+
+def test_a_full_disk_turns_the_disk_tier_off_loudly_and_serving_goes_on(node, reference):
+    hook = node.drill_dir / "kv-cache.disk-full"
+    hook.write_text("")
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not events(node, "cache_tier_disabled"):
+            complete(node, 15)  # new blocks: a disk write, which fails
+            time.sleep(0.3)
+        assert [e for e in events(node, "fault_injected") if e["details"]["fault"] == "disk-full"]
+        [disabled] = events(node, "cache_tier_disabled")
+        assert disabled["details"]["tier"] == "disk"
+        tokens, _ = complete(node, 15)
+        assert tokens == reference[15]
+        push_out(node, (1, 2))
+        tokens, cached = complete(node, 15)  # host still serves it
+        assert tokens == reference[15] and cached == 384
+        assert _metrics(node)[("deepserve_cache_bytes", (("tier", "disk"),))] == 0
+    finally:
+        hook.unlink(missing_ok=True)

@@ -105,6 +105,7 @@ class TierServer:
         self.num_corrupt = self.num_handled = 0
         self._writes: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._drill_disk_full = False  # the writer reads it; step() sets it
         self._writer = threading.Thread(target=self._write_loop, name="disk-writer",
                                          daemon=True)
         self._writer.start()
@@ -112,6 +113,8 @@ class TierServer:
 
     # -- the loop -------------------------------------------------------------------
     def step(self) -> None:
+        if self.life is not None:  # drill: the disk is full (read here: the hook reports)
+            self._drill_disk_full = self.life.faults.active("disk-full") is not None
         if self.inbox.poll(0.05):
             for msg in self.inbox.drain():
                 self.handle(msg)
@@ -210,7 +213,7 @@ class TierServer:
             try:
                 if pool is None or not self.disk_enabled:
                     raise OSError("disk tier off")
-                if self.life is not None and self.life.faults.active("disk-full") is not None:
+                if self._drill_disk_full:
                     raise OSError(28, "No space left on device (drill)")
                 nbytes = block_file.write_block(pool.disk_dir, h, pool.geometry,
                                                 memoryview(pool.slots[slot]), self.s.fsync)
