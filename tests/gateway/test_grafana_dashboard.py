@@ -90,7 +90,7 @@ def families():
                       num_prompt_tokens=100, num_cached_tokens=40, kv_transfer_bytes=4096,
                       kv_transfer_seconds=[0.01], tier_hit_tokens={"host": 16, "disk": 16},
                       tier_fetch_seconds={"host": [0.002], "disk": [0.01]},
-                      kv_cached_bytes=1 << 20)
+                      kv_cached_bytes=1 << 20, cost_model={"prefill_tokens_per_s": 500.0})
     metrics.observe_te_report(report)
     metrics.observe_tiers(TierReport(host_bytes=1 << 20, disk_bytes=1 << 22, num_contexts=1),
                           {"m-0": report})

@@ -65,6 +65,8 @@ class TierIndex:
         self.leases: dict[int, Lease] = {}
         self.pins: dict[int, set[str]] = {}  # hash -> context ids
         self.contexts: dict[str, tuple[list[int], float]] = {}  # id -> (hashes, expires_at)
+        self.doomed: set[int] = set()  # unpinned while busy (read, or on its way to disk)
+        self.reaped: list[int] = []  # files release() freed: the server deletes them
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -115,6 +117,7 @@ class TierIndex:
             self._unread_disk(h)
         for slot in lease.writing:  # reserved, never committed
             self._free_slot(slot)
+        self.reaped += self._reap([self.hash_of[s] for s in lease.slots] + lease.disk)
 
     # -- writes --------------------------------------------------------------------
     def reserve(self, hashes: list[int], now: float, context_id: str | None = None,
@@ -167,11 +170,14 @@ class TierIndex:
             self._unread_disk(h)
         for slot in lease.writing:
             self._free_slot(slot)
+        self.reaped += self._reap([self.hash_of[s] for s in lease.slots] + lease.disk)
         return to_disk
 
     def disk_written(self, slot: int, h: int, nbytes: int, ok: bool) -> list[int]:
         """A disk write of slot (block h) ended; the hashes whose files to delete."""
         self.readers[slot] -= 1
+        if h in self.doomed:  # its context went meanwhile: the new file goes too
+            return ([h] if ok else []) + self._reap([h])
         if not ok or not self.disk_enabled:
             return []
         if h in self.disk:
@@ -211,6 +217,7 @@ class TierIndex:
             return False
         for h in hashes:
             self.pins.setdefault(h, set()).add(context_id)
+            self.doomed.discard(h)
         kept = old[0] if old else []
         self.contexts[context_id] = (list(dict.fromkeys(kept + list(hashes))), expires_at)
         return True
@@ -230,20 +237,33 @@ class TierIndex:
             if holders:
                 continue
             del self.pins[h]
+            self.doomed.add(h)
+            files += self._reap([h])
+        return files
+
+    def _reap(self, hashes) -> list[int]:
+        """Free what is left of doomed blocks once nobody reads them; the files to delete."""
+        files = []
+        for h in hashes:
+            if h not in self.doomed:
+                continue
             slot = self.slot_of.get(h)
             if slot is not None and self.state[slot] == VALID and self.readers[slot] == 0:
                 del self.lru[h]
                 self._free_slot(slot)
+                slot = None
             if h in self.disk and not self.disk_readers[h]:
                 self.disk_bytes -= self.disk.pop(h)
                 files.append(h)
+            if slot is None and h not in self.disk:
+                self.doomed.discard(h)
         return files
 
     def expire(self, now: float, wall_now: float) -> list[int]:
         """Release lapsed leases, unpin expired contexts; the files to delete."""
         for lease_id in [i for i, lease in self.leases.items() if lease.expires_at <= now]:
             self.release(lease_id)
-        files = []
+        files, self.reaped = self.reaped, []
         for context_id in [c for c, (_, at) in self.contexts.items() if at <= wall_now]:
             files += self.unpin(context_id)
         return files
@@ -311,3 +331,4 @@ class TierIndex:
         assert pinned >= set(self.pins), "a pin without its context"
         for h, holders in self.pins.items():
             assert holders and all(h in self.contexts[c][0] for c in holders)
+        assert not self.doomed & set(self.pins), "a pinned block is doomed"

@@ -157,12 +157,16 @@ class TierServer:
             if ok:
                 for slot, h in pool.index.commit(msg.lease_id, msg.slots):
                     self._writes.put((pool.key, slot, h))
+                self._delete(pool, pool.index.reaped)
+                pool.index.reaped = []
             if msg.reply_to:
                 self._reply(msg.reply_to, TierCommitted(reserve_id=msg.reserve_id, ok=ok))
         elif isinstance(msg, TierRelease):
             pool = self.pools.get(msg.model_key)
             if pool is not None:
                 pool.index.release(msg.lease_id)
+                self._delete(pool, pool.index.reaped)
+                pool.index.reaped = []
         elif isinstance(msg, TierDrop):
             pool = self.pools.get(msg.model_key)
             if pool is not None:

@@ -46,7 +46,8 @@ def build_report(te_id: str, core, pd, tier, block_bytes: int = 0) -> TEReport:
         finished=core.pop_finished(), kv_transfer_bytes=transfer_bytes,
         kv_transfer_seconds=transfer_seconds, tier_hit_tokens=hits,
         tier_fetch_seconds={t: s for t, s in fetch_seconds.items() if s},
-        kv_cached_bytes=kv.tree.num_nodes * block_bytes)
+        kv_cached_bytes=kv.tree.num_nodes * block_bytes,
+        cost_model=tier.tiers.cost.snapshot() if tier is not None else {})
 
 
 def new_tokens(request_id: str, seq: Sequence) -> NewTokens:

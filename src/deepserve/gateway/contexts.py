@@ -44,20 +44,20 @@ async def create_context(body: ContextCreateRequest, request: Request,
 
 @router.get("/v1/contexts/{context_id}", response_model=None)
 async def get_context(context_id: str, request: Request, tenant: str = Depends(tenant_of)) -> dict:
-    state = state_of(request)
-    _check_id(context_id)
-    msg = GetContext(request_id=_call_id(), context_id=context_id, salt=tenant,
-                     reply_to=state.config.reply_address)
-    return _answer(await state.client.call(msg, 30.0))
+    return await _by_id(GetContext, context_id, request, tenant)
 
 
 @router.delete("/v1/contexts/{context_id}", response_model=None)
 async def delete_context(context_id: str, request: Request,
                          tenant: str = Depends(tenant_of)) -> dict:
+    return await _by_id(DeleteContext, context_id, request, tenant)
+
+
+async def _by_id(kind, context_id: str, request: Request, tenant: str) -> dict:
     state = state_of(request)
     _check_id(context_id)
-    msg = DeleteContext(request_id=_call_id(), context_id=context_id, salt=tenant,
-                        reply_to=state.config.reply_address)
+    msg = kind(request_id=_call_id(), context_id=context_id, salt=tenant,
+               reply_to=state.config.reply_address)
     return _answer(await state.client.call(msg, 30.0))
 
 

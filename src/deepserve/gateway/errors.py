@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.routing import Match
 
 from deepserve.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 
@@ -161,9 +162,22 @@ def _from_validation(exc: RequestValidationError) -> APIError:
     return APIError.bad_request(f"Invalid value for {where!r}: {first.get('msg')}{more}", param)
 
 
+def _allowed(app: FastAPI, request: Request) -> str:
+    """Every method some route serves at this path (Starlette's own matching; a
+    path may have several routes, one per method)."""
+    allowed = []
+    for method in ("GET", "POST", "PUT", "PATCH", "DELETE"):
+        scope = {**request.scope, "method": method}
+        if any(route.matches(scope)[0] == Match.FULL for route in app.routes):
+            allowed.append(method)
+    return ", ".join(allowed)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> Response:
         err = from_exception(exc)
+        if err.status == 405:  # Starlette names the first matching route's methods only
+            err.headers = {**(err.headers or {}), "Allow": _allowed(app, request)}
         if err.status >= 500 and not isinstance(exc, APIError):
             logger.error("unhandled error on %s %s", request.method, request.url.path,
                          exc_info=exc)

@@ -95,6 +95,10 @@ class GatewayMetrics:
                               registry=r)
         self.pinned_bytes = Gauge("deepserve_contexts_pinned_bytes", "Bytes of KV blocks the "
                                   "live contexts pin in the host / disk tiers", registry=r)
+        self.te_cost_model = Gauge(
+            "deepserve_te_cost_model", "A TE's fetch-or-recompute cost model (cache/cost_model.py): "
+            "prefill_tokens_per_s, {host,disk}_bandwidth (bytes/s), {host,disk}_latency_ms",
+            ["te_id", "param"], registry=r)
         self._hits_seen: dict[tuple[str, str], int] = {}
 
     def count_request(self, path: str, status: int) -> None:
@@ -161,7 +165,7 @@ class GatewayMetrics:
         te_ids = list(te_ids)
         self.num_tes.set(len(te_ids))
         for gauge in (self.te_kv_usage, self.te_prefix_hit_rate, self.te_running,
-                      self.te_waiting):
+                      self.te_waiting, self.te_cost_model):
             gauge.clear()
         for te_id in te_ids:
             report = reports.get(te_id)
@@ -172,6 +176,8 @@ class GatewayMetrics:
             self.te_prefix_hit_rate.labels(te_id=te_id).set(hit_rate)
             self.te_running.labels(te_id=te_id).set(report.num_running)
             self.te_waiting.labels(te_id=te_id).set(report.num_waiting)
+            for param, value in report.cost_model.items():
+                self.te_cost_model.labels(te_id=te_id, param=param).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -224,7 +224,7 @@ def _complete(operation: dict[str, Any], path: str, has_auth: bool) -> None:
     if path in _OK:
         responses["200"] = {"description": "Successful Response", "content": _content(_OK[path])}
     elif path == "/v1/contexts/{context_id}":
-        model = ContextDeleted if "delete" in operation.get("operationId", "") else ContextObject
+        model = ContextDeleted if "delete_" in operation.get("operationId", "") else ContextObject
         responses["200"] = {"description": "Successful Response",
                             "content": _content({"application/json": model})}
     statuses = set(ROUTE_ERRORS.get(path, (413, 500)))

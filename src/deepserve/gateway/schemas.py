@@ -189,15 +189,21 @@ def _wrap_int64(value: int) -> int:
     return (value - INT64_MIN) % 2**64 + INT64_MIN
 
 
-class ContextCreateRequest(BaseModel):
-    """POST /v1/contexts: messages (for chat) or a prompt (for completions), kept
-    with its KV until ttl_s seconds have passed or it is deleted."""
+_EXACTLY_ONE_INPUT = {"oneOf": [
+    {"required": ["messages"], "not": {"required": ["prompt"]}},
+    {"required": ["prompt"], "not": {"required": ["messages"]}}]}
 
-    model_config = _STRICT
+
+class ContextCreateRequest(BaseModel):
+    """POST /v1/contexts: messages (for chat) or a prompt (for completions),
+    exactly one of them, kept with its KV until ttl_s seconds have passed or it
+    is deleted."""
+
+    model_config = ConfigDict(**_STRICT, json_schema_extra=_EXACTLY_ONE_INPUT)
     model: str
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_NUM_MESSAGES)] \
-        | None = None
-    prompt: PromptText | TokenIds | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1,
+                                                 max_length=MAX_NUM_MESSAGES)] = None
+    prompt: PromptText | TokenIds = None
     ttl_s: Annotated[float, Field(ge=MIN_TTL_S, le=MAX_TTL_S, allow_inf_nan=False)] = \
         DEFAULT_TTL_S
 

@@ -70,6 +70,7 @@ class TEReport(msgspec.Struct, tag="te_report", **_STRUCT):
     kv_transfer_seconds: list[float] = []  # one per request sent
     tier_hit_tokens: dict[str, int] = {}  # cumulative: prompt tokens fetched, per lower tier
     kv_cached_bytes: int = 0  # bytes of KV blocks in its prefix tree (all ranks)
+    cost_model: dict[str, float] = {}  # what its fetch-or-recompute model believes now
     tier_fetch_seconds: dict[str, list[float]] = {}  # fetches since the last report, per tier
 
 

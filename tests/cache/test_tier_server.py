@@ -1,0 +1,89 @@
+"""The tier service over real sockets: leases, write-through to disk, context
+pins whose blocks all go when they expire (a soak ends where it began)."""
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from deepserve.cache import block_file
+from deepserve.ipc.sockets import PullSocket, PushSocket, ipc_address
+from deepserve.messages.cache import (NO_SLOT, ON_DISK, BlockGeometry, ContextUnpin, FromTier,
+                                      TierCommit, TierCommitted, TierLookup, TierReserve)
+
+GEOM = BlockGeometry(num_layers=2, num_kv_heads=2, block_size=4, head_dim=8, dtype="float32")
+NBYTES = block_file.block_nbytes(GEOM)
+
+
+@pytest.fixture
+def rig(tier_service, short_dir):
+    service = tier_service(host_bytes=8 * NBYTES, disk_bytes=32 * NBYTES + 64 * 32)
+    ctx = zmq.Context()
+    reply = ipc_address(short_dir, "me")
+    out = PushSocket(ctx, service.address, bind=False)
+    back = PullSocket(ctx, reply, bind=True, type=FromTier)
+    yield service, out, back, reply
+    out.close()
+    back.close()
+    ctx.term()
+
+
+def write(service, out, back, reply, hashes, **pin):
+    out.put(TierReserve(reserve_id=1, model_key="m", geometry=GEOM, hashes=hashes,
+                        reply_to=reply, **pin))
+    reserved = back.get(timeout=5)
+    slots = [s for s in reserved.slots if s != NO_SLOT]
+    pool = service.call(lambda s: s.pools["m"].slots)
+    for s in slots:  # what a worker's store_host does
+        pool[s] = np.full(NBYTES, s % 250, dtype=np.uint8)
+    out.put(TierCommit(lease_id=reserved.lease_id, model_key="m", slots=slots, reply_to=reply,
+                       reserve_id=1))
+    assert isinstance(back.get(timeout=5), TierCommitted)
+    return reserved
+
+
+def counts(service):
+    def read(s):
+        p = s.pools["m"].index
+        p.check_integrity()
+        return len(p.slot_of), len(p.disk), len(p.pins), len(p.leases)
+    return service.call(read)
+
+
+def test_blocks_reach_disk_and_come_back_from_it(rig, tmp_path):
+    service, out, back, reply = rig
+    reserved = write(service, out, back, reply, list(range(10, 20)))  # 8 host slots
+    assert reserved.slots[8:] == [NO_SLOT, NO_SLOT]  # all 8 were being written: no room
+    deadline = time.monotonic() + 5
+    while counts(service)[1] < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    write(service, out, back, reply, [18, 19])  # the oldest two leave the host (on disk)
+    while counts(service)[1] < 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counts(service)[:2] == (8, 10)
+    out.put(TierLookup(lookup_id=2, model_key="m", geometry=GEOM, hashes=list(range(10, 20)),
+                       reply_to=reply))
+    hits = back.get(timeout=5)
+    assert hits.slots.count(ON_DISK) == 2 and len(hits.slots) == 10
+    disk_dir = hits.disk_dir
+    assert hits.slots[:2] == [ON_DISK, ON_DISK]  # 10 and 11 went: the oldest
+    first = block_file.read_block(disk_dir, 10, GEOM)  # whole, as the worker wrote it
+    assert bytes(first) == bytes([0]) * NBYTES
+
+
+def test_context_soak_ends_where_it_began(rig):
+    service, out, back, reply = rig
+    write(service, out, back, reply, [1, 2])  # ordinary cache, not pinned
+    time.sleep(0.3)
+    baseline = counts(service)
+    for cycle in range(20):
+        ctx_id = f"ctx-{cycle}"
+        write(service, out, back, reply, [100, 101, 102], context_id=ctx_id,
+              expires_at=time.time() + (0.05 if cycle % 2 else 60))
+        if cycle % 2 == 0:
+            out.put(ContextUnpin(context_id=ctx_id))  # deleted; the odd ones expire
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and counts(service) != baseline:
+            time.sleep(0.05)
+        assert counts(service) == baseline, f"cycle {cycle}: {counts(service)} != {baseline}"

@@ -1,0 +1,152 @@
+"""The master's tier policy (engine/tiers.py) with exact blocks: no processes."""
+
+import itertools
+
+import pytest
+
+from deepserve.cache.block_hash import prompt_block_hashes
+from deepserve.cache.cost_model import CostModel
+from deepserve.cache.kv_manager import KVCacheManager
+from deepserve.engine.sequence import Sequence
+from deepserve.engine.tiers import TierCoordinator
+from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, NO_SLOT, ON_DISK, STORE_HOST,
+                                      BlockGeometry, CacheOpsDone, ContextPin, TierCommit,
+                                      TierCommitted, TierDrop, TierHits, TierLookup, TierRelease,
+                                      TierReserve, TierReserved)
+from deepserve.messages.sampling import SamplingParams
+
+BS = 4
+GEOM = BlockGeometry(1, 1, BS, 2, "float32")
+
+
+@pytest.fixture
+def env():
+    kv = KVCacheManager(32, BS, collect_new_nodes=True)
+    ids = itertools.count(1000)
+    tiers = TierCoordinator(kv, model_key="m", geometry=GEOM, address="ipc://me",
+                            cost=CostModel(block_bytes=64, block_size=BS, enabled=False), tp=2,
+                            new_seq_id=lambda: next(ids))
+    yield kv, tiers
+    kv.check_integrity()
+
+
+def seq(n=17, seq_id=1, salt="t"):
+    return Sequence(seq_id, list(range(100, 100 + n)), SamplingParams(), frozenset(), salt)
+
+
+def done(op, num_ok=None, rank=0, **kw):
+    n = len(op.block_ids) if num_ok is None else num_ok
+    return CacheOpsDone(rank=rank, op_id=op.op_id, num_ok=n, **kw)
+
+
+def test_a_miss_below_is_looked_up_and_hits_come_up_through_a_holder(env):
+    kv, tiers = env
+    s = seq()  # 17 tokens: 4 full blocks are cacheable
+    effects = tiers.admit(s, 0.0)
+    [lookup] = effects.sends
+    assert isinstance(lookup, TierLookup)
+    assert lookup.hashes == prompt_block_hashes(s.token_ids, BS, "t")[:4]
+    hits = TierHits(lookup_id=lookup.lookup_id, lease_id=7, slots=[5, 6, ON_DISK, 9],
+                    segment="seg", disk_dir="/d")
+    effects = tiers.on_hits(hits, 0.1)
+    ops = effects.ops
+    assert [(o.kind, len(o.block_ids)) for o in ops] == [(LOAD_HOST, 2), (LOAD_DISK, 1),
+                                                         (LOAD_HOST, 1)]
+    assert ops[0].slots == [5, 6] and ops[1].hashes == [lookup.hashes[2]] and not effects.ready
+    for op in ops:  # rank 0 of every op, then rank 1: only then is it done
+        assert not tiers.on_ops_done(done(op), 0.2).ready
+    effects = [tiers.on_ops_done(done(op, rank=1), 0.3) for op in ops][-1]
+    assert effects.ready == [s] and s.holder_seq_id is not None
+    assert TierRelease(lease_id=7, model_key="m") in effects.sends
+    assert kv.num_cached_tokens(s.token_ids, "t") == 16
+    assert s.tier_tokens == {"host": 12, "disk": 4}
+
+
+def test_a_load_that_stops_commits_only_the_blocks_before_the_stop(env):
+    kv, tiers = env
+    s = seq()
+    lookup = tiers.admit(s, 0.0).sends[0]
+    ops = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=3,
+                                 slots=[ON_DISK] * 4, disk_dir="/d"), 0.0).ops
+    [op] = ops
+    tiers.on_ops_done(done(op), 0.1)
+    effects = tiers.on_ops_done(done(op, num_ok=1, rank=1, corrupt=[op.hashes[1]],
+                                     error="corrupt"), 0.2)
+    assert kv.num_cached_tokens(s.token_ids, "t") == 4
+    assert TierDrop(model_key="m", hashes=[op.hashes[1]]) in effects.sends
+    assert effects.events[0][0] == "cache_block_corrupt"
+    assert len(kv.block_table(s.holder_seq_id)) == 1  # the unfilled blocks went back
+
+
+def test_a_request_that_ends_while_its_blocks_come_up_frees_its_holder(env):
+    kv, tiers = env
+    s = seq()
+    lookup = tiers.admit(s, 0.0).sends[0]
+    [op] = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=3, slots=[1, 2],
+                                  segment="seg"), 0.0).ops
+    s.status = type(s.status).FINISHED  # aborted meanwhile
+    tiers.on_ops_done(done(op), 0.1)
+    effects = tiers.on_ops_done(done(op, rank=1), 0.1)
+    assert not effects.ready and kv.num_free_blocks == 32
+
+
+def test_no_answer_is_a_miss_and_late_hits_are_released(env):
+    kv, tiers = env
+    s = seq()
+    lookup = tiers.admit(s, 0.0).sends[0]
+    assert tiers.poll(5.0).ready == [s]
+    late = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=9, slots=[1]), 6.0)
+    assert late.sends == [TierRelease(lease_id=9, model_key="m")] and not late.ready
+
+
+def test_new_tree_blocks_are_written_through_and_pinned_until_copied(env):
+    kv, tiers = env
+    s = seq(9)
+    kv.allocate(s.seq_id, s.token_ids, 9, "t")
+    kv.commit(s.seq_id, s.token_ids, 9)  # 2 full blocks enter the tree
+    effects = tiers.write_through(0.0)
+    [reserve] = effects.sends
+    assert isinstance(reserve, TierReserve) and len(reserve.hashes) == 2
+    store = next(iter(tiers.stores.values()))
+    kv.check_integrity(store.pinned)
+    kv.free(s.seq_id)
+    assert kv.num_free_blocks == 32 - 2  # pinned: not evictable while being copied
+    [op] = tiers.on_reserved(TierReserved(reserve_id=reserve.reserve_id, lease_id=4,
+                                          slots=[NO_SLOT, 8], segment="seg"), 0.1).ops
+    assert op.kind == STORE_HOST and op.slots == [8] and len(op.block_ids) == 1
+    tiers.on_ops_done(done(op), 0.2)
+    effects = tiers.on_ops_done(done(op, rank=1), 0.2)
+    assert effects.sends == [TierCommit(lease_id=4, model_key="m", slots=[8], reserve_id=
+                                        reserve.reserve_id)]
+    assert kv.num_free_blocks == 32 and not tiers.has_work
+
+
+def test_a_context_is_pinned_whole_and_ends_only_once_committed(env):
+    kv, tiers = env
+    s = seq(9)
+    s.pin_context = ContextPin("ctx-1", 99.0)
+    kv.allocate(s.seq_id, s.token_ids, 9, "t")
+    kv.commit(s.seq_id, s.token_ids, 9)
+    kv.pop_new_nodes()
+    [reserve] = tiers.write_through(0.0, context=s, nodes=kv.nodes_of(s.seq_id)).sends
+    assert (reserve.context_id, reserve.expires_at, len(reserve.hashes)) == ("ctx-1", 99.0, 2)
+    effects = tiers.on_reserved(TierReserved(reserve_id=reserve.reserve_id, lease_id=0,
+                                             slots=[NO_SLOT, NO_SLOT]), 0.1)
+    [commit] = effects.sends
+    assert commit.reply_to == "ipc://me" and not effects.ended
+    effects = tiers.on_committed(TierCommitted(reserve_id=reserve.reserve_id), 0.2)
+    assert effects.ended == [s]
+    kv.free(s.seq_id)
+
+
+def test_a_context_over_budget_fails_with_its_code(env):
+    kv, tiers = env
+    s = seq(9)
+    s.pin_context = ContextPin("ctx-2", 99.0)
+    kv.allocate(s.seq_id, s.token_ids, 9, "t")
+    kv.commit(s.seq_id, s.token_ids, 9)
+    [reserve] = tiers.write_through(0.0, context=s, nodes=kv.nodes_of(s.seq_id)).sends
+    effects = tiers.on_reserved(TierReserved(reserve_id=reserve.reserve_id,
+                                             error="over_budget"), 0.1)
+    assert effects.failed[0][:2] == (s, "context_over_budget")
+    kv.free(s.seq_id)
