@@ -31,7 +31,7 @@ first turns, the cache hit rate by tier (prompt tokens served from device,
 host or disk, from the gateway's deepserve_cache_hit_tokens_total / prompt
 tokens), the bytes moved up from host and from disk, failed requests.
 The host_disk node also runs a probe (--no-probe: not): a 40-token prefix
-and a 1024-token one, each left only in the disk tier, sent again; it shows
+and a 1024-token one (at most half the device pool), each left only in the disk tier, sent again; it shows
 what the cost model fetched and the measured numbers it decided with.
 """
 
@@ -131,7 +131,8 @@ def run_one(name: str, args, model: Path, seed: int, kv_bytes_per_token: int) ->
             after = hit_tokens(scrape(node.url))
             probe = None
             if name == "host_disk" and args.probe:
-                probe = probe_cost_model(node.url, model, load_model_config(model).vocab_size)
+                probe = probe_cost_model(node.url, load_model_config(model).vocab_size,
+                                         min(1024, args.device_tokens // 2))
         finally:
             node.stop()
     ok = [r for r in results if r.ok]
@@ -146,10 +147,11 @@ def run_one(name: str, args, model: Path, seed: int, kv_bytes_per_token: int) ->
             "first_ttft_p50_s": percentile(first, 50),
             **{f"hit_{t}": hits[t] / prompt for t in TIERS},
             "host_bytes": hits["host"] * kv_bytes_per_token,
-            "disk_bytes": hits["disk"] * kv_bytes_per_token, "probe": probe}
+            "disk_bytes": hits["disk"] * kv_bytes_per_token, "probe": probe,
+            "errors": sorted({(r.error or "")[:160] for r in results if not r.ok})[:3]}
 
 
-def probe_cost_model(url: str, model: Path, vocab: int) -> dict:
+def probe_cost_model(url: str, vocab: int, long_len: int) -> dict:
     """A short prefix and a long one, each pushed out of the device and the
     host tier (so only its block files hold it), then sent again: what the
     cost model fetched (cached tokens) and the numbers it decided with."""
@@ -161,14 +163,16 @@ def probe_cost_model(url: str, model: Path, vocab: int) -> dict:
     def send(ids: list[int]) -> int:
         body = {"model": "m", "prompt": ids, "max_tokens": 1, "temperature": 0}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=600).json()
+        if "usage" not in r:
+            raise RuntimeError(f"probe request failed: {r}")
         return r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-    short, long_ = prompt(40), prompt(1024)
+    short, long_ = prompt(40), prompt(long_len)
     out = {}
     for name, ids in (("short", short), ("long", long_)):
         send(ids)
-        for _ in range(4):  # 4096 other tokens: out of the device pool and the host tier
-            send(prompt(1024))
+        for _ in range(4):  # other prompts: out of the device pool and the host tier
+            send(prompt(long_len))
         time.sleep(1.0)
         out[f"{name}_prompt_tokens"] = len(ids)
         out[f"{name}_cached_tokens"] = send(ids)

@@ -62,7 +62,7 @@ def test_a_reply_the_client_changed_is_not_continued(prompts):
 
 
 def test_turns_are_bounded_per_tenant(prompts):
-    tok, book, key = prompts.tokenizer, TurnBook(), ("t", "m")
+    book, key = TurnBook(), ("t", "m")
     for i in range(MAX_TURNS + 5):
         book.note_prompt(f"r{i}", key, f"text {i}", [i], lambda out: "")
         book.on_done(f"r{i}", [])

@@ -101,3 +101,28 @@ def test_max_tokens_and_stop_token_finish():
     assert b.finish_reason == "stop" and b.output_token_ids == [7]
     _step(s)
     assert a.finish_reason == "length" and a.output_token_ids == [7, 7]
+
+
+def test_a_holder_behind_the_head_of_the_queue_never_blocks_it():
+    """A request whose prefix a lower tier filled waits with a holder (engine/
+    tiers.py); the request ahead of it needs those blocks: the holder goes."""
+    s = _scheduler(num_blocks=8, budget=64, max_len=64)
+    head, behind = _seq(0, 24), _seq(1, 24)  # 6 blocks each (block size 4)
+    holder = 99
+    assert s.kv.allocate(holder, behind.token_ids, 20)  # 5 of the 8 blocks, filled "from host"
+    s.kv.commit(holder, behind.token_ids, 20)
+    behind.holder_seq_id = holder
+    s.add(head)
+    s.add(behind)
+    assert _step(s) == {0: 24}  # before: the head waited for the holder's blocks forever
+    assert behind.holder_seq_id is None and not s.kv.has_seq(holder)
+    s.kv.check_integrity()
+
+
+def test_a_request_that_ends_at_its_first_token_still_caches_its_prompt():
+    s = _scheduler(budget=64)
+    seq = _seq(0, 10, max_tokens=1)  # 2 full blocks of 4, and 2 more tokens
+    s.add(seq)
+    _step(s)
+    assert seq.is_finished and seq.finish_reason == "length"
+    assert s.kv.num_cached_tokens(seq.token_ids[:10] + [1]) == 8  # before: 0, nothing kept

@@ -224,6 +224,9 @@ class TierServer:
                 self._done.put((key, slot, h, nbytes, None))
             except OSError as e:
                 self._done.put((key, slot, h, 0, e))
+            except Exception as e:  # a bug: this block is not written; the thread lives on
+                log.exception("disk write of block %x failed", h)
+                self._done.put((key, slot, h, 0, _NotWritten(str(e))))
 
     def _apply_disk_results(self) -> None:
         while True:
@@ -234,7 +237,7 @@ class TierServer:
             pool = self.pools[key]
             gone = pool.index.disk_written(slot, h, nbytes, error is None)
             self._delete(pool, gone)
-            if error is not None and self.disk_enabled:
+            if isinstance(error, OSError) and self.disk_enabled:
                 self._disable_disk(error)
 
     def _disable_disk(self, error: OSError) -> None:
@@ -280,6 +283,10 @@ class TierServer:
         for sock in (self.inbox, self.replies, self.to_cm):
             if sock is not None:
                 sock.close()
+
+
+class _NotWritten(Exception):
+    """A disk write that failed for a reason other than the disk: not the tier's fault."""
 
 
 def _dir_name(key: str) -> str:

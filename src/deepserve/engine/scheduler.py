@@ -11,7 +11,8 @@ Each step:
 A sequence may arrive with a holder (engine/tiers.py): a pseudo-sequence
 holding the blocks a lower tier (host, disk) filled for its prefix, so they
 are prefix-cache hits when it is admitted; the holder is freed then (or
-when the sequence ends before that).
+when the sequence ends before that, or when the head of the queue cannot
+get its blocks: holders never keep an older request from being admitted).
 After the step, update() advances the sequences, publishes their computed
 blocks to the prefix cache, appends sampled tokens and retires finished ones.
 
@@ -132,7 +133,9 @@ class Scheduler:
             num_cached = self.kv.num_cached_tokens(seq.token_ids, seq.salt)
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.kv.allocate(seq.seq_id, seq.token_ids, num_cached + num_new, seq.salt):
-                break
+                if not self._release_holders():
+                    break
+                continue  # the holders' blocks are evictable now: try again
             self.waiting.popleft()
             self._free_holder(seq)
             seq.num_computed_tokens = num_cached
@@ -142,6 +145,15 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled[seq.seq_id], out.seqs[seq.seq_id] = num_new, seq
             budget -= num_new
+
+    def _release_holders(self) -> bool:
+        """The pool is short for the head of the queue: let every waiting
+        sequence's holder go (its blocks stay cached, evictable). False if
+        there was none (so the caller stops: nothing more can free up)."""
+        held = [seq for seq in self.waiting if seq.holder_seq_id is not None]
+        for seq in held:
+            self._free_holder(seq)
+        return bool(held)
 
     def _free_holder(self, seq: Sequence) -> None:
         if seq.holder_seq_id is not None:
@@ -182,8 +194,11 @@ class Scheduler:
                 seq.num_pending_tokens += 1
 
     def on_sampled(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[Sequence]:
-        """Step done: fill placeholders, stop, publish blocks; return the
-        sequences that got a token."""
+        """Step done: publish blocks, fill placeholders, stop, publish again;
+        return the sequences that got a token. Publishing first keeps the
+        prompt of a request that stops at its first token (max_tokens 1, a
+        context, a prefill task): its KV is computed, and cached."""
+        self._commit(out)
         advanced = []
         for token in sampled:
             seq = out.seqs[token.seq_id]
@@ -195,12 +210,15 @@ class Scheduler:
                 seq.logprobs.append(token)
             self.check_stop(seq, token.token_id)
             advanced.append(seq)
+        self._commit(out)
+        return advanced
+
+    def _commit(self, out: SchedulerOutput) -> None:
         for seq_id in out.scheduled:
             seq = out.seqs[seq_id]
             if self.kv.has_seq(seq_id) and not seq.is_finished:
                 num_known = seq.num_tokens - seq.num_pending_tokens
                 self.kv.commit(seq_id, seq.token_ids, min(seq.num_computed_tokens, num_known))
-        return advanced
 
     def check_stop(self, seq: Sequence, token_id: int) -> None:
         num_known = seq.num_tokens - seq.num_pending_tokens
