@@ -20,7 +20,7 @@ from deepserve.config import EngineConfig, load_config
 from deepserve.config.child import parse_child_args
 from deepserve.config.loading import load_node_config, write_run_config
 from deepserve.config.models import ModelSection, ScalingSection, SLOSection
-from deepserve.config.node import (ENGINE_OPTIONS, FLAT_SECTIONS, GatewaySection, NodeConfig,
+from deepserve.config.node import (ENGINE_OPTIONS, DualPathOptions, FLAT_SECTIONS, GatewaySection, NodeConfig,
                                    NodeSection, PDOptions, RouterSection, RunAddresses,
                                    SupervisorConfig, TESection, TESpec)
 from deepserve.cache import tier_server
@@ -91,7 +91,7 @@ ENGINE_VALUES = {
     "max_num_batched_tokens": 333, "max_num_seqs": 7, "max_model_len": 128,
     "enable_prefix_caching": False, "seed": 5, "tp": 2, "async_scheduling": False,
     "num_threads": 3, "startup_timeout_s": 77.0, "kv_transfer_backend": "tcp",
-    "kv_transfer_layerwise": True, "kv_transfer_timeout_s": 9.0}
+    "kv_transfer_layerwise": True, "kv_transfer_timeout_s": 9.0, "storage_read_gbps": 0.5}
 """A valid non-default value of every engine option but `processes` (implied True)."""
 
 # (section, key, value in the TOML, role that uses it, what that role sees -> expected)
@@ -134,6 +134,9 @@ CASES = [
     ("router", "pd_predictor", "conf/p.json", "job-executor",
      lambda s, t: s.router.pd_predictor == at(t, "conf/p.json")),
     ("router", "token_continuity", False, "job-executor", lambda s, t: s.continuity is False),
+    ("router", "dualpath", {"alpha_tokens": 7, "beta_tokens": 9, "z_factor": 1.5},
+     "job-executor", lambda s, t: s.router.dualpath == DualPathOptions(
+         alpha_tokens=7, beta_tokens=9, z_factor=1.5)),
     ("router", "isolate_suspects", True, "job-executor",
      lambda s, t: s.router.isolate_suspects is True),
     ("router", "pd_options", {"margin": 0.5, "min_prompt_len": 10, "max_decode_len": 20},

@@ -214,3 +214,19 @@ def test_shipped_conf_files_load():
     assert pol.predictor.num_buckets == 8
     assert pol.choose([5] * 2000) in ("colocated", "disaggregated")
     assert pol.heatmap.lookup(4096, 64) > 0.5 > pol.heatmap.lookup(64, 512)
+
+
+@pytest.mark.parametrize("mode", ["threshold", "heatmap"])
+def test_a_request_s_own_bound_caps_the_predicted_decode_length(trained, mode):
+    """A short prompt predicted to decode long is still a short decode when its
+    max_tokens says so: min(predicted, max_tokens) picks the cell."""
+    pol = PDPolicy(mode, heatmap(), trained[0], min_prompt_len=0)
+    assert pol.choose(SHORT_PROMPT_LONG_OUT) == "colocated"
+    assert pol.last_decision.decode_len >= 3 * 128
+    before = pol.last_decision.heatmap_value
+    te_type = pol.choose(SHORT_PROMPT_LONG_OUT, max_tokens=4)
+    assert pol.last_decision.decode_len == 4
+    if mode == "threshold":  # p >= 0 and d <= 128: now a short decode
+        assert te_type == "disaggregated"
+    else:  # p = 40, d/p = 0.1: the first column (-0.05), no longer d/p >= 1 (-0.20)
+        assert (before, pol.last_decision.heatmap_value) == (-0.20, -0.05)

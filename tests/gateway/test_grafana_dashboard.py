@@ -90,7 +90,8 @@ def families():
                       num_prompt_tokens=100, num_cached_tokens=40, kv_transfer_bytes=4096,
                       kv_transfer_seconds=[0.01], tier_hit_tokens={"host": 16, "disk": 16},
                       tier_fetch_seconds={"host": [0.002], "disk": [0.01]},
-                      kv_cached_bytes=1 << 20, cost_model={"prefill_tokens_per_s": 500.0})
+                      kv_cached_bytes=1 << 20, cost_model={"prefill_tokens_per_s": 500.0},
+                      storage_queue_tokens=64, storage_read_bytes={"prefill": 10, "decode": 20})
     metrics.observe_te_report(report)
     metrics.observe_tiers(TierReport(host_bytes=1 << 20, disk_bytes=1 << 22, num_contexts=1),
                           {"m-0": report})
@@ -137,7 +138,7 @@ def test_panels_are_well_formed(dashboard):
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     rows = [p["title"] for p in panels if p["type"] == "row"]
     assert rows == ["Traffic", "Latency", "TEs & cache", "Scaling", "KV transfer",
-                    "KV cache tiers"]
+                    "KV cache tiers", "DualPath storage reads"]
     for panel in panels:
         assert panel["title"], panel
         assert {"h", "w", "x", "y"} <= set(panel["gridPos"]), panel["title"]

@@ -57,6 +57,9 @@ class EngineConfig:
     kv_transfer_timeout_s: float = 30.0
     """A prefill TE frees KV it sent when no acknowledgement comes in this
     time; a decode TE fails a request whose KV has not come in this time."""
+    storage_read_gbps: float | None = None
+    """GB/s this TE may read from the disk tier (the node's KV storage): a token
+    bucket standing in for its storage NIC (DualPath); None: unlimited."""
 
     def __post_init__(self):
         for name in ("block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
@@ -70,6 +73,9 @@ class EngineConfig:
         if self.kv_transfer_backend not in ("shm", "ring", "tcp"):
             raise ValueError(f"kv_transfer_backend must be shm, ring or tcp, "
                              f"got {self.kv_transfer_backend!r}")
+        if self.storage_read_gbps is not None and (
+                isinstance(self.storage_read_gbps, bool) or not self.storage_read_gbps > 0):
+            raise ValueError(f"storage_read_gbps must be > 0, got {self.storage_read_gbps!r}")
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if self.tp > 1 and not self.processes:

@@ -118,6 +118,18 @@ class PDOptions(Section):
     """Predicted output tokens up to which a long prompt goes disaggregated."""
 
 
+class DualPathOptions(Section):
+    """DualPath's scheduler (control/dualpath.py), an inline table:
+    { alpha_tokens = 8192, beta_tokens = 65536, z_factor = 1.05 }."""
+
+    alpha_tokens: Annotated[int, Meta(ge=0)] = 8192
+    """A storage read queue of at most this many tokens is short (a prefill TE's C2 class)."""
+    beta_tokens: Count = 65536
+    """A prefill TE with more unfinished tokens than this takes nothing new (C1)."""
+    z_factor: Annotated[float, Meta(ge=1.0)] = 1.05
+    """Decode TEs past z_factor x the group's mean tokens are the last choice."""
+
+
 class RouterSection(Section):
     policy: Literal["combined", "locality", "load", "round_robin"] = "combined"
     """Which TE of a type serves a request (control/router.py)."""
@@ -131,6 +143,10 @@ class RouterSection(Section):
     """JSON decode-length predictor written by tools/train_predictor.py."""
     pd_options: PDOptions = PDOptions()
     """Thresholds of the PD policy, an inline table: { margin = 0.0, min_prompt_len = 1024 }."""
+    dualpath: DualPathOptions | None = None
+    """Route disaggregated jobs with DualPath's two-level scheduler: a prefill TE by
+    read queue and tokens, a decode TE by tokens and room, and per request the side
+    with the shorter storage read queue reads its cached KV; unset: the router."""
     token_continuity: bool = True
     """Tokenize a chat turn that continues an earlier one (same tenant) as that
     turn's exact prompt + reply ids and the rest (control/turns.py), so its KV hits."""

@@ -49,15 +49,17 @@ from deepserve.actor import ActorLife
 from deepserve.config.child import parse_child_args, print_config
 from deepserve.control.context_jobs import ContextJobs
 from deepserve.control.contexts import ContextBook
+from deepserve.control.dualpath import DualPathScheduler, engine_loads
 from deepserve.control.je_settings import PARK_S, JESettings, load_settings
 from deepserve.control.model_book import ModelBook
 from deepserve.control.pd_policy import PDPolicy
 from deepserve.control.router import NoTEAvailable, Router
+from deepserve.control.isolation import IsolationSide
 from deepserve.control.suspects import HeldSuspects, SuspectBook
 from deepserve.control.tasks import CRASHED, EventSink, Task, crashed_text, no_event
 from deepserve.control.te_links import TELinks
-from deepserve.control.turns import TurnBook, prompt_ids
-from deepserve.errors import ContextNotFoundError, InvalidRequestError
+from deepserve.control.turns import TurnBook, request_ids
+from deepserve.errors import InvalidRequestError
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, SubSocket
 from deepserve.messages.control import FromClusterManager, TEList, TEReport
@@ -70,7 +72,7 @@ log = logging.getLogger(__name__)
 _IN = (SubmitRequest | AbortRequest | RequestLatencies | CreateContext | GetContext
        | DeleteContext | TurnDone | RequestDelta | RequestFailed)
 PARK_MAX = 4096
-class JobExecutor:
+class JobExecutor(IsolationSide):
     """models: served name -> directory (or one directory); cm: the CM's inbox
     (ModelDemand; None: not sent); scalable: models started on demand, whose
     requests wait up to queue_timeout_s for a TE."""
@@ -79,7 +81,8 @@ class JobExecutor:
                  pd_policy=None, max_attempts: int = 3, events: EventSink = no_event,
                  isolate_suspects: bool = False, cm: str | None = None, scalable=(),
                  queue_timeout_s: float = PARK_S, kv_cache: str = "",
-                 contexts_path: str | None = None, continuity: bool = True):
+                 contexts_path: str | None = None, continuity: bool = True,
+                 dualpath: DualPathScheduler | None = None):
         self.ctx = ctx
         self.inbox = PullSocket(ctx, inbox, bind=True, type=_IN)
         self.cm = SubSocket(ctx, cm_pub, bind=False, type=FromClusterManager)
@@ -98,6 +101,7 @@ class JobExecutor:
         self.held = HeldSuspects()  # resumed suspects waiting to run isolated
         self.parked: list[tuple[float, SubmitRequest, list[int]]] = []  # _dispatch
         self.kv_cache = kv_cache  # the tier service: ContextUnpin
+        self.dualpath = dualpath  # [router] dualpath: pairs and read paths (dualpath.py)
         self.turns = TurnBook(continuity)  # token-id continuity (turns.py)
         self.contexts = ContextJobs(ContextBook(contexts_path), self.book, inbox,
                                     lambda m, ids: self._dispatch(m, ids, time.monotonic() + PARK_S),
@@ -157,38 +161,24 @@ class JobExecutor:
                               f"giving up after {self.max_attempts} attempts")
         try:
             model = self.book.name_of(msg.model)
-            ids = self._prompt_ids(msg, model)
+            ids = request_ids(msg, model, self.book, self.contexts.book, self.turns)
         except InvalidRequestError as e:
             return self._fail(msg, e.code, str(e), e.param)
         if msg.attempt == 0:
             self.book.note_arrival(model)
         if self.isolate_suspects and self.suspects.is_suspect(msg.request_id):
             return self._hold(msg, ids)
-        wait_s = self.queue_timeout_s if self.book.waits_for_scaling(model) else PARK_S
+        waits = self.book.waits_for_scaling(model) or self.dualpath is not None  # for room
+        wait_s = self.queue_timeout_s if waits else PARK_S
         self._dispatch(msg, ids, time.monotonic() + wait_s)
-
-    def _prompt_ids(self, msg: SubmitRequest, model: str) -> list[int]:
-        """Tokenized once, continuing an earlier turn or a context (turns.py)."""
-        ctx = None
-        if msg.context_id is not None and msg.attempt == 0:  # a resumed attempt has its ids
-            ctx = self.contexts.book.get(msg.context_id, msg.salt)
-            if ctx is None or ctx.model != model:
-                raise ContextNotFoundError(f"No context with id {msg.context_id!r}.",
-                                           "context_id")
-        key = (msg.salt, model)
-        prompts = self.book.prompts(model)
-        text, ids = prompt_ids(prompts, msg, self.turns, key, ctx)
-        if text is not None and msg.attempt == 0:
-            self.turns.note_prompt(msg.request_id, key, text, ids,
-                                   lambda out: prompts.tokenizer.decode(out, False))
-        return ids
 
     def _dispatch(self, msg: SubmitRequest, ids: list[int], park_until: float) -> bool:
         """Route and send the job, or park it until park_until; False: parked."""
         try:
             if not self.links.has_list:
                 raise NoTEAvailable("no TE list from the cluster manager yet")
-            te_id, prefill_te = self._route(ids, msg.salt, msg.model)
+            te_id, prefill_te, path = self._route(ids, msg.salt, msg.model,
+                                                  max_tokens=msg.sampling.max_tokens)
         except NoTEAvailable as e:
             if time.monotonic() < park_until and len(self.parked) < PARK_MAX:
                 self.parked.append((park_until, msg, ids))
@@ -198,22 +188,31 @@ class JobExecutor:
                    if self.book.waits_for_scaling(model) else f"no TE can take the request: {e}")
             self._fail(msg, "engine_dead", why)
             return True
-        if self._send_task(msg, ids, te_id, prefill_te) and msg.attempt:
+        if self._send_task(msg, ids, te_id, prefill_te, read_path=path) and msg.attempt:
             self._note_migrated(msg, te_id, len(ids))
         return True
 
     def _route(self, ids: list[int], salt: str | None, model: str | None,
-               exclude: frozenset[str] = frozenset()) -> tuple[str, str | None]:
-        """(TE, prefill TE or None) for a job of `model`, never one in `exclude`."""
-        exclude = exclude | self.book.others(self.book.name_of(model),
-                                             self.router.tes.values())
-        if self._job_layout(ids, exclude) == "disaggregated":
-            prefill_te = self.router.route(ids, salt, te_type="prefill", exclude=exclude)
-            return self.router.route(ids, salt, te_type="decode", exclude=exclude), prefill_te
-        return self.router.route(ids, salt, exclude=exclude), None
+               exclude: frozenset[str] = frozenset(), max_tokens: int | None = None
+               ) -> tuple[str, str | None, str | None]:
+        """(TE, prefill TE or None, read path or None) for a job of `model`,
+        never on a TE in `exclude`; with [router] dualpath, DualPath's
+        scheduler picks the pair and the side that reads storage."""
+        tes = self.router.tes.values()
+        exclude = exclude | self.book.others(self.book.name_of(model), tes)
+        if self._job_layout(ids, exclude, max_tokens) != "disaggregated":
+            return self.router.route(ids, salt, exclude=exclude), None, None
+        if self.dualpath is not None:
+            d = self.dualpath.choose(len(ids), max_tokens or 0, *(
+                engine_loads(tes, self.router.reports, t, exclude) for t in ("prefill", "decode")))
+            if d is None:
+                raise NoTEAvailable("every prefill TE is past beta or no decode TE has room")
+            return d.decode_te, d.prefill_te, d.read_path
+        prefill_te = self.router.route(ids, salt, te_type="prefill", exclude=exclude)
+        return self.router.route(ids, salt, te_type="decode", exclude=exclude), prefill_te, None
 
     def _send_task(self, msg: SubmitRequest, ids: list[int], te_id: str, prefill_te: str | None,
-                   is_suspect: bool = False) -> bool:
+                   is_suspect: bool = False, read_path: str | None = None) -> bool:
         """Send the task; a TE that does not take it in time fails it (retryable)."""
         prefill_from = self.links.addresses[prefill_te] if prefill_te is not None else None
         task = SubmitRequest(request_id=msg.request_id, prompt_token_ids=ids,
@@ -221,7 +220,7 @@ class JobExecutor:
                              prefill_from=prefill_from, attempt=msg.attempt,
                              resumed_output_ids=msg.resumed_output_ids,
                              resumed_text_chars=msg.resumed_text_chars,
-                             pin_context=msg.pin_context)
+                             pin_context=msg.pin_context, read_path=read_path)
         if not self.links.put(te_id, task):
             self._fail(msg, "te_lost", "the engine chosen for the request did not take it in "
                                        "time; retry")
@@ -244,50 +243,8 @@ class JobExecutor:
         for park_until, msg, ids in parked:
             self._dispatch(msg, ids, park_until)
 
-    # -- suspects (module doc) ------------------------------------------------------
-    def _hold(self, msg: SubmitRequest, ids: list[int]) -> None:
-        """A resumed suspect waits here until it can run isolated (suspects.py)."""
-        pushed_out = self.held.add(msg, ids)
-        if pushed_out is not None:
-            self._fail(pushed_out.msg, "engine_dead", "too many resumed requests wait for an engine")
-        self._release_held()
-
-    def _release_held(self) -> None:
-        """Send waiting suspects, oldest first, while isolation allows."""
-        busy = frozenset(te for t in self.tasks.values() if t.is_suspect
-                         for te in (t.te_id, t.prefill_te) if te is not None)
-        for held, is_expired, needs_spare in self.held.due(self._job_layout):
-            if is_expired:
-                self.held.remove(held)
-                self._fail(held.msg, "engine_dead", "no engine could take the resumed request")
-                continue
-            if needs_spare and not self._has_spare(held.ids, busy):
-                continue
-            crashed = set(self.suspects.crashes(held.msg.request_id))
-            try:  # back on a TE it crashed if that one is up: the others stay untouched
-                te_id, prefill_te = self._route(held.ids, held.msg.salt, held.msg.model,
-                                                exclude=busy | (set(self.router.tes) - crashed))
-            except NoTEAvailable:
-                try:
-                    te_id, prefill_te = self._route(held.ids, held.msg.salt, held.msg.model,
-                                                    exclude=busy)
-                except NoTEAvailable:
-                    continue
-            self.held.remove(held)
-            log.warning("suspect %s runs isolated on %s (crashed before on %s)",
-                        held.msg.request_id, te_id, ", ".join(crashed))
-            if self._send_task(held.msg, held.ids, te_id, prefill_te, is_suspect=True):
-                self._note_migrated(held.msg, te_id, len(held.ids))
-                busy |= {te_id, prefill_te} - {None}
-
-    def _has_spare(self, ids: list[int], busy: frozenset[str]) -> bool:
-        """Another TE able to take the job's kind stays free of suspects."""
-        if self._job_layout(ids) == "disaggregated":
-            return len(set(self.router.tes) - busy) >= 3
-        return sum(1 for te in self.router.tes.values()
-                   if te.te_type == "colocated" and te.te_id not in busy) >= 2
-
-    def _job_layout(self, ids: list[int], exclude: frozenset[str] = frozenset()) -> str:
+    def _job_layout(self, ids: list[int], exclude: frozenset[str] = frozenset(),
+                    max_tokens: int | None = None) -> str:
         """colocated or disaggregated: the policy's choice among what exists
         (TEs in exclude aside)."""
         types = {te.te_type for te in self.router.tes.values() if te.te_id not in exclude}
@@ -296,7 +253,9 @@ class JobExecutor:
             return "colocated"
         if "colocated" not in types:
             return "disaggregated"
-        return "colocated" if self.pd_policy is None else self.pd_policy.choose(ids)
+        if self.pd_policy is None:
+            return "colocated"
+        return self.pd_policy.choose(ids, max_tokens=max_tokens)
 
     def _abort(self, msg: AbortRequest) -> None:
         self.held.drop(msg.request_id)
@@ -318,6 +277,8 @@ class JobExecutor:
     def _on_cm(self, msg) -> None:
         if isinstance(msg, TEReport):
             self.router.on_report(msg)
+            if self.dualpath is not None:
+                self.dualpath.on_report(msg.te_id)
             for request_id in msg.finished:
                 task = self.tasks.get(request_id)
                 if task is not None and task.te_id == msg.te_id:
@@ -376,7 +337,8 @@ def build(ctx: zmq.Context, s: JESettings, events: EventSink = no_event) -> JobE
                        s.max_attempts, events, r.isolate_suspects, cm=s.cm or None,
                        scalable=s.scalable, queue_timeout_s=s.queue_timeout_s,
                        kv_cache=s.kv_cache, contexts_path=s.contexts_path or None,
-                       continuity=s.continuity)
+                       continuity=s.continuity, dualpath=DualPathScheduler(
+                           **msgspec.structs.asdict(r.dualpath)) if r.dualpath else None)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -82,11 +82,12 @@ class PDPolicy:
                      if predictor_path is not None else None)
         return cls(mode, heatmap, predictor, **thresholds)
 
-    def choose(self, prompt_ids: Sequence[int], te_types: Collection[str] | None = None) -> str:
-        return self.decide(prompt_ids, te_types).te_type
+    def choose(self, prompt_ids: Sequence[int], te_types: Collection[str] | None = None,
+               max_tokens: int | None = None) -> str:
+        return self.decide(prompt_ids, te_types, max_tokens).te_type
 
-    def decide(self, prompt_ids: Sequence[int],
-               te_types: Collection[str] | None = None) -> PDDecision:
+    def decide(self, prompt_ids: Sequence[int], te_types: Collection[str] | None = None,
+               max_tokens: int | None = None) -> PDDecision:
         """te_types: the TEInfo.te_type values in the TE list, if known; a choice
         whose TEs are absent ("disaggregated" needs prefill and decode TEs)
         turns into the other type when that one is present."""
@@ -94,19 +95,23 @@ class PDPolicy:
         if self.mode in ("colocated", "disaggregated"):
             d = PDDecision(self.mode, "fixed", f"mode {self.mode}", p)
         elif self.mode == "heatmap":
-            d = self._by_heatmap(prompt_ids)
+            d = self._by_heatmap(prompt_ids, max_tokens)
         else:
-            d = self._by_threshold(prompt_ids, self._predict(prompt_ids), "")
+            d = self._by_threshold(prompt_ids, self._predict(prompt_ids, max_tokens), "")
         if te_types is not None:
             d = self._available(d, te_types)
         self.last_decision = d
         return d
 
-    def _predict(self, prompt_ids: Sequence[int]) -> int | None:
-        return self.predictor.predict_length(prompt_ids) if self.predictor else None
+    def _predict(self, prompt_ids: Sequence[int], max_tokens: int | None) -> int | None:
+        """The predicted decode length, never past the request's own bound."""
+        if self.predictor is None:
+            return None
+        predicted = self.predictor.predict_length(prompt_ids)
+        return predicted if max_tokens is None else min(predicted, max_tokens)
 
-    def _by_heatmap(self, prompt_ids: Sequence[int]) -> PDDecision:
-        p, dl = len(prompt_ids), self.predictor.predict_length(prompt_ids)
+    def _by_heatmap(self, prompt_ids: Sequence[int], max_tokens: int | None) -> PDDecision:
+        p, dl = len(prompt_ids), self._predict(prompt_ids, max_tokens)
         value = self.heatmap.lookup(p, dl)
         if value is None:
             return self._by_threshold(prompt_ids, dl, "heatmap cell unmeasured; ")

@@ -23,7 +23,7 @@ from typing import Callable
 
 from deepserve.control.admission import PromptTokens
 from deepserve.control.contexts import Context
-from deepserve.errors import InvalidRequestError
+from deepserve.errors import ContextNotFoundError, InvalidRequestError
 
 MAX_TURNS, MAX_TENANTS, MAX_PENDING = 32, 1024, 4096
 PENDING_TTL_S = 3600.0
@@ -78,6 +78,24 @@ class TurnBook:
 
     def forget(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
+
+
+def request_ids(msg, model: str, models, contexts, turns: TurnBook) -> list[int]:
+    """A SubmitRequest's prompt ids in the job executor: tokenized once,
+    continuing an earlier turn of its tenant or its context (models: the
+    ModelBook; contexts: the ContextBook); a chat prompt is noted for TurnDone."""
+    ctx = None
+    if msg.context_id is not None:  # a resumed attempt with its ids has none
+        ctx = contexts.get(msg.context_id, msg.salt)
+        if ctx is None or ctx.model != model:
+            raise ContextNotFoundError(f"No context with id {msg.context_id!r}.", "context_id")
+    key = (msg.salt, model)
+    prompts = models.prompts(model)
+    text, ids = prompt_ids(prompts, msg, turns, key, ctx)
+    if text is not None and msg.attempt == 0:
+        turns.note_prompt(msg.request_id, key, text, ids,
+                          lambda out: prompts.tokenizer.decode(out, False))
+    return ids
 
 
 def prompt_ids(prompts: PromptTokens, msg, turns: TurnBook, key: tuple,

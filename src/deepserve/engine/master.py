@@ -36,7 +36,8 @@ from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.step_core import StepCore, check_request
 from deepserve.engine.te_report import answers, build_report, new_tokens
-from deepserve.engine.tier_link import TierLink, tier_reply_address
+from deepserve.engine.tier_link import TierLink
+from deepserve.engine.tier_stage import DECODE_PATH
 from deepserve.errors import InvalidRequestError
 from deepserve.ipc.shm_ring import BroadcastRing
 from deepserve.ipc.outboxes import Outboxes
@@ -46,7 +47,7 @@ from deepserve.messages.engine import (AddRequest, EngineStats, FinishRequest, F
                                        StepTokens, ToMaster, WorkerFailed, WorkerReady)
 from deepserve.messages.pd import (CancelOrder, FailRequest, KVAck, KVReady, KVSent,
                                    PrefillOrder, ToPeer, pd_address)
-from deepserve.messages.cache import BlockGeometry, CacheOpsDone
+from deepserve.messages.cache import CacheOpsDone
 from deepserve.messages.step import CACHE_ONLY_STEP_ID, SHUTDOWN_STEP_ID, StepBatch
 from deepserve.model.config import load_model_config
 from deepserve.worker.model_runner import ModelRunner
@@ -106,6 +107,7 @@ class Master:
         self.ctx = zmq.Context()
         self.encoder = msgspec.msgpack.Encoder()
         self.ring = self.pd = self.to_cm = self.tier = None
+        self.staging: dict[int, tuple[str, str]] = {}  # decode seq -> (request id, prefill TE)
         self.num_steps = self.num_tokens = 0
 
     def start(self) -> None:
@@ -124,16 +126,10 @@ class Master:
         for sock in (self.requests, self.from_peers, self.steps):
             self.poller.register(sock.socket, zmq.POLLIN)
         if s.tier_address and s.config.enable_prefix_caching:
-            self.tier = self._tier_link()
+            self.tier = TierLink.of_master(self.ctx, s, self.kv, self.model_config,
+                                           self.block_bytes, self.core.new_seq_id, self.life.event)
+            self.tier.tiers.storage_rate = (s.config.storage_read_gbps or 0) * 1e9 or None
             self.poller.register(self.tier.socket, zmq.POLLIN)
-
-    def _tier_link(self) -> TierLink:
-        s, m = self.spec, self.model_config
-        geometry = BlockGeometry(m.num_layers, m.num_kv_heads, s.config.block_size, m.head_dim,
-                                 str(m.dtype).removeprefix("torch."))
-        return TierLink(self.ctx, s.tier_address, tier_reply_address(s.pd_address), self.kv,
-                        s.config.model, geometry, s.config.tp, self.block_bytes,
-                        self.core.new_seq_id, s.cache_cost_model, self.life.event)
 
     def wait_for_workers(self) -> None:
         cfg = self.spec.config
@@ -154,6 +150,8 @@ class Master:
             max_model_len=cfg.max_model_len, kv_transfer_timeout_s=cfg.kv_transfer_timeout_s,
             address=self.spec.pd_address, endpoints=[ready[r] for r in range(cfg.tp)],
             layerwise=cfg.kv_transfer_layerwise, first_order_id=time.time_ns())
+        if self.tier is not None:  # a prefill task's prompt may be below the device too
+            self.pd.enqueue = self.tier.admit
 
     # -- the loop ------------------------------------------------------------
     def progress(self) -> dict[str, int]:
@@ -161,8 +159,9 @@ class Master:
         return {"steps": self.num_steps, "tokens": self.num_tokens, "tier": tier_events}
 
     def holds_work(self) -> bool:
-        return bool(self.in_flight or self.pd.has_work or self.scheduler.has_unfinished
-                    or (self.tier is not None and self.tier.has_work))
+        # Tier waits are not work here: each has its own deadline, and a storage
+        # queue (a bucket's wait) may lawfully be longer than the progress deadline.
+        return bool(self.in_flight or self.pd.has_work or self.scheduler.has_unfinished)
 
     def step(self) -> None:
         """Fill the pipeline, wait (bounded) for anything, handle it, deadlines."""
@@ -235,32 +234,39 @@ class Master:
         if msg.pin_context is not None and self.tier is not None:
             seq.pin_context, seq.keep_kv = msg.pin_context, True  # freed once pinned
         if is_decode_task:  # the JE names the prefill TE by its inbox
-            self._apply(self.pd.add_decode(msg.request_id, seq, pd_address(msg.prefill_from),
-                                           time.monotonic()))
+            prefill_from = pd_address(msg.prefill_from)
+            if msg.read_path == DECODE_PATH and self.tier is not None:  # DualPath: read here
+                self.staging[seq.seq_id] = (msg.request_id, prefill_from)
+                self.tier.stage(seq)
+            else:
+                self._apply(self.pd.add_decode(msg.request_id, seq, prefill_from,
+                                               time.monotonic()))
         elif self.tier is not None:  # sched-enqueue: its prefix may be below the device
             self.tier.admit(seq)
             self._take_tiers()
 
     def _take_tiers(self) -> None:
-        """Queue what the tiers made ready; end the contexts they pinned."""
-        ready, ended, failed = self.tier.take()
+        """Queue what the tiers made ready, order the prefill of the decode
+        tasks they staged, end (or fail) the contexts they pinned."""
+        ready, staged, ended, failed = self.tier.take()
         for seq in ready:
             if not seq.is_finished:
                 self.scheduler.add(seq)
-        for seq in ended:
-            if seq.seq_id in self.core.request_ids:  # not aborted while being pinned
-                self._stream([self.new_tokens(seq)])
-        for seq, error, why in failed:
-            request_id = self.core.request_ids.get(seq.seq_id)
-            if request_id is not None:
+        for seq in staged:
+            request_id, prefill_from = self.staging.pop(seq.seq_id)
+            if not seq.is_finished:
+                self._apply(self.pd.add_decode(request_id, seq, prefill_from, time.monotonic()))
+        for seq, error, why in [(s, None, "") for s in ended] + failed:
+            request_id = self.core.request_ids.get(seq.seq_id)  # None: aborted meanwhile
+            if request_id is not None and error is None:
+                self._stream([new_tokens(self.core.request_ids[seq.seq_id], seq)])
+            elif request_id is not None:
                 self.to_tokenizer.put(FailRequest(request_id=request_id, error=error,
                                                   message=why))
-        for seq in ended + [seq for seq, _, _ in failed]:
             self._drop_kept(seq)
             self.core.release(seq)
 
-    def _drop_kept(self, seq: Sequence | None) -> None:
-        """A context request's KV (kept until its pin is done) goes."""
+    def _drop_kept(self, seq: Sequence | None) -> None:  # a context's KV, kept until pinned
         if seq is not None and seq.pin_context is not None and self.kv.has_seq(seq.seq_id):
             self.kv.free(seq.seq_id)
 
@@ -301,7 +307,8 @@ class Master:
         for request_id, seq in effects.started:  # prefill tasks: not our requests
             self.core.track(request_id, seq, is_request=False)
         if effects.emit:
-            self._stream([self.new_tokens(seq) for seq in effects.emit])
+            ids = self.core.request_ids
+            self._stream([new_tokens(ids[seq.seq_id], seq) for seq in effects.emit])
         for msg in effects.failed:
             self.to_tokenizer.put(msg)
         for seq in effects.released:
@@ -338,7 +345,7 @@ class Master:
                 self.tier.pin_context(seq, self.kv.nodes_of(seq.seq_id))  # streams once pinned
                 continue
             else:
-                items.append(self.new_tokens(seq))
+                items.append(new_tokens(self.core.request_ids[seq.seq_id], seq))
             if seq.is_finished:
                 self.core.release(seq)
         self._stream(items)
@@ -364,9 +371,6 @@ class Master:
         if items:
             self.num_tokens += len(items)
             self.to_tokenizer.put(StepTokens(items=items))
-
-    def new_tokens(self, seq: Sequence) -> NewTokens:
-        return new_tokens(self.core.request_ids[seq.seq_id], seq)
 
     def _maybe_report(self) -> None:
         now = time.monotonic()

@@ -55,6 +55,7 @@ class PrefillSide:
 
     def _init_prefill(self) -> None:
         self.orders: dict[int, _Order] = {}  # seq id ->
+        self.enqueue = self.scheduler.add  # the master's tier admission, when it has tiers
         self.transfer_bytes, self.transfer_seconds = 0, []  # since the last report
 
     def _find(self, request_id: str, order_id: int) -> _Order | None:
@@ -79,7 +80,7 @@ class PrefillSide:
         seq = Sequence(seq_id, order.prompt_token_ids, sampling, frozenset(), order.salt)
         seq.keep_kv = True
         self.orders[seq_id] = _Order(order, seq)
-        self.scheduler.add(seq)
+        self.enqueue(seq)
         effects.started.append((order.request_id, seq))
         return effects
 

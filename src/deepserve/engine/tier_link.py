@@ -61,8 +61,19 @@ class TierLink:
         self.pending_ops: list[CacheOp] = []
         self.num_dropped = 0
         self._ready: list[Sequence] = []
+        self._staged: list[Sequence] = []
         self._ended: list[Sequence] = []
         self._failed: list[tuple[Sequence, str, str]] = []
+
+    @classmethod
+    def of_master(cls, ctx: zmq.Context, spec, kv: KVCacheManager, model_config,
+                  block_bytes: int, new_seq_id, events) -> "TierLink":
+        """A master's link (spec: its MasterSpec; model_config: its model's)."""
+        m, cfg = model_config, spec.config
+        geometry = BlockGeometry(m.num_layers, m.num_kv_heads, cfg.block_size, m.head_dim,
+                                 str(m.dtype).removeprefix("torch."))
+        return cls(ctx, spec.tier_address, tier_reply_address(spec.pd_address), kv, cfg.model,
+                   geometry, cfg.tp, block_bytes, new_seq_id, spec.cache_cost_model, events)
 
     @property
     def socket(self) -> zmq.Socket:
@@ -105,11 +116,16 @@ class TierLink:
         if prompt * 2 >= sum(counts):
             self.tiers.cost.observe_prefill(prompt, seconds)
 
-    def take(self) -> tuple[list[Sequence], list[Sequence], list[tuple[Sequence, str, str]]]:
-        """(sequences to queue, contexts to end, contexts that failed) since the last call."""
-        out = self._ready, self._ended, self._failed
-        self._ready, self._ended, self._failed = [], [], []
+    def take(self):
+        """(sequences to queue, decode tasks staged, contexts to end, contexts
+        that failed: (seq, error, why)) since the last call."""
+        out = self._ready, self._staged, self._ended, self._failed
+        self._ready, self._staged, self._ended, self._failed = [], [], [], []
         return out
+
+    def stage(self, seq: Sequence) -> None:
+        """DualPath's decode read path: the prompt's disk blocks up to host first."""
+        self._apply(self.tiers.stage(seq, time.monotonic()))
 
     def take_ops(self) -> list[CacheOp]:
         ops, self.pending_ops = self.pending_ops, []
@@ -126,6 +142,7 @@ class TierLink:
                 self.num_dropped += 1
         self.pending_ops.extend(effects.ops)
         self._ready.extend(effects.ready)
+        self._staged.extend(effects.staged)
         self._ended.extend(effects.ended)
         self._failed.extend(effects.failed)
         for event, details in effects.events:

@@ -19,6 +19,10 @@ event returns TierEffects for the master to carry out. Three pipelines:
       when it ends, every full block of its prompt -> TierReserve with the
       context id (pins them all) -> store the absent ones -> TierCommit with
       a reply -> TierCommitted -> only then its last token is streamed.
+      (Write-through and contexts: tier_stores.py.)
+  stage (DualPath's decode read path, tier_stage.py): a decode task brings
+      the disk-only blocks of its prompt up to the host tier through its own
+      storage bucket before it orders the prefill.
 
 Every wait has a deadline: a tier service that does not answer is a miss
 (lookups, reserves) and a context that cannot be pinned fails its request.
@@ -36,32 +40,14 @@ from dataclasses import dataclass, field
 from deepserve.cache.block_hash import chain_hash, root_hash
 from deepserve.cache.cost_model import DISK, HOST, CostModel
 from deepserve.cache.kv_manager import KVCacheManager
-from deepserve.cache.radix_tree import RadixNode
 from deepserve.engine.sequence import Sequence
-from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, NO_SLOT, ON_DISK, STORE_HOST,
-                                      BlockGeometry, CacheOp, CacheOpsDone, TierCommit,
-                                      TierCommitted, TierDrop, TierHits, TierLookup,
-                                      TierRelease, TierReserve, TierReserved)
+from deepserve.engine.tier_stage import PREFILL_PATH, StageSide
+from deepserve.engine.tier_stores import StoreSide, TierEffects
+from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, ON_DISK, BlockGeometry, CacheOp,
+                                      CacheOpsDone, TierDrop, TierHits, TierLookup, TierRelease,
+                                      TierReserved)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TierEffects:
-    """In this order: send `sends` to the tier service; attach `ops` to the
-    next StepBatch; queue `ready` (scheduler.add); stream `ended` contexts'
-    last tokens (or fail them: `failed`, with why); log `events`."""
-
-    sends: list = field(default_factory=list)
-    ops: list[CacheOp] = field(default_factory=list)
-    ready: list[Sequence] = field(default_factory=list)
-    ended: list[Sequence] = field(default_factory=list)
-    failed: list[tuple[Sequence, str, str]] = field(default_factory=list)  # seq, error, why
-    events: list[tuple[str, dict]] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.sends or self.ops or self.ready or self.ended or self.failed
-                    or self.events)
 
 
 @dataclass
@@ -84,20 +70,7 @@ class _Load:
     done: dict[int, dict[int, CacheOpsDone]] = field(default_factory=dict)
 
 
-@dataclass
-class _Store:
-    nodes: list[RadixNode]  # the blocks to write, in reserve order
-    pinned: list[RadixNode]  # kv.pin() of them: released when done
-    deadline: float
-    lease_id: int = 0
-    slots: list[int] = field(default_factory=list)
-    op_id: int = 0
-    done: dict[int, CacheOpsDone] = field(default_factory=dict)
-    context: Sequence | None = None  # the context request waiting for this pin
-    reserve_id: int = 0
-
-
-class TierCoordinator:
+class TierCoordinator(StoreSide, StageSide):
     def __init__(self, kv: KVCacheManager, *, model_key: str, geometry: BlockGeometry,
                  address: str, cost: CostModel, tp: int, new_seq_id, lookup_timeout_s=1.0,
                  op_timeout_s: float = 10.0):
@@ -105,10 +78,12 @@ class TierCoordinator:
         self.cost, self.tp, self.new_seq_id = cost, tp, new_seq_id
         self.lookup_timeout_s, self.op_timeout_s = lookup_timeout_s, op_timeout_s
         self.block_size = kv.block_size
+        self.storage_rate: float | None = None  # bytes/s of disk reads (its bucket), if limited
         self._ids = itertools.count(1)
         self.lookups: dict[int, _Lookup] = {}
         self.loads: dict[int, _Load] = {}  # by op id of each of its ops
-        self.stores: dict[int, _Store] = {}  # by reserve id, then also by op id
+        self._init_stores()
+        self._init_stages()
         self.stalled: list[tuple[int, float]] = []  # (holder seq id, free after)
         self.hit_tokens = {HOST: 0, DISK: 0}
         self.fetch_seconds: dict[str, list[float]] = {HOST: [], DISK: []}
@@ -116,33 +91,52 @@ class TierCoordinator:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.lookups or self.loads or self.stores)
+        return bool(self.lookups or self.loads or self.stores or self.stages)
 
     # -- admit ---------------------------------------------------------------------------
     def admit(self, seq: Sequence, now: float) -> TierEffects:
         """A new request: look below the device for its prefix, or queue it now."""
         effects = TierEffects()
-        ids, bs = seq.token_ids, self.block_size
-        nodes = self.kv.match(ids, seq.salt)
-        limit = (len(ids) - 1) // bs
-        if not self.kv.enable_prefix_caching or len(nodes) >= limit:
+        found = self._lookup_hashes(seq)
+        if found is None:
             effects.ready.append(seq)
             return effects
+        lookup, num_device = found
+        self.lookups[lookup.lookup_id] = _Lookup(seq, num_device, lookup.hashes,
+                                                 now + self.lookup_timeout_s)
+        effects.sends.append(lookup)
+        return effects
+
+    def _lookup_hashes(self, seq: Sequence, whole: bool = False
+                       ) -> tuple[TierLookup, int] | None:
+        """A TierLookup of the cacheable blocks past the device's match (and
+        how many the device holds; whole: of every cacheable block, for
+        another TE); None when there are none to look for."""
+        ids, bs = seq.token_ids, self.block_size
+        nodes = [] if whole else self.kv.match(ids, seq.salt)
+        limit = (len(ids) - 1) // bs
+        if not self.kv.enable_prefix_caching or len(nodes) >= limit:
+            return None
         h = nodes[-1].block_hash if nodes else root_hash(seq.salt)
         hashes = []
         for i in range(len(nodes), limit):
             h = chain_hash(h, ids[i * bs:(i + 1) * bs])
             hashes.append(h)
-        lookup_id = next(self._ids)
-        self.lookups[lookup_id] = _Lookup(seq, len(nodes), hashes, now + self.lookup_timeout_s)
-        effects.sends.append(TierLookup(lookup_id=lookup_id, model_key=self.key,
-                                        geometry=self.geometry, hashes=hashes,
-                                        reply_to=self.address))
-        return effects
+        return TierLookup(lookup_id=next(self._ids), model_key=self.key, geometry=self.geometry,
+                          hashes=hashes, reply_to=self.address), len(nodes)
+
+    def on_reserved(self, msg: TierReserved, now: float) -> TierEffects:
+        effects = TierEffects()
+        if self._stage_reserved(msg, now, effects):
+            self.num_events += 1
+            return effects
+        return self._store_reserved(msg, now)
 
     def on_hits(self, msg: TierHits, now: float) -> TierEffects:
         effects = TierEffects()
         self.num_events += 1
+        if self._stage_hits(msg, now, effects):
+            return effects
         lookup = self.lookups.pop(msg.lookup_id, None)
         if lookup is None or lookup.seq.is_finished:
             self._release(msg.lease_id, effects)
@@ -182,8 +176,9 @@ class TierCoordinator:
                 ops[-1].hashes.append(lookup.hashes[i])
             else:
                 ops[-1].slots.append(slot)
+        self.disk_queue_blocks += sum(len(op.block_ids) for op in ops if op.kind == LOAD_DISK)
         load = _Load(seq, holder, first, [(op.op_id, op.kind, len(op.block_ids)) for op in ops],
-                     msg.lease_id, now, now + self.op_timeout_s)
+                     msg.lease_id, now, now + self.op_deadline_s())
         for op in ops:
             self.loads[op.op_id] = load
         effects.ops.extend(ops)
@@ -193,6 +188,10 @@ class TierCoordinator:
         for op_id, _, _ in load.ops:
             self.loads.pop(op_id, None)
         num_ok, corrupt = 0, []
+        for op_id, kind, n in load.ops:  # what this TE read from storage: the prefill path
+            if kind == LOAD_DISK:
+                self.disk_queue_blocks -= n
+                self.storage_bytes[PREFILL_PATH] += sum(d.nbytes for d in load.done[op_id].values())
         for op_id, kind, n in load.ops:
             ranks = load.done[op_id].values()
             ok = min(d.num_ok for d in ranks)
@@ -221,83 +220,6 @@ class TierCoordinator:
         seq.holder_seq_id = load.holder
         effects.ready.append(seq)
 
-    # -- write-through -------------------------------------------------------------------
-    def write_through(self, now: float, context: Sequence | None = None,
-                      nodes: list[RadixNode] | None = None) -> TierEffects:
-        """Reserve host slots for the tree's new blocks (or, for a context,
-        all of its prompt's full blocks, which it pins)."""
-        effects = TierEffects()
-        nodes = self.kv.pop_new_nodes() if nodes is None else nodes
-        if not nodes and context is None:
-            return effects
-        store = _Store(nodes, self.kv.pin(nodes), now + self.lookup_timeout_s, context=context)
-        rid = store.reserve_id = next(self._ids)
-        self.stores[rid] = store
-        pin = context.pin_context if context is not None else None
-        effects.sends.append(TierReserve(
-            reserve_id=rid, model_key=self.key, geometry=self.geometry,
-            hashes=[n.block_hash for n in nodes], reply_to=self.address,
-            context_id=pin.context_id if pin else None,
-            expires_at=pin.expires_at if pin else 0.0))
-        return effects
-
-    def on_reserved(self, msg: TierReserved, now: float) -> TierEffects:
-        effects = TierEffects()
-        self.num_events += 1
-        store = self.stores.pop(msg.reserve_id, None)
-        if store is None:
-            if msg.lease_id:  # too late: let its slots go
-                effects.sends.append(TierCommit(lease_id=msg.lease_id, model_key=self.key,
-                                                slots=[]))
-            return effects
-        if msg.error is not None:
-            self._end_store(store, effects, f"the KV tier refused: {msg.error}",
-                            "context_over_budget" if msg.error == "over_budget" else None)
-            return effects
-        pairs = [(n.block_id, s) for n, s in zip(store.nodes, msg.slots) if s != NO_SLOT]
-        store.lease_id, store.slots = msg.lease_id, [s for _, s in pairs]
-        if not pairs:
-            if store.context is not None:  # every block is in the tier already: pinned
-                return self._commit(store, effects, now)
-            self._end_store(store, effects)
-            return effects
-        store.op_id = next(self._ids)
-        store.deadline = now + self.op_timeout_s
-        self.stores[store.op_id] = store
-        effects.ops.append(CacheOp(store.op_id, STORE_HOST, [b for b, _ in pairs],
-                                   slots=store.slots, segment=msg.segment))
-        return effects
-
-    def _commit(self, store: _Store, effects: TierEffects, now: float,
-                written=()) -> TierEffects:
-        needs_reply = store.context is not None
-        effects.sends.append(TierCommit(lease_id=store.lease_id, model_key=self.key,
-                                        slots=list(written), reserve_id=store.reserve_id,
-                                        reply_to=self.address if needs_reply else ""))
-        if needs_reply:  # the context's request ends on TierCommitted
-            store.deadline = now + self.lookup_timeout_s
-            self.stores[-store.reserve_id] = store
-        else:
-            self.kv.unpin(store.pinned)
-        return effects
-
-    def on_committed(self, msg: TierCommitted, now: float) -> TierEffects:
-        effects = TierEffects()
-        self.num_events += 1
-        store = self.stores.pop(-msg.reserve_id, None)
-        if store is not None:
-            self._end_store(store, effects, None if msg.ok else "the KV tier lost the blocks")
-        return effects
-
-    def _end_store(self, store: _Store, effects: TierEffects, error: str | None = None,
-                   code: str | None = None) -> None:
-        self.kv.unpin(store.pinned)
-        if store.context is not None:
-            if error is None:
-                effects.ended.append(store.context)
-            else:
-                effects.failed.append((store.context, code or "context_failed", error))
-
     # -- workers -------------------------------------------------------------------------
     def on_ops_done(self, msg: CacheOpsDone, now: float) -> TierEffects:
         effects = TierEffects()
@@ -308,18 +230,8 @@ class TierCoordinator:
             if all(len(load.done.get(op_id, {})) == self.tp for op_id, _, _ in load.ops):
                 self._finish_load(load, now, effects)
             return effects
-        store = self.stores.get(msg.op_id)
-        if store is not None and store.op_id == msg.op_id:
-            store.done[msg.rank] = msg
-            if len(store.done) == self.tp:
-                del self.stores[msg.op_id]
-                ok = min(d.num_ok for d in store.done.values())
-                if ok < len(store.slots) and store.context is not None:
-                    effects.sends.append(TierCommit(lease_id=store.lease_id, model_key=self.key,
-                                                    slots=store.slots[:ok]))
-                    self._end_store(store, effects, "a copy to the KV tier failed")
-                else:
-                    self._commit(store, effects, now, store.slots[:ok])
+        if not self._stage_done(msg, now, effects):
+            self._store_done(msg, now, effects)
         return effects
 
     # -- deadlines ---------------------------------------------------------------------
@@ -334,20 +246,25 @@ class TierCoordinator:
             if now > load.deadline:
                 log.warning("cache ops of seq %d not done in %g s", load.seq.seq_id,
                             self.op_timeout_s)
-                for op_id, _, _ in load.ops:
+                for op_id, kind, n in load.ops:
                     self.loads.pop(op_id, None)
+                    self.disk_queue_blocks -= n if kind == LOAD_DISK else 0
                 self.stalled.append((load.holder, now + self.op_timeout_s))
                 if not load.seq.is_finished:
                     effects.ready.append(load.seq)
-        for key, store in list(self.stores.items()):
-            if now > store.deadline:  # an unwritten slot is never committed: it lapses
-                del self.stores[key]
-                self._end_store(store, effects, "the KV tier did not answer in time")
+        self._poll_stores(now, effects)
+        self._poll_stages(now, effects)
         for holder, after in [s for s in self.stalled if now > s[1]]:
             self.stalled.remove((holder, after))
             if self.kv.has_seq(holder):
                 self.kv.free(holder)
         return effects
+
+    def op_deadline_s(self) -> float:
+        """How long an op may take: op_timeout_s past what the storage queue
+        ahead of it takes at the TE's storage rate."""
+        queue_bytes = self.disk_queue_blocks * self.cost.block_bytes * self.tp
+        return self.op_timeout_s + (queue_bytes / self.storage_rate if self.storage_rate else 0)
 
     def _release(self, lease_id: int, effects: TierEffects) -> None:
         if lease_id:

@@ -99,7 +99,14 @@ class GatewayMetrics:
             "deepserve_te_cost_model", "A TE's fetch-or-recompute cost model (cache/cost_model.py): "
             "prefill_tokens_per_s, {host,disk}_bandwidth (bytes/s), {host,disk}_latency_ms",
             ["te_id", "param"], registry=r)
+        self.storage_read_bytes = Counter(
+            "deepserve_storage_read_bytes", "KV bytes a TE read from the disk tier (its storage "
+            "NIC), by DualPath's read path: prefill (for itself) or decode (for its prefill TE)",
+            ["te_id", "path"], registry=r)
+        self.storage_queue = Gauge("deepserve_storage_read_queue_tokens", "Tokens of KV a TE "
+                                   "still has to read from the disk tier", ["te_id"], registry=r)
         self._hits_seen: dict[tuple[str, str], int] = {}
+        self._reads_seen: dict[tuple[str, str], int] = {}
 
     def count_request(self, path: str, status: int) -> None:
         endpoint = path if path in ENDPOINTS else "other"
@@ -129,10 +136,11 @@ class GatewayMetrics:
         below = sum(report.tier_hit_tokens.values())
         totals = {"device": max(0, report.num_cached_tokens - below), **report.tier_hit_tokens}
         for tier, total in totals.items():  # cumulative per TE: count what is new
-            key = (report.te_id, tier)
-            seen = self._hits_seen.get(key, 0)
-            self._hits_seen[key] = total
-            self.cache_hit_tokens.labels(tier=tier).inc(total - seen if total >= seen else total)
+            self.cache_hit_tokens.labels(tier=tier).inc(
+                _new(self._hits_seen, (report.te_id, tier), total))
+        for path, total in report.storage_read_bytes.items():
+            self.storage_read_bytes.labels(te_id=report.te_id, path=path).inc(
+                _new(self._reads_seen, (report.te_id, path), total))
 
     def observe_tiers(self, tiers: TierReport | None, reports: Mapping[str, TEReport]) -> None:
         """deepserve_cache_bytes per tier and live contexts, when /metrics is scraped."""
@@ -165,7 +173,7 @@ class GatewayMetrics:
         te_ids = list(te_ids)
         self.num_tes.set(len(te_ids))
         for gauge in (self.te_kv_usage, self.te_prefix_hit_rate, self.te_running,
-                      self.te_waiting, self.te_cost_model):
+                      self.te_waiting, self.te_cost_model, self.storage_queue):
             gauge.clear()
         for te_id in te_ids:
             report = reports.get(te_id)
@@ -176,11 +184,20 @@ class GatewayMetrics:
             self.te_prefix_hit_rate.labels(te_id=te_id).set(hit_rate)
             self.te_running.labels(te_id=te_id).set(report.num_running)
             self.te_waiting.labels(te_id=te_id).set(report.num_waiting)
+            self.storage_queue.labels(te_id=te_id).set(report.storage_queue_tokens)
             for param, value in report.cost_model.items():
                 self.te_cost_model.labels(te_id=te_id, param=param).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _new(seen: dict, key, total: int) -> int:
+    """What a cumulative per-TE count gained since it was last seen (a
+    restarted TE starts from 0 again: all of it is new)."""
+    last = seen.get(key, 0)
+    seen[key] = total
+    return total - last if total >= last else total
 
 
 class RequestCounter:

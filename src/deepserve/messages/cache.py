@@ -154,7 +154,7 @@ class TierReport(msgspec.Struct, tag="tier_report", **_STRUCT):
 
 
 # -- master -> workers (inside a StepBatch) ------------------------------------------
-LOAD_HOST, LOAD_DISK, STORE_HOST = "load_host", "load_disk", "store_host"
+LOAD_HOST, LOAD_DISK, STORE_HOST, STAGE_DISK = "load_host", "load_disk", "store_host", "stage"
 
 
 class CacheOp(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -162,7 +162,10 @@ class CacheOp(msgspec.Struct, array_like=True, omit_defaults=True):
     load_host   host slots[i] -> device block_ids[i]
     load_disk   the block file of hashes[i] under disk_dir -> device block_ids[i]
     store_host  device block_ids[i] -> host slots[i]
-    Loads stop at the first block that fails (CacheOpsDone.num_ok)."""
+    stage       the block file of hashes[i] -> host slots[i] (rank 0; block_ids unused):
+                a decode TE reads storage for a prefill TE (DualPath's DE read path)
+    Loads stop at the first block that fails (CacheOpsDone.num_ok); disk reads
+    (load_disk, stage) go through the TE's storage_read_gbps bucket."""
 
     op_id: int
     kind: str

@@ -71,6 +71,9 @@ class TEReport(msgspec.Struct, tag="te_report", **_STRUCT):
     tier_hit_tokens: dict[str, int] = {}  # cumulative: prompt tokens fetched, per lower tier
     kv_cached_bytes: int = 0  # bytes of KV blocks in its prefix tree (all ranks)
     cost_model: dict[str, float] = {}  # what its fetch-or-recompute model believes now
+    storage_queue_tokens: int = 0  # tokens it still has to read from the disk tier
+    storage_read_bytes: dict[str, int] = {}  # cumulative disk reads by path: prefill, decode
+    num_free_tokens: int = 0  # tokens its KV pool can still take
     tier_fetch_seconds: dict[str, list[float]] = {}  # fetches since the last report, per tier
 
 

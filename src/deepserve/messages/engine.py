@@ -52,6 +52,7 @@ class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     resumed_text_chars: int = 0
     context_id: str | None = None  # gateway -> JE: a context's prompt comes first
     pin_context: ContextPin | None = None  # JE -> TE: this request creates that context
+    read_path: str | None = None  # JE -> decode TE: "decode" (DualPath: read storage here)
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_STRUCT):
@@ -67,6 +68,7 @@ class AddRequest(msgspec.Struct, tag="add", **_STRUCT):
     salt: str | None = None
     prefill_from: str | None = None
     pin_context: ContextPin | None = None
+    read_path: str | None = None
 
 
 class FinishRequest(msgspec.Struct, tag="finish", **_STRUCT):

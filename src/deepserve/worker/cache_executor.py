@@ -1,7 +1,8 @@
 """The worker's RTC executor: a step's cache ops, copied on a thread of their own.
 
-    StepBatch.cache_ops ──submit──> [queue] ──> executor thread: copy blocks
-                                                  └──CacheOpsDone (its own PUSH)──> master
+    StepBatch.cache_ops ──submit──> memory thread: host <-> device copies
+                                └──> storage thread: block files (the TE's storage bucket)
+                              each thread ──CacheOpsDone (its own PUSH)──> master
 
 Each rank copies only its own KV heads (h0 .. h1 of the model's H): a host
 slot and a disk file hold a full block, (2, L, H, bs, D), whatever the tp of
@@ -13,7 +14,7 @@ the TEs that write or read it. The forward never waits for these copies:
       this op is done), written by steps that finished before this op was
       taken off the ring (the worker takes batches in order).
 
-The thread owns its socket; copies are torch ops on the pool and on the
+Each thread owns its socket; copies are torch ops on the pool and on the
 host pool's shared memory (attached by name, the mapping kept until the
 name changes: a restarted tier service has new pools). A load stops at the
 first block it cannot get (a missing or corrupt file): CacheOpsDone.num_ok.
@@ -30,10 +31,11 @@ import torch
 import zmq
 
 from deepserve.cache import block_file
+from deepserve.cache.token_bucket import TokenBucket
 from deepserve.ipc.segments import attach_segment
 from deepserve.ipc.sockets import PushSocket
-from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, STORE_HOST, BlockGeometry,
-                                      CacheOp, CacheOpsDone)
+from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, STAGE_DISK, STORE_HOST,
+                                      BlockGeometry, CacheOp, CacheOpsDone)
 
 log = logging.getLogger(__name__)
 
@@ -46,32 +48,44 @@ class CacheExecutor:
     """pool: this rank's (2, L, Hl, NB, bs, D) KV pool; the model has Hl * tp KV heads."""
 
     def __init__(self, pool: torch.Tensor, rank: int, tp: int, ctx: zmq.Context,
-                 done_address: str):
+                 done_address: str, storage_read_gbps: float | None = None):
         two, layers, local_heads, self.num_blocks, bs, dim = pool.shape
         self.pool, self.rank = pool, rank
         self.h0, self.h1 = rank * local_heads, (rank + 1) * local_heads
         self.geometry = BlockGeometry(layers, local_heads * tp, bs, dim, _dtype_name(pool.dtype))
         self.block_shape = self.geometry.shape  # (2, L, H, bs, D)
-        self.ctx, self.done_address = ctx, done_address
+        self.ctx, self.done_address, self.tp = ctx, done_address, tp
+        # the TE's storage NIC: every rank books its share of each block it reads
+        self.bucket = TokenBucket(None if storage_read_gbps is None
+                                  else storage_read_gbps * 1e9 / tp)
         self._host: tuple[str, object, torch.Tensor] | None = None  # name, shm, slots view
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._host_lock = threading.Lock()
         self.num_done = 0
-        self._thread = threading.Thread(target=self._loop, name="cache-executor", daemon=True)
-        self._thread.start()
+        # two threads: copies in memory never queue behind storage reads (the bucket)
+        self._queues = {name: queue.SimpleQueue() for name in ("memory", "storage")}
+        self._threads = [threading.Thread(target=self._loop, args=(q,), daemon=True,
+                                          name=f"cache-{name}")
+                         for name, q in self._queues.items()]
+        for t in self._threads:
+            t.start()
 
     def submit(self, ops: list[CacheOp]) -> None:
         for op in ops:
-            self._jobs.put(op)
+            disk = op.kind in (LOAD_DISK, STAGE_DISK)
+            self._queues["storage" if disk else "memory"].put(op)
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(5)
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join(5)
+        self._detach()
 
-    # -- the thread ------------------------------------------------------------------
-    def _loop(self) -> None:
-        out = PushSocket(self.ctx, self.done_address, bind=False)
+    # -- the threads -------------------------------------------------------------------
+    def _loop(self, jobs: queue.SimpleQueue) -> None:
+        out = PushSocket(self.ctx, self.done_address, bind=False)  # this thread's own
         try:
-            while (op := self._jobs.get()) is not None:
+            while (op := jobs.get()) is not None:
                 msg = self.run(op)
                 try:
                     out.put(msg, timeout=5)
@@ -79,7 +93,6 @@ class CacheExecutor:
                     log.warning("cache op %d: the master does not listen", op.op_id)
         finally:
             out.close()
-            self._detach()
 
     def run(self, op: CacheOp) -> CacheOpsDone:
         started = time.perf_counter()
@@ -92,13 +105,18 @@ class CacheExecutor:
                 num_ok = self._store_host(op)
             elif op.kind == LOAD_DISK:
                 num_ok, error, corrupt = self._load_disk(op)
+            elif op.kind == STAGE_DISK:
+                num_ok, error, corrupt = self._stage(op)
             else:
                 error = f"unknown cache op {op.kind!r}"
         except (OSError, ValueError, RuntimeError, IndexError) as e:  # this op fails alone
             error = f"{type(e).__name__}: {e}"
             log.warning("cache op %d (%s) failed: %s", op.op_id, op.kind, error)
         self.num_done += 1
-        nbytes = num_ok * block_file.block_nbytes(self.geometry)
+        per_block = block_file.block_nbytes(self.geometry) // self.tp  # this rank's heads
+        if op.kind == STAGE_DISK:  # whole blocks, by rank 0 alone
+            per_block = self.tp * per_block if self.rank == 0 else 0
+        nbytes = num_ok * per_block
         return CacheOpsDone(rank=self.rank, op_id=op.op_id, num_ok=num_ok, nbytes=nbytes,
                             seconds=time.perf_counter() - started, error=error,
                             corrupt=corrupt)
@@ -107,13 +125,19 @@ class CacheExecutor:
         if any(not 0 <= b < self.num_blocks for b in op.block_ids):
             raise ValueError(f"device block id out of range [0, {self.num_blocks})")
         n = len(op.block_ids)
-        if op.kind in (LOAD_HOST, STORE_HOST) and len(op.slots) != n:
+        if op.kind == STAGE_DISK:
+            n = len(op.hashes)
+        if op.kind in (LOAD_HOST, STORE_HOST, STAGE_DISK) and len(op.slots) != n:
             raise ValueError(f"{len(op.slots)} slots for {n} blocks")
         if op.kind == LOAD_DISK and len(op.hashes) != n:
             raise ValueError(f"{len(op.hashes)} hashes for {n} blocks")
 
     def _slots(self, segment: str) -> torch.Tensor:
         """The host pool as (num_slots, 2, L, H, bs, D), attached once per name."""
+        with self._host_lock:
+            return self._attached(segment)
+
+    def _attached(self, segment: str) -> torch.Tensor:
         if self._host is None or self._host[0] != segment:
             self._detach()
             shm = attach_segment(segment)
@@ -155,6 +179,7 @@ class CacheExecutor:
         buf = bytearray(nbytes)
         block = torch.frombuffer(buf, dtype=self.pool.dtype).view(self.block_shape)
         for i, (h, b) in enumerate(zip(op.hashes, op.block_ids)):
+            time.sleep(self.bucket.reserve(nbytes // self.tp))
             try:
                 block_file.read_block(op.disk_dir, h, self.geometry, memoryview(buf))
             except FileNotFoundError:
@@ -163,3 +188,22 @@ class CacheExecutor:
                 return i, f"corrupt: {e}", [h]
             self.pool[:, :, :, b].copy_(block[:, :, self.h0:self.h1])
         return len(op.block_ids), None, []
+
+    def _stage(self, op: CacheOp) -> tuple[int, str | None, list[int]]:
+        """Block files -> host slots, by rank 0 (a slot holds every head)."""
+        if self.rank != 0:
+            return len(op.hashes), None, []
+        slots = self._slots(op.segment)
+        nbytes = block_file.block_nbytes(self.geometry)
+        for i, (h, s) in enumerate(zip(op.hashes, op.slots)):
+            if not 0 <= s < slots.shape[0]:
+                return i, f"host slot {s} out of range", []
+            time.sleep(self.bucket.reserve(nbytes))
+            out = slots[s].view(-1).view(torch.uint8).numpy()
+            try:
+                block_file.read_block(op.disk_dir, h, self.geometry, memoryview(out))
+            except FileNotFoundError:
+                return i, f"block file {block_file.hash_name(h)} is gone", []
+            except block_file.BlockCorrupt as e:
+                return i, f"corrupt: {e}", [h]
+        return len(op.hashes), None, []

@@ -127,7 +127,7 @@ class _Worker:
         self.kv_sender = KVSender(pool, self.kv_name, self.tp.rank, cfg, self.ctx,
                                   self.life.faults)
         self.cache_exec = CacheExecutor(pool, self.tp.rank, self.tp.size, self.ctx,
-                                        self.spec.step_done_address)
+                                        self.spec.step_done_address, cfg.storage_read_gbps)
         self.out.put(WorkerReady(rank=self.tp.rank, pid=os.getpid(),
                                  kv_endpoint=self.kv_sender.endpoint))
 

@@ -1,0 +1,102 @@
+"""DualPath end to end: conf/dualpath.toml (2 prefill + 2 decode TEs, the disk
+tier as storage, a storage bucket per TE) serving agentic multi-turn sessions.
+
+Greedy tokens equal a colocated TE's with every cache off, turn after turn,
+while the decode TEs read part of the storage (decode path > 0) and the
+prefill TEs the rest."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from deepserve import LLM, SamplingParams
+from deepserve.config.loading import load_node_config
+from deepserve.ipc.sockets import free_port
+from deepserve.supervisor.node import Node
+from tests.supervisor.test_node import _shm
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+SESSIONS, TURNS, CONTEXT, APPEND, OUT = 4, 3, 320, 32, 6
+
+
+def dualpath_config(tiny_model, disk: Path):
+    config = load_node_config(ROOT / "conf" / "dualpath.toml", {
+        "port": free_port(), "model": str(tiny_model), "served_model": "tiny",
+        "host_cache_bytes": 1 << 20, "disk_cache_dir": str(disk)})
+    small = [msgspec.structs.replace(te, options={**te.options, "num_kv_blocks": 48,
+                                                  "kv_cache_memory": 1 << 20})
+             for te in config.tes]  # pools that hold one session: the rest is in storage
+    sup = msgspec.structs.replace(config.supervisor, log_dir=str(disk.parent / "logs"))
+    return msgspec.structs.replace(config, tes=tuple(small), supervisor=sup)
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model, tmp_path_factory):
+    config = dualpath_config(tiny_model, tmp_path_factory.mktemp("storage"))
+    assert {te.te_type for te in config.tes} == {"prefill", "decode"} and len(config.tes) == 4
+    before = _shm()
+    node = Node(config)
+    node.start()
+    yield node
+    node.stop()
+    assert _shm() - before == set()
+
+
+def sessions() -> list[list[list[int]]]:
+    """Per session: its first prompt, then what each later turn appends."""
+    out = []
+    for s in range(SESSIONS):
+        first = [(s * 211 + i * 53) % 1800 + 100 for i in range(CONTEXT)]
+        appends = [[(s * 17 + t * 29 + i * 7) % 1800 + 100 for i in range(APPEND)]
+                   for t in range(1, TURNS)]
+        out.append([first] + appends)
+    return out
+
+
+async def run_session(client: httpx.AsyncClient, url: str, turns: list[list[int]]):
+    prompts, outputs, ids = [], [], []
+    for append in turns:
+        ids = ids + append
+        body = {"model": "tiny", "prompt": ids, "max_tokens": OUT, "temperature": 0,
+                "logprobs": 0}
+        r = (await client.post(f"{url}/v1/completions", json=body, timeout=120)).json()
+        out = [int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
+        prompts.append(list(ids))
+        outputs.append(out)
+        ids = ids + out  # the next turn continues the whole trajectory
+    return prompts, outputs
+
+
+async def run_all(url: str):
+    async with httpx.AsyncClient() as client:
+        return await asyncio.gather(*(run_session(client, url, s) for s in sessions()))
+
+
+def test_agentic_sessions_match_cache_off_and_both_paths_read(node, tiny_model):
+    results = asyncio.run(run_all(node.url))
+    reference = LLM(str(tiny_model), enable_prefix_caching=False, num_kv_blocks=256)
+    greedy = SamplingParams(temperature=0, max_tokens=OUT)
+    for prompts, outputs in results:
+        expected = [o.token_ids for o in reference.generate(prompts, greedy)]
+        assert outputs == expected
+    import time
+    time.sleep(1.5)  # the TEs' last reports reach the gateway
+    metrics = scrape(node.url)
+    reads = {labels["path"]: 0.0 for labels, _ in metrics}
+    for labels, value in metrics:
+        reads[labels["path"]] += value
+    assert reads.get("decode", 0) > 0, reads  # decode TEs read storage for prefill TEs
+    assert reads.get("prefill", 0) > 0, reads
+
+
+def scrape(url: str) -> list[tuple[dict, float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return [(s.labels, s.value) for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "deepserve_storage_read_bytes_total"]
