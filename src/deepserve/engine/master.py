@@ -128,7 +128,6 @@ class Master:
         if s.tier_address and s.config.enable_prefix_caching:
             self.tier = TierLink.of_master(self.ctx, s, self.kv, self.model_config,
                                            self.block_bytes, self.core.new_seq_id, self.life.event)
-            self.tier.tiers.storage_rate = (s.config.storage_read_gbps or 0) * 1e9 or None
             self.poller.register(self.tier.socket, zmq.POLLIN)
 
     def wait_for_workers(self) -> None:

@@ -72,8 +72,10 @@ class TierLink:
         m, cfg = model_config, spec.config
         geometry = BlockGeometry(m.num_layers, m.num_kv_heads, cfg.block_size, m.head_dim,
                                  str(m.dtype).removeprefix("torch."))
-        return cls(ctx, spec.tier_address, tier_reply_address(spec.pd_address), kv, cfg.model,
+        link = cls(ctx, spec.tier_address, tier_reply_address(spec.pd_address), kv, cfg.model,
                    geometry, cfg.tp, block_bytes, new_seq_id, spec.cache_cost_model, events)
+        link.tiers.storage_rate = (cfg.storage_read_gbps or 0) * 1e9 or None  # its bucket
+        return link
 
     @property
     def socket(self) -> zmq.Socket:
