@@ -18,6 +18,8 @@ and not at all when drills are off: `FaultHooks.from_env` returns `NoFaults`.
     bad-sampling worker     a new sequence seeded <file content> gets a sampling
                             state that raises: a per-request error, not a crash
     disk-full   kv-cache    every disk tier write fails with ENOSPC (the tier turns off)
+    stage-die   worker      exit 13 after the first block of its next stage op (a
+                            decode TE reading storage for a prefill TE: DualPath)
 
 A fault that takes effect calls `on_fired(fault, value)` once per activation
 (ActorLife turns that into a `fault_injected` health event), so a drill can

@@ -75,8 +75,9 @@ def _describe(report: DrillReport) -> str:
               help="With --url: the folder of the node's health.jsonl (the fault's proof).")
 @click.option("--drill-dir", default=None, type=click.Path(file_okay=False),
               help="With --url: the node's DEEPSERVE_DRILL_DIR (fault hooks).")
-@click.option("--conf", default=str(DEFAULT_CONF), show_default=True,
-              type=click.Path(exists=True, dir_okay=False))
+@click.option("--conf", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="The node's config; default: the scenario's (conf/drill.toml, "
+                   "conf/dualpath.toml for dualpath-de-fail).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Write the report's JSON here.")
 @click.option("--duration", default=10.0, show_default=True, type=float,
@@ -116,9 +117,10 @@ def main(scenario, mode, url, log_dir, drill_dir, conf, json_path, duration, con
 
     node = None
     try:
+        conf = conf or str(ROOT / "conf" / chosen.conf)
         config = load_node_config(conf, overrides=None if url else {"port": free_port()})
         if url is None:
-            config, node = _drill_node(config)
+            config, node = _drill_node(config, chosen)
             echo(f"starting a node from {conf} on {node.url}")
             node.start()  # assigned first: the finally below stops it even if this fails
             url = node.url
@@ -150,11 +152,14 @@ def main(scenario, mode, url, log_dir, drill_dir, conf, json_path, duration, con
     raise SystemExit(0 if report.ok else 1)
 
 
-def _drill_node(config):
-    """A node of our own, drills on, not started yet; (its config, the node)."""
+def _drill_node(config, scenario=None):
+    """A node of our own, drills on (and the scenario's [node] keys), not
+    started yet; (its config, the node)."""
     from deepserve.supervisor.node import Node
     if hasattr(config, "supervisor"):
         config = replace(config, supervisor=replace(config.supervisor, drill=True))
+    if scenario is not None and scenario.node_overrides:
+        config = replace(config, node=replace(config.node, **dict(scenario.node_overrides)))
     return config, Node(config)
 
 

@@ -4,6 +4,8 @@
                        disaggregated where the node has a prefill/decode pair)
     make_probe_prompt  several full KV blocks, under the PD threshold, shares
                        no block with any other prompt (a fresh id comes first)
+    make_long_prompts  six long prompts of their own (a fresh id each): KV that
+                       outgrows small tiers and comes back from storage
 
 Lengths are counted with the model's tokenizer when it is at hand, else a
 token is assumed to cover up to 6 characters.
@@ -46,6 +48,17 @@ def make_probe_prompt(min_long_tokens: int | None, count_tokens=None) -> str:
         text += PROBE_UNIT.format(i=i)
         i += 1
     return text
+
+
+def make_long_prompts(num_tokens: int, count_tokens=None, num: int = 6) -> list[str]:
+    out = []
+    for i in range(num):
+        unit = LONG_UNIT.replace("headers", f"field{i}")
+        text = f"# long module {uuid.uuid4().hex}\n"
+        while _count(text, count_tokens) < num_tokens:
+            text += unit
+        out.append(text)
+    return out
 
 
 def _count(text: str, count_tokens) -> int:

@@ -16,6 +16,8 @@
                      after every target's fault_injected
     TransferResumed  a `request_migrated` event after the fault, and     at the end of the drill
                      the load's request with that id completed
+    TECrashed        a "crashed" event of the target TE after the        at the end of the drill
+                     fault (stage-die: the hook kills the decode TE)
 
 A proof is settled once proven or failed; the runner stops waiting for
 recovery when one fails (nothing more can be learnt), and never reports a
@@ -202,6 +204,32 @@ class TransferResumed(FaultProof):
         self.completed = record
         self.evidence.append(f"{request_id} resumed on {self.migrated['details'].get('te_id')} "
                              f"+{self.migrated['t'] - self.since:.3f} s and completed")
+
+
+class TECrashed(FaultProof):
+    """The target TE went down after the fault (a hook that kills it: stage-die)."""
+
+    def __init__(self, events: HealthEvents, te: str, since: float):
+        super().__init__()
+        self.events, self.te, self.since = events, te, since
+        self.crash: dict | None = None
+
+    def _is_shown(self) -> bool:
+        return self.crash is not None
+
+    def poll(self, t: float) -> None:
+        if self.crash is None:
+            self.crash = self.events.first_where(self.since, lambda e: (
+                e.get("event") == "crashed"
+                and str(e.get("component", "")).split("/")[0] == self.te))
+            if self.crash is not None:
+                self.evidence.append(f"{self.crash['component']} crashed "
+                                     f"+{self.crash['t'] - self.since:.3f} s")
+
+    def finish(self, records: list[RequestRecord]) -> None:
+        self.poll(float("inf"))
+        if self.crash is None:
+            self.failure = f"{self.te} did not crash after the fault: it never fired"
 
 
 class Proofs(FaultProof):

@@ -29,9 +29,10 @@ from deepserve.drill.health_events import HealthEvents, te_of
 from deepserve.drill.injection import Injection, wait_pid
 from deepserve.drill.load import LoadDriver
 from deepserve.drill.poison import PoisonRequest, Quarantined, has_recovered, poison_ids, summary
-from deepserve.drill.prompts import make_probe_prompt, make_prompts, token_counter
+from deepserve.drill.prompts import (make_long_prompts, make_probe_prompt, make_prompts,
+                                     token_counter)
 from deepserve.drill.proof import (CacheMissed, FaultProof, HookFired, Proofs, SignalDetected,
-                                   TransferResumed)
+                                   TECrashed, TransferResumed)
 from deepserve.drill.report import DrillReport, build_report
 from deepserve.drill.scenarios import (DETECT_EVENTS, Scenario, deadline_of,
                                        target_te, target_tes)
@@ -130,6 +131,8 @@ class Drill:
         min_len = (config.router.pd_options.min_prompt_len
                    if config is not None and config.router.pd_policy is not None else None)
         counter = token_counter(config.model) if config is not None else None
+        if prompts is None and self.scenario.prompt_tokens:
+            prompts = make_long_prompts(self.scenario.prompt_tokens, counter)
         if prompts is None:
             prompts = make_prompts(min_len, counter)
         self.echo(f"drill {self.scenario.name}: {self.scenario.description}; "
@@ -160,6 +163,8 @@ class Drill:
             return Proofs([fired, TransferResumed(self.events, fault_at)])
         if s.fault == "poison":
             return Proofs([fired, Quarantined(self.events, self.poison, fault_at)])
+        if s.fault == "stage-die":
+            return Proofs([fired, TECrashed(self.events, self.te, fault_at)])
         return fired
 
     # -- the fault, under load ----------------------------------------------------------
@@ -218,8 +223,8 @@ class Drill:
             if self.detected is not None:
                 self.echo(f"detected: {self.detected['component']} {self.detected['event']} "
                           f"after {self.detected['t'] - fault_at:.3f} s")
-                if self.scenario.fault == "stall":
-                    self.injection.lift()  # or the replacement worker stalls too
+                if self.scenario.fault in ("stall", "stage-die"):
+                    self.injection.lift()  # or the replacement worker does it too
         if self.recovered is None and self.scenario.restarts:
             self.recovered = events.first(fault_at, {self.scenario.recovered_event}, te)
             if self.recovered is not None:

@@ -18,6 +18,9 @@ proving it proof.py.
                       te0's type        request ending in them (poison.py)
     kill-cm           cluster-manager   SIGKILL (node process)              heartbeat_deadline_s
     kill-je           job-executor      SIGKILL (node process)              heartbeat_deadline_s
+    dualpath-de-fail  <decode>/worker0  hook file <decode>.worker0.stage-die heartbeat_deadline_s
+                      (conf/dualpath.toml; the worker exits 13 half-way through
+                      staging a prompt's storage blocks for its prefill TE)
 
 kill-cm / kill-je hit a node-level process (node_process: the target is the
 process itself, not a part of a TE). Detection is its "crashed" event; recovery
@@ -47,6 +50,7 @@ Proof that the fault took effect (a drill without it fails, proof.py):
   poison      + exactly one `request_quarantined` event after the fault, and
               the poison request failed as request_crashed_engine (poison.py;
               its recovery and restart count are there too)
+  stage-die   + a "crashed" event of the decode TE after the fault (it died of it)
 
 Detection (restarting scenarios): the first "crashed", "killed", "hung" or
 "heartbeat_missed" event of the target TE (component "teN" or "teN/...")
@@ -58,8 +62,8 @@ at the first completed request that started after the fault
 
 Fault files (only honoured when the node runs with [supervisor] drill = true):
 `<drill_dir>/<component with "/" -> ".">.<fault>`. The drill removes every
-file it made at cleanup (stall: as soon as the stall is detected, so the
-replacement worker does not stall again), and SIGKILLs a process it SIGSTOPped
+file it made at cleanup (stall, stage-die: as soon as the fault is detected,
+so the replacement worker does not do it again), and SIGKILLs a process it SIGSTOPped
 if, at the end, that very pid still exists and is still stopped.
 """
 
@@ -96,6 +100,12 @@ class Scenario:
     """part is a node-level process (cluster-manager, job-executor), not a TE's."""
     recovered_event: str = RECOVERED
     """The health event (of the target) that says the replacement is back."""
+    conf: str = "drill.toml"
+    """The conf/ file a drill that starts its own node takes (--conf overrides)."""
+    node_overrides: tuple[tuple[str, object], ...] = ()
+    """[node] keys set on a node the drill starts itself (never on --url's)."""
+    prompt_tokens: int = 0
+    """Long load prompts of this many tokens, each its own (0: the usual mix)."""
 
     @property
     def is_signal(self) -> bool:
@@ -128,6 +138,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("kill-je", "job-executor", "SIGKILL", HEARTBEAT, True, node_process=True,
              recovered_event="started",
              description="SIGKILL the job executor under load (nothing hangs or is refused)"),
+    Scenario("dualpath-de-fail", "worker0", "stage-die", HEARTBEAT, True, te_type="decode",
+             conf="dualpath.toml", node_overrides=(("host_cache_bytes", 1 << 20),),
+             prompt_tokens=640,
+             description="a decode TE dies while it reads storage for its prefill TE "
+                         "(DualPath): its requests complete elsewhere"),
 )}
 
 ALIASES = {"hang-worker-sigstop": "hang-worker", "hang-worker-stall": "stall-worker"}

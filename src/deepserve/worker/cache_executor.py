@@ -23,6 +23,7 @@ first block it cannot get (a missing or corrupt file): CacheOpsDone.num_ok.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -60,6 +61,7 @@ class CacheExecutor:
                                   else storage_read_gbps * 1e9 / tp)
         self._host: tuple[str, object, torch.Tensor] | None = None  # name, shm, slots view
         self._host_lock = threading.Lock()
+        self.die_in_stage = False  # drill (stage-die): exit 13 after a stage's first block
         self.num_done = 0
         # two threads: copies in memory never queue behind storage reads (the bucket)
         self._queues = {name: queue.SimpleQueue() for name in ("memory", "storage")}
@@ -206,4 +208,8 @@ class CacheExecutor:
                 return i, f"block file {block_file.hash_name(h)} is gone", []
             except block_file.BlockCorrupt as e:
                 return i, f"corrupt: {e}", [h]
+            if self.die_in_stage:  # as a decode TE that fails while it streams KV
+                log.error("drill: stage-die after %d of %d blocks: exit 13", i + 1,
+                          len(op.hashes))
+                os._exit(13)
         return len(op.hashes), None, []

@@ -176,6 +176,8 @@ class _Worker:
         """One batch off the ring (or a 0.2 s wait); False on the shutdown batch."""
         self.life.faults.active("poison")  # idle too: armed (its firing reported) before
         # a batch brings the marker, so the fault_injected event is not lost in the exit
+        if self.cache_exec is not None:  # drill: die mid-way through staging KV for a PE
+            self.cache_exec.die_in_stage = self.life.faults.active("stage-die") is not None
         try:
             data = self.ring.get(timeout=0.2)
         except TimeoutError:
