@@ -134,9 +134,10 @@ CASES = [
     ("router", "pd_predictor", "conf/p.json", "job-executor",
      lambda s, t: s.router.pd_predictor == at(t, "conf/p.json")),
     ("router", "token_continuity", False, "job-executor", lambda s, t: s.continuity is False),
-    ("router", "dualpath", {"alpha_tokens": 7, "beta_tokens": 9, "z_factor": 1.5},
+    ("router", "dualpath", {"alpha_tokens": 7, "beta_tokens": 9, "z_factor": 1.5,
+                            "read_paths": "prefill"},
      "job-executor", lambda s, t: s.router.dualpath == DualPathOptions(
-         alpha_tokens=7, beta_tokens=9, z_factor=1.5)),
+         alpha_tokens=7, beta_tokens=9, z_factor=1.5, read_paths="prefill")),
     ("router", "isolate_suspects", True, "job-executor",
      lambda s, t: s.router.isolate_suspects is True),
     ("router", "pd_options", {"margin": 0.5, "min_prompt_len": 10, "max_decode_len": 20},

@@ -65,3 +65,10 @@ def test_bad_parameters_are_refused():
     for kw in ({"alpha_tokens": -1}, {"beta_tokens": 0}, {"z_factor": 0.9}):
         with pytest.raises(ValueError):
             DualPathScheduler(**kw)
+
+
+def test_the_prefill_only_baseline_never_reads_on_the_decode_side():
+    s = DualPathScheduler(read_paths="prefill")
+    assert s.choose(10, 1, [E("p0", read_queue=900)], [E("d0")]).read_path == PREFILL_PATH
+    with pytest.raises(ValueError):
+        DualPathScheduler(read_paths="decode")

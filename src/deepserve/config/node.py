@@ -128,6 +128,9 @@ class DualPathOptions(Section):
     """A prefill TE with more unfinished tokens than this takes nothing new (C1)."""
     z_factor: Annotated[float, Meta(ge=1.0)] = 1.05
     """Decode TEs past z_factor x the group's mean tokens are the last choice."""
+    read_paths: Literal["both", "prefill"] = "both"
+    """"prefill": the prefill TE always reads its KV from storage itself (the
+    baseline DualPath improves on: the decode TEs' storage bandwidth idles)."""
 
 
 class RouterSection(Section):

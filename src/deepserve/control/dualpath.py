@@ -66,12 +66,16 @@ def engine_loads(tes: Iterable[TEInfo], reports: Mapping[str, TEReport], te_type
 class DualPathScheduler:
     """alpha_tokens: a read queue this short counts as short (DualPath: tokens
     readable in 3 s); beta_tokens: a PE with more unfinished tokens is
-    overloaded (tokens one engine processes in 5 s)."""
+    overloaded (tokens one engine processes in 5 s); read_paths "prefill":
+    never the decode side (the PE-only baseline)."""
 
     def __init__(self, alpha_tokens: int = 8192, beta_tokens: int = 65536,
-                 z_factor: float = 1.05):
+                 z_factor: float = 1.05, read_paths: str = "both"):
         if alpha_tokens < 0 or beta_tokens <= 0 or z_factor < 1:
             raise ValueError("alpha_tokens >= 0, beta_tokens > 0 and z_factor >= 1 are needed")
+        if read_paths not in ("both", PREFILL_PATH):
+            raise ValueError(f"read_paths must be 'both' or 'prefill', got {read_paths!r}")
+        self.read_paths = read_paths
         self.alpha, self.beta, self.z_factor = alpha_tokens, beta_tokens, z_factor
         self.assigned: Counter[str] = Counter()  # tokens routed since the TE's report
         self.assigned_reads: Counter[str] = Counter()
@@ -98,7 +102,7 @@ class DualPathScheduler:
             return None
         by_queue = (de.read_queue, self.total_reads[de.te_id]) < \
             (pe.read_queue, self.total_reads[pe.te_id])
-        path = DECODE_PATH if by_queue else PREFILL_PATH
+        path = DECODE_PATH if by_queue and self.read_paths == "both" else PREFILL_PATH
         reader = de if path == DECODE_PATH else pe
         self.total_reads[reader.te_id] += prompt_len
         self.assigned[pe.te_id] += prompt_len

@@ -1,0 +1,253 @@
+"""DualPath on one node: PE-only loading, DualPath, and an oracle without
+storage limits, side by side on an agent trace shaped like DualPath's Table 2.
+
+    python tools/bench_dualpath.py [--model models/tiny] [--agents 12] [--turns 6]
+        [--context 1200] [--append 40-80] [--max-tokens 12] [--storage-gbps 0.01]
+        [--rates 0.25,0.5,1,2] [--rounds 2] [--slo-s 20] [--png dualpath.png] [--json out.json]
+
+The node is conf/dualpath.toml (2 prefill + 2 decode TEs, the disk tier as
+the KV storage, a storage_read_gbps bucket per TE) with device pools that
+hold about one agent's context and a 1 MiB host tier, so almost every turn's
+context comes back from storage (Table 2's shape scaled to this machine:
+long contexts, short appends, many turns, a high hit rate).
+
+Modes (one node each, one at a time):
+  pe_only   [router] dualpath.read_paths = "prefill": the prefill TE always reads
+  dualpath  the scheduler picks the side with the shorter storage read queue
+  oracle    dualpath with no storage_read_gbps: storage I/O costs no bandwidth
+An agent is a session of --turns turns: turn 1 sends its context, every later
+turn the whole trajectory so far (the replies included) plus an append.
+Agents arrive open-loop (Poisson, --rates agents/s, same seeded trace for
+every mode); JCT is an agent's first request to its last reply. Per mode and
+rate: median / p90 JCT, agents/s completed, the cache hit rate, storage
+bytes read per path, and the storage load balance (max / mean bytes read
+over the four TEs). "Agents/s at the SLO" is the highest rate whose p90 JCT
+stays within --slo-s. Rounds interleave the modes (pe_only, dualpath, oracle,
+pe_only, ...); tables are medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+from deepserve.config.loading import load_node_config
+from deepserve.ipc.sockets import free_port
+from deepserve.supervisor.node import Node
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is no package
+from bench_stats import percentile  # noqa: E402
+import traces  # noqa: E402
+
+MODES = ("pe_only", "dualpath", "oracle")
+
+
+def node_config(mode: str, args, disk: Path):
+    config = load_node_config(ROOT / "conf" / "dualpath.toml", {
+        "port": free_port(), "model": str(args.model), "served_model": "m",
+        "host_cache_bytes": 1 << 20, "disk_cache_dir": str(disk)})
+    gbps = None if mode == "oracle" else args.storage_gbps
+    tes = tuple(msgspec.structs.replace(te, options={
+        **te.options, "num_kv_blocks": args.device_blocks, "storage_read_gbps": gbps})
+        for te in config.tes)
+    dualpath = msgspec.structs.replace(config.router.dualpath,
+                                       read_paths="prefill" if mode == "pe_only" else "both")
+    router = msgspec.structs.replace(config.router, dualpath=dualpath)
+    sup = msgspec.structs.replace(config.supervisor, log_dir=str(disk.parent / "logs"))
+    return msgspec.structs.replace(config, tes=tes, router=router, supervisor=sup)
+
+
+def agents(args, seed: int) -> list[list[list[int]]]:
+    """Per agent: its context, then each later turn's append (token ids)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(args.agents):
+        first = [rng.randrange(100, 1900) for _ in range(args.context)]
+        appends = [[rng.randrange(100, 1900) for _ in range(rng.randint(*args.append))]
+                   for _ in range(args.turns - 1)]
+        out.append([first] + appends)
+    return out
+
+
+async def run_agent(client, url: str, turns, max_tokens: int, delay: float) -> dict:
+    await asyncio.sleep(delay)
+    t0, ids, prompt, cached, ok = time.perf_counter(), [], 0, 0, True
+    for append in turns:
+        ids = ids + append
+        body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                "logprobs": 0}
+        try:
+            r = (await client.post(f"{url}/v1/completions", json=body, timeout=600)).json()
+            out = [int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
+        except (httpx.HTTPError, KeyError, ValueError):
+            ok = False
+            break
+        prompt += r["usage"]["prompt_tokens"]
+        cached += r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        ids = ids + out
+    return {"jct": time.perf_counter() - t0, "ok": ok, "prompt": prompt, "cached": cached}
+
+
+async def run_load(url: str, trace, rate: float, max_tokens: int, seed: int) -> list[dict]:
+    rng, t, delays = random.Random(seed), 0.0, []
+    for _ in trace:
+        delays.append(t)
+        t += rng.expovariate(rate)
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
+        return await asyncio.gather(*(run_agent(client, url, a, max_tokens, d)
+                                      for a, d in zip(trace, delays)))
+
+
+def storage_reads(url: str) -> dict[tuple[str, str], float]:
+    """(te id, path) -> storage bytes read, and ("hits", tier) -> cached tokens by tier."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "deepserve_storage_read_bytes_total":
+                out[(s.labels["te_id"], s.labels["path"])] = s.value
+            elif s.name == "deepserve_cache_hit_tokens_total":
+                out[("hits", s.labels["tier"])] = s.value
+    return out
+
+
+def run_mode(mode: str, args, rate: float, seed: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="dpstore") as tmp:
+        disk = Path(tmp) / "storage"
+        node = Node(node_config(mode, args, disk))
+        node.start()
+        try:
+            before = storage_reads(node.url)
+            started = time.perf_counter()
+            results = asyncio.run(run_load(node.url, agents(args, seed), rate, args.max_tokens,
+                                           seed))
+            wall = time.perf_counter() - started
+            time.sleep(1.5)  # the last TEReports reach the gateway
+            after = storage_reads(node.url)
+        finally:
+            node.stop()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    hits = {tier: v for (kind, tier), v in delta.items() if kind == "hits"}
+    reads = {k: v for k, v in delta.items() if k[0] != "hits"}
+    per_te: dict[str, float] = {}
+    for (te, _), v in reads.items():
+        per_te[te] = per_te.get(te, 0) + v
+    loads = [per_te.get(te.te_id, 0.0) for te in node.config.tes]
+    ok = [r for r in results if r["ok"]]
+    jcts = [r["jct"] for r in ok]
+    return {"mode": mode, "rate": rate, "seed": seed, "wall_s": wall, "agents_ok": len(ok),
+            "agents_failed": len(results) - len(ok), "agents_per_s": len(ok) / wall,
+            "jct_p50_s": percentile(jcts, 50), "jct_p90_s": percentile(jcts, 90),
+            "hit_rate": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
+            "bytes_prefill_path": sum(v for (_, p), v in reads.items() if p == "prefill"),
+            "bytes_decode_path": sum(v for (_, p), v in reads.items() if p == "decode"),
+            "balance_max_over_mean": max(loads) / statistics.mean(loads) if any(loads) else None,
+            "bytes_per_te": per_te, "hit_tokens_by_tier": hits}
+
+
+def med(rows: list[dict], key: str):
+    values = [r[key] for r in rows if r[key] is not None]
+    return (statistics.median(values), min(values), max(values)) if values else (None,) * 3
+
+
+def table(runs: list[dict], args) -> str:
+    lines = ["| mode | rate (agents/s) | JCT p50 (s) | JCT p90 (s) | agents/s done | hit rate | "
+             "MB prefill path | MB decode path | balance max/mean | failed |",
+             "|" + "---|" * 10]
+    for rate in args.rates:
+        for mode in MODES:
+            rows = [r for r in runs if r["mode"] == mode and r["rate"] == rate]
+            if not rows:
+                continue
+            p50 = med(rows, "jct_p50_s")
+            bal = med(rows, "balance_max_over_mean")[0]
+            lines.append(
+                f"| {mode} | {rate:g} | {p50[0]:.2f} ({p50[1]:.2f}-{p50[2]:.2f}) | "
+                f"{med(rows, 'jct_p90_s')[0]:.2f} | {med(rows, 'agents_per_s')[0]:.3f} | "
+                f"{100 * med(rows, 'hit_rate')[0]:.1f}% | "
+                f"{med(rows, 'bytes_prefill_path')[0] / 1e6:.1f} | "
+                f"{med(rows, 'bytes_decode_path')[0] / 1e6:.1f} | "
+                f"{'-' if bal is None else f'{bal:.2f}'} | "
+                f"{sum(r['agents_failed'] for r in rows)} |")
+    lines.append("")
+    for mode in MODES:
+        within = [rate for rate in args.rates
+                  if (m := med([r for r in runs if r["mode"] == mode and r["rate"] == rate],
+                               "jct_p90_s")[0]) is not None and m <= args.slo_s]
+        lines.append(f"{mode}: agents/s at the SLO (p90 JCT <= {args.slo_s:g} s): "
+                     f"{max(within) if within else 'none of the rates'}")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], args, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in MODES:
+        xs, ys = [], []
+        for rate in args.rates:
+            v = med([r for r in runs if r["mode"] == mode and r["rate"] == rate], "jct_p50_s")[0]
+            if v is not None:
+                xs.append(rate)
+                ys.append(v)
+        ax.plot(xs, ys, marker="o", label=mode)
+    ax.axhline(args.slo_s, color="grey", linestyle=":", label=f"SLO p90 {args.slo_s:g} s")
+    ax.set_xlabel("offered load (agents/s)")
+    ax.set_ylabel("median JCT (s)")
+    ax.set_title(f"DualPath on one node: 2P2D, {args.storage_gbps:g} GB/s storage per TE")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "models" / "tiny"))
+    ap.add_argument("--agents", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--context", type=int, default=1200)
+    ap.add_argument("--append", type=traces.parse_range, default=(40, 80))
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--device-blocks", type=int, default=160)
+    ap.add_argument("--storage-gbps", type=float, default=0.01)
+    ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")],
+                    default=[0.25, 0.5, 1.0, 2.0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--slo-s", type=float, default=20.0)
+    ap.add_argument("--png", default=None)
+    ap.add_argument("--json", default=None)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    runs = []
+    for round_no in range(args.rounds):
+        for rate in args.rates:
+            for mode in MODES:
+                row = run_mode(mode, args, rate, seed=100 * round_no + int(rate * 10))
+                runs.append(row)
+                print(json.dumps(row), flush=True)
+    print(table(runs, args))
+    if args.png:
+        plot(runs, args, args.png)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
+                                               "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
