@@ -122,3 +122,10 @@ def test_bad_ttl_and_the_per_tenant_count_are_refused(rig):
     rig["to_je"].put(CreateContext(request_id="u", prompt="y", ttl_s=5, salt="a",
                                    reply_to=rig["addr"]["gw"]))
     assert _gw(rig).error == "too_many_contexts"
+
+
+def test_a_creation_an_earlier_je_began_is_unpinned_when_its_answer_comes(rig):
+    rig["to_je"].put(RequestDelta(request_id="ctx-" + "a" * 32, text="", token_ids=[1],
+                                  finish_reason="length"))  # nobody here began it
+    unpin = _pump(rig, lambda: _recv_tier(rig))
+    assert unpin.context_id == "ctx-" + "a" * 32

@@ -538,38 +538,3 @@ def test_control_plane_and_poison_drills(drill_node):
     bad_streams = 0, nothing refused; the request of death quarantined."""
     print("\n".join(_control_plane_and_poison(drill_node)))
 
-
-@pytest.fixture(scope="module")
-def dualpath_node(tiny_model, tmp_path_factory):
-    """conf/dualpath.toml on the test model, drills on, the scenario's small host tier."""
-    from deepserve.supervisor.node_config import load_node_config
-    scenario = get_scenario("dualpath-de-fail")
-    config = load_node_config(ROOT / "conf" / scenario.conf, overrides={
-        "port": free_port(), "model": str(tiny_model),
-        "disk_cache_dir": str(tmp_path_factory.mktemp("storage"))})
-    config, node = drill_main._drill_node(config, scenario)
-    assert config.node.host_cache_bytes == 1 << 20 and config.supervisor.drill
-    node.start()
-    yield node
-    node.stop()
-
-
-@pytest.mark.slow
-def test_dualpath_de_fail(dualpath_node):
-    """A decode TE dies half-way through reading storage for its prefill TE:
-    the fault is proven (its hook fired, the TE crashed), nothing is lost."""
-    node = dualpath_node
-    report = run_drill(get_scenario("dualpath-de-fail"), url=node.url,
-                       model=node.config.served_model, config=node.config,
-                       log_dir=node.log_dir, drill_dir=node.drill_dir, duration_s=8,
-                       concurrency=3, max_tokens=8, warmup_s=3.0, request_timeout_s=45,
-                       echo=print)
-    print(report.to_json())
-    print(drill_main._describe(report))
-    assert report.fault_proven is True, report.proof
-    evidence = report.details["evidence"]
-    assert any(" fault_injected " in e for e in evidence)
-    assert any(e.endswith(" s") and " crashed " in e for e in evidence), evidence
-    assert report.details["components"] == ["te2/worker0"]  # the first decode TE
-    assert report.sent > 0 and report.lost == 0 and report.bad_streams == 0, report.details
-    assert report.completed > 0 and report.recover_s is not None, report.details

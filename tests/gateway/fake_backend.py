@@ -36,10 +36,12 @@ import zmq
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.control import TEInfo, TEList, TEReport
 from deepserve.messages.engine import AbortRequest, RequestDelta, RequestFailed, SubmitRequest
-from deepserve.messages.contexts import TurnDone
+from deepserve.messages.contexts import CreateContext, DeleteContext, GetContext, TurnDone
 from deepserve.messages.scaling import RequestLatencies
 
-_JE_INBOX = SubmitRequest | AbortRequest | RequestLatencies | TurnDone
+_CONTEXT_CALLS = (CreateContext, GetContext, DeleteContext)
+_JE_INBOX = (SubmitRequest | AbortRequest | RequestLatencies | TurnDone | CreateContext
+             | GetContext | DeleteContext)
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
          "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
@@ -97,6 +99,7 @@ class FakeBackend:
     aborts: list[str] = field(default_factory=list)
     latencies: list[RequestLatencies] = field(default_factory=list)
     turns_done: list[TurnDone] = field(default_factory=list)
+    context_calls: list = field(default_factory=list)
     """What the gateway said of finished chat requests (token-id continuity)."""
     """The gateway's SLO samples (TTFT / TPOT per model), as the JE gets them."""
     hold_submits: bool = False
@@ -192,6 +195,9 @@ class FakeBackend:
     def _handle(self, ctx: zmq.Context, msg) -> None:
         if isinstance(msg, TurnDone):
             self.turns_done.append(msg)
+            return
+        if isinstance(msg, _CONTEXT_CALLS):
+            self.context_calls.append(msg)  # never answered: a JE that dies with them
             return
         if isinstance(msg, RequestLatencies):
             self.latencies.append(msg)

@@ -160,3 +160,23 @@ def test_je_link_epochs_follow_connects_and_disconnects():
     assert (link.epoch, link.is_connected) == (1, False)
     link.on_event(zmq.EVENT_CONNECTED)
     assert (link.epoch, link.is_connected, calls) == (1, True, [0, 1])
+
+
+def test_a_context_call_a_dead_je_took_is_answered_not_left_hanging(make_stack):
+    """Fails on a gateway that does not answer it: POST /v1/contexts waits for
+    request_timeout_s (504) although the JE that had it is gone."""
+    stack = make_stack(request_timeout_s=60.0)
+    backend, results = stack.backend, {}
+
+    def create():
+        with stack.http(timeout=20.0) as http:
+            results["ctx"] = http.post("/v1/contexts", json={
+                "model": MODEL, "prompt": "a long shared prefix", "ttl_s": 60})
+    thread = threading.Thread(target=create)
+    thread.start()
+    assert backend.wait_for(lambda: backend.context_calls)
+    backend.restart_je()
+    thread.join(20.0)
+    response = results["ctx"]
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "engine_dead"

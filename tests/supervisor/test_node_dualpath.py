@@ -16,6 +16,9 @@ import pytest
 
 from deepserve import LLM, SamplingParams
 from deepserve.config.loading import load_node_config
+from deepserve.drill import __main__ as drill_main
+from deepserve.drill.runner import run_drill
+from deepserve.drill.scenarios import get_scenario
 from deepserve.ipc.sockets import free_port
 from deepserve.supervisor.node import Node
 from tests.supervisor.test_node import _shm
@@ -33,13 +36,16 @@ def dualpath_config(tiny_model, disk: Path):
                                                   "kv_cache_memory": 1 << 20})
              for te in config.tes]  # pools that hold one session: the rest is in storage
     sup = msgspec.structs.replace(config.supervisor, log_dir=str(disk.parent / "logs"))
-    return msgspec.structs.replace(config, tes=tuple(small), supervisor=sup)
+    config = msgspec.structs.replace(config, tes=tuple(small), supervisor=sup)
+    config, _ = drill_main._drill_node(config, get_scenario("dualpath-de-fail"))
+    return config  # drills on, the drill's host tier (1 MiB, as above)
 
 
 @pytest.fixture(scope="module")
 def node(tiny_model, tmp_path_factory):
     config = dualpath_config(tiny_model, tmp_path_factory.mktemp("storage"))
     assert {te.te_type for te in config.tes} == {"prefill", "decode"} and len(config.tes) == 4
+    assert config.supervisor.drill and config.node.host_cache_bytes == 1 << 20
     before = _shm()
     node = Node(config)
     node.start()
@@ -100,3 +106,23 @@ def scrape(url: str) -> list[tuple[dict, float]]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return [(s.labels, s.value) for fam in text_string_to_metric_families(text)
             for s in fam.samples if s.name == "deepserve_storage_read_bytes_total"]
+
+
+def test_dualpath_de_fail_drill(node):
+    """A decode TE dies half-way through reading storage for its prefill TE:
+    the fault is proven (its hook fired, the TE crashed), nothing is lost.
+    (bin/deepserve-drill dualpath-de-fail, against this module's node.)"""
+    report = run_drill(get_scenario("dualpath-de-fail"), url=node.url,
+                       model=node.config.served_model, config=node.config,
+                       log_dir=node.log_dir, drill_dir=node.drill_dir, duration_s=8,
+                       concurrency=3, max_tokens=8, warmup_s=3.0, request_timeout_s=45,
+                       echo=print)
+    print(report.to_json())
+    print(drill_main._describe(report))
+    assert report.fault_proven is True, report.proof
+    evidence = report.details["evidence"]
+    assert any(" fault_injected " in e for e in evidence)
+    assert any(" crashed " in e for e in evidence), evidence
+    assert report.details["components"] == ["te2/worker0"]  # the first decode TE
+    assert report.sent > 0 and report.lost == 0 and report.bad_streams == 0, report.details
+    assert report.completed > 0 and report.recover_s is not None, report.details

@@ -86,9 +86,15 @@ class ContextJobs:
                        time.time() + msg.ttl_s)
 
     def on_reply(self, msg: RequestDelta | RequestFailed) -> bool:
-        """A reply to one of our creation tasks (True), else not ours (False)."""
+        """A reply to one of our creation tasks (True), else not ours (False).
+        One to a creation an earlier job executor began (it died meanwhile) is
+        nobody's: whatever the TE pinned for it is unpinned."""
         job = self.creating.get(msg.request_id)
         if job is None:
+            orphan = msg.request_id.startswith("ctx-") and msg.request_id not in \
+                self.book.contexts
+            if orphan and (isinstance(msg, RequestFailed) or msg.finish_reason is not None):
+                self.unpin(msg.request_id)
             return False
         if isinstance(msg, RequestDelta):
             if msg.finish_reason is None:

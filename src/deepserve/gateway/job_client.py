@@ -85,7 +85,8 @@ class JobClient:
         self._te_outboxes: Outboxes | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._latencies: dict[str, list] = {}  # _note_latency
-        self._calls: dict[str, asyncio.Future] = {}  # context calls: request id -> answer
+        self._calls: dict[str, tuple[asyncio.Future, int]] = {}  # context calls: id ->
+        # (its answer, the JE epoch it was sent to)
         self._latencies_sent_at = 0.0
         self._ctx: zmq.asyncio.Context | None = None
         self._sockets: list = []
@@ -228,7 +229,12 @@ class JobClient:
         return self._send(self._encoder.encode(resumed))
 
     def _on_new_je(self, epoch: int) -> None:
-        """A JE is linked; resume what was sent to the incarnations before it."""
+        """A JE is linked; resume what was sent to the incarnations before it
+        (a context call sent to one that died is answered now: retry it)."""
+        for call_id, (future, sent_to) in list(self._calls.items()):
+            if sent_to < epoch and not future.done():
+                future.set_result(RequestFailed(request_id=call_id, error="engine_dead",
+                                                message="the job executor restarted"))
         for route in self._routes:
             if route.je_epoch >= epoch:
                 continue  # sent to this JE (it waited in the PUSH's pipe)
@@ -293,8 +299,8 @@ class JobClient:
     def _on_reply(self, msg) -> None:
         call = self._calls.pop(getattr(msg, "request_id", None), None)
         if call is not None:  # a context call's answer (gateway/contexts.py)
-            if not call.done():
-                call.set_result(msg)
+            if not call[0].done():
+                call[0].set_result(msg)
         elif isinstance(msg, (RequestDelta, RequestFailed)):
             self._route_reply(msg)  # no await: a reply is routed whole or not at all
 
@@ -353,7 +359,7 @@ class JobClient:
         """Send a context message (CreateContext, ...) to the JE and await its
         answer (ContextInfo or RequestFailed); APIError 503 / 504 when none comes."""
         future = asyncio.get_running_loop().create_future()
-        self._calls[msg.request_id] = future
+        self._calls[msg.request_id] = (future, self._je.epoch)
         try:
             if not self._send(self._encode(msg)):
                 raise APIError.unavailable("The job executor is not accepting requests.",
