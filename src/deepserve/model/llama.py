@@ -192,4 +192,8 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head.packed is not None:
+            # fp32 in, fp32 out: the kernel's accumulators, not rounded to bf16
+            # first (bf16 logits tie often: 8 bits of mantissa).
+            return self.lm_head(hidden.float())  # (N, V)
         return self.lm_head(hidden).float()  # (N, V)

@@ -42,44 +42,62 @@ inline uint16_t to_bf16(float f) {  // round to nearest even; NaN stays NaN
   return static_cast<uint16_t>(u >> 16);
 }
 
-// acc[r] (16 floats) for rows r of a: x rows (fp32, stride lda), panel (K, 16).
+// acc rows r < MR (16 floats each) for rows of a: x rows (fp32, stride lda),
+// panel (K, 16). Named accumulators, not an array: GCC keeps an array of
+// __m256 in registers but also stores it back every iteration.
+#define DS_ROW(r)                                                   \
+  if constexpr (MR > r) {                                           \
+    const __m256 x = _mm256_broadcast_ss(a + r * lda + k);          \
+    l##r = _mm256_fmadd_ps(x, wl, l##r);                            \
+    h##r = _mm256_fmadd_ps(x, wh, h##r);                            \
+  }
+#define DS_STORE(r)                                                 \
+  if constexpr (MR > r) {                                           \
+    _mm256_storeu_ps(out16 + r * 16, l##r);                         \
+    _mm256_storeu_ps(out16 + r * 16 + 8, h##r);                     \
+  }
 template <int MR>
 inline void tile(const float* a, int64_t lda, const uint16_t* panel, int64_t K, float* out16) {
-  __m256 lo[MR], hi[MR];
-  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0;
+  __m256 l3 = l0, h3 = l0, l4 = l0, h4 = l0, l5 = l0, h5 = l0;
   for (int64_t k = 0; k < K; ++k) {
     __m256 wl, wh;
     widen16(panel + k * 16, wl, wh);
-    for (int r = 0; r < MR; ++r) {
-      __m256 x = _mm256_broadcast_ss(a + r * lda + k);
-      lo[r] = _mm256_fmadd_ps(x, wl, lo[r]);
-      hi[r] = _mm256_fmadd_ps(x, wh, hi[r]);
-    }
+    DS_ROW(0) DS_ROW(1) DS_ROW(2) DS_ROW(3) DS_ROW(4) DS_ROW(5)
   }
-  for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(out16 + r * 16, lo[r]);
-    _mm256_storeu_ps(out16 + r * 16 + 8, hi[r]);
-  }
+  DS_STORE(0) DS_STORE(1) DS_STORE(2) DS_STORE(3) DS_STORE(4) DS_STORE(5)
 }
+#undef DS_ROW
+#undef DS_STORE
 
-// One row against NPAN panels at once: more independent FMA chains for M = 1.
-template <int NPAN>
-inline void row_tile(const float* a, const uint16_t* panels, int64_t K, float* out) {
-  __m256 lo[NPAN], hi[NPAN];
-  for (int p = 0; p < NPAN; ++p) lo[p] = hi[p] = _mm256_setzero_ps();
+// One row against 4 panels at once: 8 independent FMA chains for M = 1.
+inline void row_tile4(const float* a, const uint16_t* panels, int64_t K, float* out) {
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
+  const uint16_t *p0 = panels, *p1 = p0 + K * 16, *p2 = p1 + K * 16, *p3 = p2 + K * 16;
   for (int64_t k = 0; k < K; ++k) {
-    __m256 x = _mm256_broadcast_ss(a + k);
-    for (int p = 0; p < NPAN; ++p) {
-      __m256 wl, wh;
-      widen16(panels + (p * K + k) * 16, wl, wh);
-      lo[p] = _mm256_fmadd_ps(x, wl, lo[p]);
-      hi[p] = _mm256_fmadd_ps(x, wh, hi[p]);
-    }
+    const __m256 x = _mm256_broadcast_ss(a + k);
+    __m256 wl, wh;
+    widen16(p0 + k * 16, wl, wh);
+    l0 = _mm256_fmadd_ps(x, wl, l0);
+    h0 = _mm256_fmadd_ps(x, wh, h0);
+    widen16(p1 + k * 16, wl, wh);
+    l1 = _mm256_fmadd_ps(x, wl, l1);
+    h1 = _mm256_fmadd_ps(x, wh, h1);
+    widen16(p2 + k * 16, wl, wh);
+    l2 = _mm256_fmadd_ps(x, wl, l2);
+    h2 = _mm256_fmadd_ps(x, wh, h2);
+    widen16(p3 + k * 16, wl, wh);
+    l3 = _mm256_fmadd_ps(x, wl, l3);
+    h3 = _mm256_fmadd_ps(x, wh, h3);
   }
-  for (int p = 0; p < NPAN; ++p) {
-    _mm256_storeu_ps(out + p * 16, lo[p]);
-    _mm256_storeu_ps(out + p * 16 + 8, hi[p]);
-  }
+  _mm256_storeu_ps(out, l0);
+  _mm256_storeu_ps(out + 8, h0);
+  _mm256_storeu_ps(out + 16, l1);
+  _mm256_storeu_ps(out + 24, h1);
+  _mm256_storeu_ps(out + 32, l2);
+  _mm256_storeu_ps(out + 40, h2);
+  _mm256_storeu_ps(out + 48, l3);
+  _mm256_storeu_ps(out + 56, h3);
 }
 
 template <typename T>
@@ -111,11 +129,16 @@ void panel_rows(const float* x, int64_t row0, int64_t rows, int64_t K, const uin
                 int64_t col0, int64_t N, const float* bias, T* out) {
   float acc[6 * 16];
   const int ncols = static_cast<int>(std::min<int64_t>(16, N - col0));
-  for (int64_t r = row0; r < row0 + rows; r += 6) {
-    const int mr = static_cast<int>(std::min<int64_t>(6, row0 + rows - r));
+  // Rows spread evenly over ceil(rows / 6) tiles (8 rows: 4 + 4, not 6 + 2:
+  // a 2-row tile has too few FMA chains to hide their latency).
+  const int64_t num_tiles = (rows + 5) / 6;
+  for (int64_t i = 0, r = row0; i < num_tiles; ++i) {
+    const int mr = static_cast<int>((rows - (r - row0)) / (num_tiles - i) +
+                                    ((rows - (r - row0)) % (num_tiles - i) != 0));
     TILES[mr](x + r * K, K, panel, acc);
-    for (int i = 0; i < mr; ++i)
-      store_row<T>(acc + i * 16, bias ? bias + col0 : nullptr, ncols, out + (r + i) * N + col0);
+    for (int j = 0; j < mr; ++j)
+      store_row<T>(acc + j * 16, bias ? bias + col0 : nullptr, ncols, out + (r + j) * N + col0);
+    r += mr;
   }
 }
 
@@ -129,9 +152,9 @@ void single_row(const float* x, int64_t K, const uint16_t* w, int64_t NP, int64_
       const int64_t p0 = g * NPAN;
       const int np = static_cast<int>(std::min<int64_t>(NPAN, NP - p0));
       if (np == NPAN) {
-        row_tile<NPAN>(x, w + p0 * K * 16, K, acc);
+        row_tile4(x, w + p0 * K * 16, K, acc);
       } else {
-        for (int p = 0; p < np; ++p) row_tile<1>(x, w + (p0 + p) * K * 16, K, acc + p * 16);
+        for (int p = 0; p < np; ++p) tile<1>(x, K, w + (p0 + p) * K * 16, K, acc + p * 16);
       }
       for (int p = 0; p < np; ++p) {
         const int64_t col0 = (p0 + p) * 16;
