@@ -40,7 +40,7 @@ def load_avg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
-def wait_for_calm(max_load: float, max_wait_s: float = 300) -> float:
+def wait_for_calm(max_load: float, max_wait_s: float = 120) -> float:
     """Wait (bounded) until the 1-minute load is below max_load; returns it."""
     deadline = time.monotonic() + max_wait_s
     while (load := load_avg()) > max_load and time.monotonic() < deadline:
