@@ -99,15 +99,15 @@ def py_spy(pids: dict[str, int], out_dir: Path, seconds: int) -> list[subprocess
 
 
 def our_pids(root_pid: int) -> dict[str, int]:
-    """gateway / master / worker pids under the node, by process title."""
+    """Every Python process under the node, named by pid and a word of its title."""
     import psutil
 
     out = {}
     for child in psutil.Process(root_pid).children(recursive=True):
-        title = " ".join(child.cmdline())
-        for role in ("gateway", "master", "worker0"):
-            if role in title and role not in out:
-                out[role] = child.pid
+        words = [w for w in " ".join(child.cmdline()).replace("/", " ").split()
+                 if w.isidentifier()] or ["proc"]
+        if "python" in " ".join(child.cmdline()):
+            out[f"{child.pid}-{words[-1]}"] = child.pid
     return out
 
 
@@ -145,12 +145,16 @@ def main(vllm_python, model, dtype, concurrency, num_prompts, input_len, output_
     try:
         rows["ours start s"] = wait_ready(url, name, 600)
         for c in levels:
-            spies = py_spy(our_pids(ours.pid), spy_dir, 60) if spy_dir and c == 1 else []
             rows[f"ours c={c}"] = bench_serve(vllm_python, url, name, model, args, c, out_dir,
                                               "ours")
+            print(f"ours c={c}: {rows[f'ours c={c}']}", flush=True)
+        if spy_dir:  # one more c=1 run under py-spy, not in the table's measured rows
+            spy_dir.mkdir(parents=True, exist_ok=True)
+            spies = py_spy(our_pids(ours.pid), spy_dir, 45)
+            rows["ours c=1 under py-spy"] = bench_serve(vllm_python, url, name, model, args, 1,
+                                                        out_dir, "ours-spy")
             for s in spies:
                 s.wait()
-            print(f"ours c={c}: {rows[f'ours c={c}']}", flush=True)
     finally:
         stop(ours)
     if not skip_vllm_server:
