@@ -161,7 +161,8 @@ def main(vllm_python, model, dtype, concurrency, num_prompts, input_len, output_
         theirs = subprocess.Popen(
             [vllm_python, str(ROOT / "tools" / "vllm_cli.py"), "serve", str(model),
              "--served-model-name", name, "--port", str(port), "--dtype", dtype,
-             "--max-model-len", "1024", "--max-num-seqs", str(max(levels)),
+             "--max-model-len", str(-(-(input_len + output_len) // 256) * 256),
+             "--max-num-seqs", str(max(levels)),
              "--max-num-batched-tokens", str(budget), "--no-enable-prefix-caching"],
             cwd="/", start_new_session=True, env={**os.environ, **bench_runs.VLLM_ENV},
             stdout=open(out_dir / "vllm.log", "w"), stderr=subprocess.STDOUT)
