@@ -79,7 +79,8 @@ def bench_serve(python: str, url: str, name: str, model: Path, args, concurrency
            "--base-url", url, "--model", name, "--tokenizer", str(model),
            "--dataset-name", "random", "--random-input-len", str(args["input_len"]),
            "--random-output-len", str(args["output_len"]), "--ignore-eos",
-           "--max-concurrency", str(concurrency), "--num-prompts", str(args["num_prompts"]),
+           "--max-concurrency", str(concurrency),
+           "--num-prompts", str(max(args["num_prompts"], concurrency)),
            "--seed", "0", "--save-result", "--result-dir", str(out_dir),
            "--result-filename", result]
     load_before = os.getloadavg()[0]
@@ -116,7 +117,7 @@ def our_pids(root_pid: int) -> dict[str, int]:
 @click.option("--model", type=click.Path(path_type=Path), default=ROOT / "models" / "small")
 @click.option("--dtype", default="bfloat16")
 @click.option("--concurrency", default="1,8")
-@click.option("--num-prompts", default=8)
+@click.option("--num-prompts", default=4, help="per concurrency level, at least the level")
 @click.option("--input-len", default=512)
 @click.option("--output-len", default=128)
 @click.option("--budget", default=2048, help="max_num_batched_tokens of both servers")
