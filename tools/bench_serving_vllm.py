@@ -44,6 +44,12 @@ dtype = "{dtype}"
 enable_prefix_caching = false
 max_num_batched_tokens = {budget}
 kv_cache_memory = {kv_bytes}
+
+[supervisor]
+# One step of a {budget}-token prefill takes seconds on a small CPU: longer
+# than the default deadlines, which would take it for a hung worker.
+heartbeat_deadline_s = 300.0
+progress_deadline_s = 300.0
 """
 METRICS = ("median_ttft_ms", "median_tpot_ms", "median_itl_ms", "output_throughput")
 
