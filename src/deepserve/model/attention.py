@@ -10,11 +10,13 @@ Token at position p of a sequence lives in block `block_table[p // bs]`, row
 tokens' K/V into their slots, then gathers each sequence's context block by
 block and attends over it:
 
-  * decode (one new token per sequence): all such sequences at once; each
-    head's blocks are gathered with one index_select (whole 2-KiB blocks, the
-    fastest copy torch has here) straight into a (Hkv, B, Lmax, D) buffer,
-    and the G = H / Hkv query heads of a KV head are G query rows of it, so
-    K/V are never repeated;
+  * decode (one new token per sequence): all such sequences at once. With
+    the C++ kernels (model/kernels.py) one op walks each sequence's block
+    table and reads K/V rows in place, no copy. The torch path gathers each
+    head's blocks with one index_select (whole blocks, the fastest copy
+    torch has here) into a (Hkv, B, Lmax, D) buffer, and the G = H / Hkv
+    query heads of a KV head are G query rows of it, so K/V are never
+    repeated;
   * prefill chunk (several new tokens): one call per sequence, causal with an
     offset when part of the context was computed earlier.
 """
@@ -22,9 +24,12 @@ block and attends over it:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
+
+from deepserve.model import kernels
 
 
 @dataclass
@@ -49,19 +54,29 @@ class AttentionMetadata:
 
     slot_mapping: (T,) KV slot of each new token.
     decode_rows: (Bd,) rows of the decode tokens in the flat batch.
-    decode_blocks: (Bd * nb,) block ids of the decode sequences, padded to nb each.
-    decode_mask: (1, Bd, 1, nb * bs) True where a key is in the context.
+    decode_tables: (Bd, nb) int64 block ids of the decode sequences, padded.
+    decode_lens: (Bd,) int64 context length of each, its new token included.
+    block_size: tokens per KV block.
+    is_all_decode: every row is a decode row, in order (decode_rows = arange(T)).
     """
 
     slot_mapping: torch.Tensor
     decode_rows: torch.Tensor
-    decode_blocks: torch.Tensor
-    decode_mask: torch.Tensor
+    decode_tables: torch.Tensor
+    decode_lens: torch.Tensor
+    block_size: int
     prefills: list[PrefillSpan] = field(default_factory=list)
+    is_all_decode: bool = False
 
     @property
     def num_decodes(self) -> int:
         return int(self.decode_rows.numel())
+
+    @cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """(1, Bd, 1, nb * bs) True where a key is in the context (torch path)."""
+        keys = torch.arange(self.decode_tables.shape[1] * self.block_size)
+        return (keys < self.decode_lens.unsqueeze(1)).view(1, self.num_decodes, 1, -1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -71,6 +86,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_kv_heads, _, _, head_dim = k_cache.shape
     k_cache.view(num_kv_heads, -1, head_dim)[:, meta.slot_mapping] = k.transpose(0, 1)
     v_cache.view(num_kv_heads, -1, head_dim)[:, meta.slot_mapping] = v.transpose(0, 1)
+    if meta.is_all_decode:
+        return _decode(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if meta.num_decodes:
         out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
@@ -92,12 +109,17 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> t
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: (B, H, D) -> (B, H, D), one query token per sequence."""
+    if kernels.available() and q.dtype in (torch.bfloat16, torch.float32) and \
+            q.shape[-1] in (32, 64, 128) and q.shape[1] // k_cache.shape[0] <= 8:
+        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables,
+                                              meta.decode_lens, scale)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     # (B, H, D) -> (Hkv, B, G, D): query heads of one KV head become its rows.
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
-    keys = gather_blocks(k_cache, meta.decode_blocks, num_seqs)  # (Hkv, B, L, D)
-    values = gather_blocks(v_cache, meta.decode_blocks, num_seqs)
+    blocks = meta.decode_tables.flatten()
+    keys = gather_blocks(k_cache, blocks, num_seqs)  # (Hkv, B, L, D)
+    values = gather_blocks(v_cache, blocks, num_seqs)
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask,
                                          scale=scale)  # (Hkv, B, G, D)
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)

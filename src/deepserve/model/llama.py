@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepserve.model import kernels
 from deepserve.model.attention import AttentionMetadata, paged_attention
 from deepserve.model.config import ModelConfig
 from deepserve.model.parallel import TensorParallel
@@ -38,7 +39,31 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class RowParallelLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear that, once pack() ran, multiplies with the C++ bf16 kernel
+    on a packed copy of its weight (model/kernels.py); the torch path else."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self, free_weight: bool) -> None:
+        """Pack a bf16 weight when the kernels are there; free_weight drops
+        the unpacked copy (not for a weight tied to the embedding)."""
+        if self.weight.dtype != torch.bfloat16 or not kernels.available():
+            return
+        self.packed = kernels.pack_linear_weight(self.weight.detach())
+        if free_weight:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return kernels.linear_bf16(x, self.packed, bias, self.out_features)
+        return F.linear(x, self.weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+
+class RowParallelLinear(Linear):
     """A Linear whose input features are split across ranks.
 
     Each rank holds weight columns for its slice of the input, so its product
@@ -54,7 +79,7 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
             return super().forward(x)
-        y = self.tp.all_reduce(F.linear(x, self.weight))  # (T, out), summed over ranks
+        y = self.tp.all_reduce(self.matmul(x, None))  # (T, out), summed over ranks
         return y if self.bias is None else y + self.bias
 
 
@@ -75,7 +100,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim  # local
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.rotary = rotary
@@ -99,7 +124,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.intermediate_size = tp.shard(cfg.intermediate_size, "intermediate_size")  # local
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = RowParallelLinear(self.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +161,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -144,6 +169,13 @@ class CausalLM(nn.Module):
     def num_local_kv_heads(self) -> int:
         """KV heads this rank stores: what its KV pool is sized by."""
         return self.config.num_kv_heads // self.tp.size  # divisibility checked in Attention
+
+    def pack_weights(self) -> None:
+        """Pack every bf16 projection for the C++ kernel (a no-op without it)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                tied = module is self.lm_head and self.config.tie_word_embeddings
+                module.pack(free_weight=not tied)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -160,4 +192,8 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head.packed is not None:
+            # fp32 in, fp32 out: the kernel's accumulators, not rounded to bf16
+            # first (bf16 logits tie often: 8 bits of mantissa).
+            return self.lm_head(hidden.float())  # (N, V)
         return self.lm_head(hidden).float()  # (N, V)

@@ -40,6 +40,7 @@ def load_model(model_dir: str | Path, dtype: str | None = None,
         model.lm_head.weight = model.embed_tokens.weight
     model.layers[0].self_attn.rotary.rebuild()  # one table, shared by every layer
     _copy_weights(model, _targets(cfg, tp), tp, Path(model_dir))
+    model.pack_weights()
     return model.eval()
 
 

@@ -223,11 +223,11 @@ class ModelRunner:
             row += n
         ctx_lens = torch.tensor([seqs[i].start + 1 for i in decode_idx], dtype=torch.long)
         width = max((len(seqs[i].block_table) for i in decode_idx), default=0)
-        decode_blocks = tables[decode_idx, :width].flatten()
-        keys = torch.arange(width * self.block_size)
-        mask = (keys < ctx_lens.unsqueeze(1)).view(1, len(decode_idx), 1, keys.numel())
+        decode_tables = tables[decode_idx, :width] if len(decode_idx) < len(seqs) \
+            else tables[:, :width]
         return AttentionMetadata(slot_mapping, torch.tensor(decode_rows, dtype=torch.long),
-                                 decode_blocks, mask, prefills)
+                                 decode_tables.contiguous(), ctx_lens, self.block_size,
+                                 prefills, is_all_decode=not prefills)
 
 
 def _padded_tables(seqs: list[ScheduledSeq]) -> torch.Tensor:

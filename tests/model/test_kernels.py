@@ -1,0 +1,121 @@
+"""The C++ kernels against the torch path they replace (model/kernels.py).
+
+linear_bf16 is compared with an fp32 matmul of the same bf16 values (it
+accumulates in fp32, so it is that product up to summation order and the
+final rounding); paged_decode_attention with the torch gather + SDPA path
+on the same pool, over shuffled block tables, contexts that end inside, at
+and just past block boundaries, GQA groups and the local head counts of
+tensor-parallel shards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepserve.model import attention, kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
+
+
+@pytest.mark.parametrize("n,k", [(1152, 896), (896, 4864), (100, 40), (16, 16), (33, 64)])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 32, 97, 200])
+def test_linear_matches_fp32_matmul(m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    packed = kernels.pack_linear_weight(w)
+    ref = F.linear(x.float(), w.float(), b.float())  # (m, n)
+    out32 = kernels.linear_bf16(x.float(), packed, b, n)
+    torch.testing.assert_close(out32, ref, rtol=1e-5, atol=1e-4 * k ** 0.5)
+    out16 = kernels.linear_bf16(x, packed, b, n)
+    assert out16.dtype == torch.bfloat16
+    torch.testing.assert_close(out16, ref.to(torch.bfloat16), rtol=1.6e-2, atol=1e-3 * k ** 0.5)
+    no_bias = kernels.linear_bf16(x.float(), packed, None, n)
+    torch.testing.assert_close(no_bias, ref - b.float(), rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+def test_linear_keeps_leading_dims():
+    w = torch.randn(48, 32).to(torch.bfloat16)
+    x = torch.randn(2, 3, 32).to(torch.bfloat16)
+    out = kernels.linear_bf16(x, kernels.pack_linear_weight(w), None, 48)
+    assert out.shape == (2, 3, 48)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=5e-2)
+
+
+def _pool(num_kv_heads, num_blocks, block_size, head_dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    return (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+
+
+def _tables(lens, block_size, num_blocks, seed):
+    """Each sequence gets distinct, shuffled blocks (1.. : 0 pads), width of the longest."""
+    gen = torch.Generator().manual_seed(seed)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    width = max(-(-n // block_size) for n in lens)
+    rows, used = [], 0
+    for n in lens:
+        nb = -(-n // block_size)
+        rows.append(order[used:used + nb] + [0] * (width - nb))
+        used += nb
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _torch_path(q, k_cache, v_cache, tables, lens, block_size, scale):
+    meta = attention.AttentionMetadata(torch.empty(0, dtype=torch.long), torch.arange(len(lens)),
+                                       tables, lens, block_size)
+    available = kernels._state.get("ok")
+    kernels._state["ok"] = False
+    try:
+        return attention._decode(q, k_cache, v_cache, meta, scale)
+    finally:
+        kernels._state["ok"] = available
+
+
+# (H, Hkv): GQA 7:1 of the small preset (14:2, and its tp=2 shard 7:1), 2:1 of tiny, MHA, 8:1.
+HEADS = [(14, 2), (7, 1), (4, 2), (2, 1), (4, 4), (8, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_decode_attention_matches_torch_path(dtype, heads, head_dim):
+    num_heads, num_kv_heads = heads
+    block_size, num_blocks = 16, 64
+    lens = torch.tensor([1, 15, 16, 17, 31, 32, 33, 100, 250], dtype=torch.long)
+    k_cache, v_cache = _pool(num_kv_heads, num_blocks, block_size, head_dim, dtype, head_dim)
+    tables = _tables(lens.tolist(), block_size, num_blocks, seed=num_heads)
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    ref = _torch_path(q, k_cache, v_cache, tables, lens, block_size, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 32])
+def test_decode_attention_block_sizes_and_strided_q(block_size):
+    lens = torch.tensor([3, block_size, block_size + 1, 5 * block_size - 1], dtype=torch.long)
+    k_cache, v_cache = _pool(2, 40, block_size, 64, torch.float32, block_size)
+    tables = _tables(lens.tolist(), block_size, 40, seed=block_size)
+    qkv = torch.randn(len(lens), 3, 14, 64)  # q as a strided view, as in the model
+    q = qkv[:, 0]
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    ref = _torch_path(q, k_cache, v_cache, tables, lens, block_size, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_large_scores_are_stable():
+    """Scores far apart (one key dominates): exp underflows to 0, never NaN."""
+    k_cache, v_cache = _pool(1, 8, 16, 32, torch.float32, 0)
+    lens = torch.tensor([40], dtype=torch.long)
+    tables = _tables([40], 16, 8, seed=0)
+    q = torch.randn(1, 2, 32) * 100
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0)
+    ref = _torch_path(q, k_cache, v_cache, tables, lens, 16, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
