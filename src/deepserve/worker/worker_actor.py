@@ -100,13 +100,14 @@ def worker_main(spec: WorkerSpec, death_pipe: Connection, ready_pipe: Connection
 
 
 class _Worker:
+    cache_exec = None  # a CacheExecutor once started (tests build workers without one)
+
     def __init__(self, spec: WorkerSpec, life: ActorLife):
         self.spec, self.life = spec, life
         self.tp = TensorParallel(spec.rank, spec.config.tp)
         self.ctx = zmq.Context()
         self.kv_name = segment_name(spec.run_id, f"kv-r{spec.rank}")
         self.kv_segment = self.runner = self.ring = self.out = self.kv_sender = None
-        self.cache_exec: CacheExecutor | None = None
         self.decoder = msgspec.msgpack.Decoder(StepBatch)
         self.num_steps = 0  # steps completed: the progress counter
         self.in_step = False  # a batch taken off the ring, its StepDone not yet put
