@@ -176,18 +176,26 @@ class CacheExecutor:
         slots[:, :, :, self.h0:self.h1].index_copy_(0, s, src)
         return len(op.block_ids)
 
+    def _read(self, op: CacheOp, h: int, out, share: int) -> tuple[str, list[int]] | None:
+        """One block file into `out`, through the storage bucket (share: the
+        bytes this rank books); (why, corrupt hashes) when it cannot."""
+        time.sleep(self.bucket.reserve(share))
+        try:
+            block_file.read_block(op.disk_dir, h, self.geometry, memoryview(out))
+        except FileNotFoundError:
+            return f"block file {block_file.hash_name(h)} is gone", []
+        except block_file.BlockCorrupt as e:
+            return f"corrupt: {e}", [h]
+        return None
+
     def _load_disk(self, op: CacheOp) -> tuple[int, str | None, list[int]]:
         nbytes = block_file.block_nbytes(self.geometry)
         buf = bytearray(nbytes)
         block = torch.frombuffer(buf, dtype=self.pool.dtype).view(self.block_shape)
         for i, (h, b) in enumerate(zip(op.hashes, op.block_ids)):
-            time.sleep(self.bucket.reserve(nbytes // self.tp))
-            try:
-                block_file.read_block(op.disk_dir, h, self.geometry, memoryview(buf))
-            except FileNotFoundError:
-                return i, f"block file {block_file.hash_name(h)} is gone", []
-            except block_file.BlockCorrupt as e:
-                return i, f"corrupt: {e}", [h]
+            failed = self._read(op, h, buf, nbytes // self.tp)
+            if failed is not None:
+                return i, *failed
             self.pool[:, :, :, b].copy_(block[:, :, self.h0:self.h1])
         return len(op.block_ids), None, []
 
@@ -200,14 +208,9 @@ class CacheExecutor:
         for i, (h, s) in enumerate(zip(op.hashes, op.slots)):
             if not 0 <= s < slots.shape[0]:
                 return i, f"host slot {s} out of range", []
-            time.sleep(self.bucket.reserve(nbytes))
-            out = slots[s].view(-1).view(torch.uint8).numpy()
-            try:
-                block_file.read_block(op.disk_dir, h, self.geometry, memoryview(out))
-            except FileNotFoundError:
-                return i, f"block file {block_file.hash_name(h)} is gone", []
-            except block_file.BlockCorrupt as e:
-                return i, f"corrupt: {e}", [h]
+            failed = self._read(op, h, slots[s].view(-1).view(torch.uint8).numpy(), nbytes)
+            if failed is not None:
+                return i, *failed
             if self.die_in_stage:  # as a decode TE that fails while it streams KV
                 log.error("drill: stage-die after %d of %d blocks: exit 13", i + 1,
                           len(op.hashes))
