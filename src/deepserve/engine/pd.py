@@ -145,7 +145,7 @@ class PDCoordinator(PrefillSide):
         seq = entry.seq
         seq.token_ids.append(msg.token_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.num_cached_tokens = msg.cached_tokens
+        seq.num_cached_tokens, seq.kv_from_peer = msg.cached_tokens, True
         if seq.sampling.logprobs is not None:
             seq.logprobs.append(SampledToken(seq.seq_id, msg.token_id, msg.logprob, msg.top))
         self.kv.commit(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)  # RTC adopts

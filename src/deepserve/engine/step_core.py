@@ -63,6 +63,7 @@ class StepCore:
         self.released: list[int] = []  # seq ids the workers drop with the next batch
         self.finished_ids: list[str] = []  # for reports (record_events only)
         self.num_prompt_tokens = self.num_cached_tokens = 0  # of released requests
+        self.num_device_hits = 0  # cached tokens its own device pool served (not a peer's)
         self._seq_ids, self._step_ids = itertools.count(), itertools.count()
 
     # -- requests -----------------------------------------------------------------
@@ -124,6 +125,9 @@ class StepCore:
             self.finished_ids.append(request_id)
         self.num_prompt_tokens += seq.num_prompt_tokens
         self.num_cached_tokens += seq.num_cached_tokens or 0
+        if not seq.kv_from_peer:  # a decode task's cached tokens are its prefill TE's
+            self.num_device_hits += max(0, (seq.num_cached_tokens or 0)
+                                        - sum(seq.tier_tokens.values()))
         if seq.is_known_to_workers:
             self.released.append(seq.seq_id)
         return request_id

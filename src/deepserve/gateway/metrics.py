@@ -133,8 +133,9 @@ class GatewayMetrics:
         for tier, values in report.tier_fetch_seconds.items():
             for seconds in values:
                 self.cache_fetch_seconds.labels(tier=tier).observe(seconds)
-        below = sum(report.tier_hit_tokens.values())
+        below = sum(v for t, v in report.tier_hit_tokens.items() if t != "device")
         totals = {"device": max(0, report.num_cached_tokens - below), **report.tier_hit_tokens}
+        # (a TE with tiers reports its own device hits: a decode task's are its peer's)
         for tier, total in totals.items():  # cumulative per TE: count what is new
             self.cache_hit_tokens.labels(tier=tier).inc(
                 _new(self._hits_seen, (report.te_id, tier), total))

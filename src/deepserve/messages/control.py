@@ -68,7 +68,8 @@ class TEReport(msgspec.Struct, tag="te_report", **_STRUCT):
     finished: list[str] = []
     kv_transfer_bytes: int = 0  # KV this TE sent to decode TEs since the last report
     kv_transfer_seconds: list[float] = []  # one per request sent
-    tier_hit_tokens: dict[str, int] = {}  # cumulative: prompt tokens fetched, per lower tier
+    tier_hit_tokens: dict[str, int] = {}  # cumulative cached prompt tokens by tier (device:
+    # what its own pool served, not a prefill TE's hits a decode task adopted)
     kv_cached_bytes: int = 0  # bytes of KV blocks in its prefix tree (all ranks)
     cost_model: dict[str, float] = {}  # what its fetch-or-recompute model believes now
     storage_queue_tokens: int = 0  # tokens it still has to read from the disk tier
