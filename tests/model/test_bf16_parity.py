@@ -5,7 +5,12 @@ the batch-1 prompt and the batch-8 ones), the weights the same on both
 sides. Two facts are checked:
 
   * on the torch path (kernels off) our first 8 greedy tokens are HF's,
-    token for token: the same ops in the same order round the same way;
+    token for token, on the tiny models. On the small preset they are HF's
+    until a near-tie: the attention reductions (paged vs SDPA) and the
+    CPU's own bf16 GEMM kernels (oneDNN picks them by ISA and shape) need
+    not round alike, so where the two part, HF's own logits must put our
+    token within bf16 noise of its pick (the gap at most the rms of HF's
+    bf16 logits against its float32 ones at that very position);
   * with the C++ kernels (fp32 accumulation, other summation order) the
     logits after each prompt are as close to the float32 model's as HF's
     own bf16 logits are. Their greedy tokens are not compared one by one:
@@ -88,6 +93,24 @@ def _check_torch_path_matches_hf(model_dir, prompts, monkeypatch):
     assert _ours_greedy(model_dir, prompts) == _hf_greedy(model_dir, prompts)
 
 
+def _check_torch_path_follows_hf(model_dir, prompts, monkeypatch):
+    monkeypatch.setitem(kernels._state, "ok", False)
+    ours, theirs = _ours_greedy(model_dir, prompts), _hf_greedy(model_dir, prompts)
+    hf16, hf32 = _hf(model_dir, torch.bfloat16), _hf(model_dir, torch.float32)
+    for prompt, a, b in zip(prompts, ours, theirs):
+        assert len(a) == len(b) == NUM_TOKENS
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if k is None:
+            continue
+        context = torch.tensor([prompt + a[:k]])
+        with torch.inference_mode():
+            logits = hf16(context).logits[0, -1].float()
+            ref = hf32(context).logits[0, -1].float()
+        gap = float(logits[b[k]] - logits[a[k]])
+        assert 0 <= gap <= _rms(logits, ref), (k, a, b, gap)
+        assert a[k] in logits.topk(3).indices.tolist(), (k, a, b)
+
+
 def _check_kernels_as_close_as_hf(model_dir, prompts):
     hf = _hf(model_dir, torch.bfloat16)
     for p in prompts:
@@ -117,7 +140,7 @@ def small_model(tmp_path_factory):
 
 @pytest.mark.slow
 def test_small_bf16_torch_path_first_tokens_are_hf(small_model, monkeypatch):
-    _check_torch_path_matches_hf(small_model, _bench_prompts(small_model, [1]), monkeypatch)
+    _check_torch_path_follows_hf(small_model, _bench_prompts(small_model, [1]), monkeypatch)
 
 
 @pytest.mark.slow

@@ -112,6 +112,10 @@ def test_idle_models_go_to_zero_and_come_back_losing_nothing(two_models, expecte
     assert len(results) == len(threads)  # every request ended, with its answer
     for (model, prompt, _), ids in results.items():
         assert ids == expected[model][prompt], (model, prompt)
+    # scaled_out is logged once the TE's stages come in, which may be just
+    # after the first answers: wait for both lines, then check them
+    _wait(lambda: len(_events(node, "scaled_out")) - outs_before >= 2, 20,
+          "both scale-outs in the health log")
     outs = _events(node, "scaled_out")[outs_before:]
     assert sorted(e["details"]["reason"] for e in outs) == ["demand_from_zero"] * 2
     by_source = {e["details"]["source"] for e in outs}

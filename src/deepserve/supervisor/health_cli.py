@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from datetime import datetime, timezone
@@ -142,6 +143,9 @@ def main(path: str | None, follow: bool, components: tuple[str, ...],
          events: tuple[str, ...], no_color: bool) -> None:
     """Print the node's health log (PATH, default $DEEPSERVE_HEALTH_LOG or ./health.jsonl)."""
     path = path or os.environ.get(ENV_PATH) or "health.jsonl"
+    # Ctrl-C ends --follow even when started from a background job, whose
+    # SIGINT arrives ignored (Python then installs no handler of its own)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     color = not no_color and sys.stdout.isatty()
     printer = _Printer(path, components, events, color)
     try:
