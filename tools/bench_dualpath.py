@@ -2,14 +2,18 @@
 storage limits, side by side on an agent trace shaped like DualPath's Table 2.
 
     python tools/bench_dualpath.py [--model models/tiny] [--agents 12] [--turns 6]
-        [--context 1200] [--append 40-80] [--max-tokens 12] [--storage-gbps 0.01]
+        [--context 1200] [--append 40-80] [--max-tokens 12] [--storage-gbps 0.01] [--host-mib 4]
         [--rates 0.25,0.5,1,2] [--rounds 2] [--slo-s 20] [--png dualpath.png] [--json out.json]
 
 The node is conf/dualpath.toml (2 prefill + 2 decode TEs, the disk tier as
 the KV storage, a storage_read_gbps bucket per TE) with device pools that
-hold about one agent's context and a 1 MiB host tier, so almost every turn's
-context comes back from storage (Table 2's shape scaled to this machine:
-long contexts, short appends, many turns, a high hit rate).
+hold about one agent's context and a small host tier (--host-mib: a couple of
+contexts, far below the agents' working set), so almost every turn's context
+comes back from storage (Table 2's shape scaled to this machine: long
+contexts, short appends, many turns, a high hit rate). On one node the host
+tier is also the decode engines' staging buffer (engine/tier_stage.py): it
+must hold the contexts being staged at once, or a staged block is evicted
+before its prefill engine reads it and the read is paid twice.
 
 Modes (one node each, one at a time):
   pe_only   [router] dualpath.read_paths = "prefill": the prefill TE always reads
@@ -57,7 +61,7 @@ MODES = ("pe_only", "dualpath", "oracle")
 def node_config(mode: str, args, disk: Path):
     config = load_node_config(ROOT / "conf" / "dualpath.toml", {
         "port": free_port(), "model": str(args.model), "served_model": "m",
-        "host_cache_bytes": 1 << 20, "disk_cache_dir": str(disk)})
+        "host_cache_bytes": int(args.host_mib * (1 << 20)), "disk_cache_dir": str(disk)})
     gbps = None if mode == "oracle" else args.storage_gbps
     tes = tuple(msgspec.structs.replace(te, options={
         **te.options, "num_kv_blocks": args.device_blocks, "storage_read_gbps": gbps})
@@ -222,6 +226,8 @@ def parse_args(argv=None):
     ap.add_argument("--append", type=traces.parse_range, default=(40, 80))
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--device-blocks", type=int, default=160)
+    ap.add_argument("--host-mib", type=float, default=4.0,
+                    help="the node's host tier: the decode engines' staging buffer, and a cache")
     ap.add_argument("--storage-gbps", type=float, default=0.01)
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")],
                     default=[0.25, 0.5, 1.0, 2.0])

@@ -82,10 +82,11 @@ def tier_hits(node) -> dict[str, float]:
             for tier in ("device", "host", "disk")}
 
 
-def wait_metric(node, name: str, pred, timeout_s: float = 10.0):
+def wait_metric(node, name: str, pred, timeout_s: float = 10.0, labels=()):
+    """The metric once pred holds (TE reports reach the gateway every second or so)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        value = _metrics(node).get((name, ()), None)
+        value = _metrics(node).get((name, labels), None)
         if value is not None and pred(value) or time.monotonic() > deadline:
             return value
         time.sleep(0.3)
@@ -220,6 +221,17 @@ def events(node, name: str) -> list[dict]:
     return [e for e in read_events(node.log_dir / "health.jsonl") if e["event"] == name]
 
 
+def wait_events(node, name: str, pred=lambda e: True, timeout_s: float = 10.0) -> list[dict]:
+    """The matching health-log lines, once there are any (a TE's events are
+    written by its supervisor, which may be just after the reply)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [e for e in events(node, name) if pred(e)]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
 def push_out(node, seeds) -> None:
     """Four other prompts (100 blocks): out of the device pool and the host tier."""
     for seed in seeds:
@@ -237,9 +249,11 @@ def test_a_corrupt_disk_block_is_a_miss_an_event_and_never_a_wrong_token(node, r
     tokens, cached = complete(node, 9)
     assert tokens == reference[9]
     assert cached == 5 * 16  # blocks 0-4 came from disk; 5 on were recomputed
-    found = [e for e in events(node, "cache_block_corrupt") if e["details"]["block"] == block5]
+    found = wait_events(node, "cache_block_corrupt", lambda e: e["details"]["block"] == block5)
     assert found, "the corrupt block was not reported"
-    time.sleep(1.0)  # dropped, and the recomputed block written back through host to disk
+    deadline = time.monotonic() + 10  # dropped, and the recomputed block written back
+    while path.exists() and path.read_bytes() == bytes(data) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert path.read_bytes() != bytes(data)
 
 
@@ -256,8 +270,11 @@ def test_a_lost_host_tier_is_a_miss_and_serving_goes_on(node, reference):
     disk_before = tier_hits(node)["disk"]
     tokens, cached = complete(node, 14)
     assert tokens == reference[14] and cached == 384
-    time.sleep(1.5)  # its host copy died: every block came from disk (the files it found)
-    assert tier_hits(node)["disk"] - disk_before == 384
+    # its host copy died: every block came from disk (the files it found)
+    disk = wait_metric(node, "deepserve_cache_hit_tokens_total",
+                       lambda v: v >= disk_before + 384, labels=(("tier", "disk"),))
+    time.sleep(1.0)  # and no more than that
+    assert tier_hits(node)["disk"] - disk_before == disk - disk_before == 384
 
 
 def test_a_full_disk_turns_the_disk_tier_off_loudly_and_serving_goes_on(node, reference):
@@ -276,6 +293,7 @@ def test_a_full_disk_turns_the_disk_tier_off_loudly_and_serving_goes_on(node, re
         push_out(node, (1, 2))
         tokens, cached = complete(node, 15)  # host still serves it
         assert tokens == reference[15] and cached == 384
-        assert _metrics(node)[("deepserve_cache_bytes", (("tier", "disk"),))] == 0
+        assert wait_metric(node, "deepserve_cache_bytes", lambda v: v == 0,
+                           labels=(("tier", "disk"),)) == 0
     finally:
         hook.unlink(missing_ok=True)
