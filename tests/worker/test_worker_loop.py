@@ -87,9 +87,9 @@ def _wait_for(inbox: PullSocket, ok, timeout: float = 5.0) -> list:
     raise AssertionError(f"not received in {timeout} s; got {seen}")
 
 
-def _beat(holds_work: bool, steps: int):
+def _beat(holds_work: bool, steps: int, layers: int = 0):
     return lambda m: (isinstance(m, Heartbeat) and m.holds_work is holds_work
-                      and m.progress == {"steps": steps})
+                      and m.progress == {"steps": steps, "layers": layers})
 
 
 def test_holds_work_is_real_and_a_stalled_step_keeps_beating(supervisor):
@@ -133,6 +133,45 @@ def test_holds_work_is_real_and_a_stalled_step_keeps_beating(supervisor):
         life.close()
 
 
+class SlowLayersRunner:
+    """A step of 6 layers of 0.3 s each: longer than a heartbeat interval many times."""
+    on_layer = None
+
+    def execute(self, batch: StepBatch, after_layer=None) -> StepOutput:
+        for i in range(6):
+            time.sleep(0.3)
+            self.on_layer(i)
+        return StepOutput(batch.step_id, [])
+
+
+def test_a_long_step_beats_between_layers_with_progress(supervisor):
+    """A big model's long prefill step is alive and progressing to the
+    supervisor: beats inside the step, holding work, the layer count moving."""
+    life = ActorLife("worker0", component="te/worker0", signals=False)
+    spec = WorkerSpec("run", 0, EngineConfig(model="unused"), "ring", "ipc://unused",
+                      "ipc://unused", "tcp://unused", te_id="te")
+    worker = _Worker(spec, life)
+    worker.ring, worker.out = FakeRing(), FakeOut()
+    worker.attach_runner(SlowLayersRunner())
+    loop = threading.Thread(target=life.run,
+                            args=(worker.step, worker.progress, worker.holds_work))
+    time.sleep(0.2)
+    loop.start()
+    try:
+        _wait_for(supervisor.inbox, _beat(False, 0))
+        worker.ring.put(StepBatch(0, []))
+        got = _wait_for(supervisor.inbox, _beat(False, 1, 6), timeout=5)
+        inside = [m.progress["layers"] for m in got if isinstance(m, Heartbeat)
+                  and m.holds_work and m.progress["steps"] == 0]
+        assert len(inside) >= 2 and inside == sorted(inside) and inside[-1] > inside[0]
+        assert inside[-1] < 6  # beats came while the step was still computing
+    finally:
+        life.request_stop()
+        loop.join(timeout=5)
+        worker.close()
+        life.close()
+
+
 class _Runner:
     def execute(self, batch: StepBatch, after_layer=None) -> StepOutput:
         return StepOutput(batch.step_id, [])
@@ -167,3 +206,22 @@ def test_kv_fail_fault_fails_exactly_the_next_transfer(short_dir):
         seg.close()
         unlink_segment(name)
         ctx.term()
+
+
+def test_the_layer_hook_runs_after_each_layer_after_the_transfer_hook(model_dirs):
+    """ModelRunner composes the worker's beat with layer-wise KV transfer's
+    after_layer: the KV of layer i goes out first, then the beat."""
+    from deepserve.messages.step import ScheduledSeq
+    from deepserve.model.loader import load_model
+    from deepserve.worker.model_runner import ModelRunner
+    model = load_model(model_dirs["llama"], "float32")
+    runner = ModelRunner(model, 8, 16)
+    calls = []
+    assert runner._layer_hook(None) is None  # no worker hook, no transfer: nothing
+    runner.on_layer = lambda i: calls.append(("beat", i))
+    hook = runner._layer_hook(lambda i: calls.append(("kv", i)))
+    ids, pos, meta = runner._prepare([ScheduledSeq(0, 0, [5, 6, 7], [1], True)])
+    model(ids, pos, meta, runner.kv_caches, hook)
+    layers = model.config.num_layers
+    assert calls == [(kind, i) for i in range(layers) for kind in ("kv", "beat")]
+    assert runner._layer_hook(None) is runner.on_layer

@@ -158,9 +158,9 @@ class Master:
         return {"steps": self.num_steps, "tokens": self.num_tokens, "tier": tier_events}
 
     def holds_work(self) -> bool:
-        # Tier waits are not work here: each has its own deadline, and a storage
-        # queue (a bucket's wait) may lawfully be longer than the progress deadline.
-        return bool(self.in_flight or self.pd.has_work or self.scheduler.has_unfinished)
+        # Not work here: tier waits (own deadlines; a bucket may outlast the progress
+        # deadline), a step in flight (its workers hold it, beating per layer).
+        return not self.in_flight and (self.pd.has_work or self.scheduler.has_unfinished)
 
     def step(self) -> None:
         """Fill the pipeline, wait (bounded) for anything, handle it, deadlines."""

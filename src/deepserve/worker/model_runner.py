@@ -82,6 +82,16 @@ class ModelRunner:
         return (2, cfg.num_layers, model.num_local_kv_heads, num_blocks, block_size,
                 cfg.head_dim)
 
+    def _layer_hook(self, after_layer):
+        on_layer = self.on_layer
+        if on_layer is None or after_layer is None:
+            return after_layer or on_layer
+
+        def both(i: int) -> None:
+            after_layer(i)
+            on_layer(i)
+        return both
+
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, tp_size: int = 1) -> int:
         """Bytes one block takes on one rank: each holds num_kv_heads / tp_size heads."""
@@ -89,12 +99,15 @@ class ModelRunner:
         local_kv_heads = TensorParallel(0, tp_size).shard(c.num_kv_heads, "num_kv_heads")
         return 2 * c.num_layers * block_size * local_kv_heads * c.head_dim * c.dtype.itemsize
 
+    on_layer = None  # the worker's per-layer hook (a heartbeat with progress), if any
+
     def execute(self, batch: StepBatch, after_layer=None) -> StepOutput:
         """after_layer: see CausalLM.forward (layer-wise KV transfer)."""
         self._update_states(batch)
         self._resolve_placeholders(batch)
         input_ids, positions, meta = self._prepare(batch.seqs)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches, after_layer)  # (T, E)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches,
+                            self._layer_hook(after_layer))  # (T, E)
         sampled: list[SampledToken] = []
         rows = self._last_rows(batch.seqs)  # (seq, its last row) of every sampling seq
         live = [(s, row) for s, row in rows if s.seq_id not in self._failed]

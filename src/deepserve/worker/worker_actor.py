@@ -8,9 +8,11 @@
     StepBatch.cache_ops ──> cache executor thread (cache_executor.py) ──CacheOpsDone──> master
 
 The worker holds work from the moment it takes a StepBatch off the ring
-until it has put that step's StepDone; its progress counter is steps
-completed. The stall drill stops it inside a step, where it keeps beating
-with that real holds_work, so the supervisor's ordinary rule finds it hung.
+until it has put that step's StepDone; its progress counters are steps
+completed and layers computed (it beats between layers too, so a step may
+last longer than the deadlines). The stall drill stops it inside a step,
+where it keeps beating with that real holds_work, so the supervisor's
+ordinary rule finds it hung.
 
 The KV pool lives in a named shared-memory segment (owner-only, unlinked on
 every exit path by this process, its creator; the launcher sweeps the run's
@@ -110,6 +112,7 @@ class _Worker:
         self.kv_segment = self.runner = self.ring = self.out = self.kv_sender = None
         self.decoder = msgspec.msgpack.Decoder(StepBatch)
         self.num_steps = 0  # steps completed: the progress counter
+        self.num_layers = 0  # layers computed, a step's own progress (see _layer_done)
         self.in_step = False  # a batch taken off the ring, its StepDone not yet put
         self.weights, self.load_s = "disk", 0.0  # where the weights came from, how long
 
@@ -123,7 +126,7 @@ class _Worker:
         nbytes = model.config.dtype.itemsize * int(torch.Size(shape).numel())
         self.kv_segment = create_segment(self.kv_name, nbytes)
         pool = torch.frombuffer(self.kv_segment.buf, dtype=model.config.dtype).view(shape)
-        self.runner = ModelRunner(model, cfg.num_kv_blocks, cfg.block_size, cfg.seed, pool)
+        self.attach_runner(ModelRunner(model, cfg.num_kv_blocks, cfg.block_size, cfg.seed, pool))
         self.ring = self._attach_ring(time.monotonic() + cfg.startup_timeout_s)
         self.kv_sender = KVSender(pool, self.kv_name, self.tp.rank, cfg, self.ctx,
                                   self.life.faults)
@@ -168,7 +171,19 @@ class _Worker:
 
     # -- the loop (ActorLife.run beats between steps) ---------------------------
     def progress(self) -> dict[str, int]:
-        return {"steps": self.num_steps}
+        return {"steps": self.num_steps, "layers": self.num_layers}
+
+    def attach_runner(self, runner) -> None:
+        self.runner = runner
+        runner.on_layer = self._layer_done
+
+    def _layer_done(self, i: int) -> None:
+        """Inside a step, after each layer: a beat when one is due (the sender
+        rate-limits), so a long step of a big model (a 2k-token prefill can
+        take longer than heartbeat_deadline_s) is alive and progressing, and
+        only a layer that never ends reads as silence."""
+        self.num_layers += 1
+        self.life.beat(self.progress(), self.in_step)
 
     def holds_work(self) -> bool:
         return self.in_step
