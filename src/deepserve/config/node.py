@@ -110,8 +110,11 @@ class GatewaySection(Section):
 class PDOptions(Section):
     """Thresholds of the "threshold" PD policy (control/pd_policy.py)."""
 
-    margin: float = 0.0
-    """Heatmap gain (fraction) a layout must beat the other by to be chosen."""
+    margin: float = 1.0
+    """Heatmap value (summed over the map's rates) a cell must exceed to go
+    disaggregated; cells within noise stay colocated. A per-rate ratio moves by
+    about 0.3 between runs on one machine; the shipped map sums 3 rates, so
+    1.0 is about two standard deviations (2 x 0.3 x sqrt(3))."""
     min_prompt_len: Annotated[int, Meta(ge=0)] = 1024
     """Prompt tokens from which a request may go disaggregated."""
     max_decode_len: Annotated[int, Meta(ge=0)] = 128
