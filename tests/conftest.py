@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.cluster.netns import hosts_or_skip
+
 ROOT = Path(__file__).resolve().parents[1]
 MAKE_MODEL = ROOT / "tools" / "make_model.py"
 ARCHS = ("llama", "qwen2")
@@ -81,3 +83,12 @@ def supervisor_inbox(short_dir, monkeypatch):
     yield SimpleNamespace(inbox=pull, drills=drills)
     pull.close()
     ctx.term()
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """Three hosts (network namespaces on one bridge, 10.213.77.1-3), see tests/cluster/netns.py.
+
+    Skipped with the reason where network namespaces cannot be made (not root, no permission)."""
+    with hosts_or_skip(3) as net:
+        yield net

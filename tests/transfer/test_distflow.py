@@ -8,7 +8,6 @@ the blocks exactly, besides the checksum the receiving side acknowledged.
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
@@ -16,10 +15,10 @@ import torch
 
 from deepserve.transfer import DistFlow, PeerEndpoint, PoolRegion, TransferError
 from deepserve.transfer.layout import checksum_region
-from tests.transfer.conftest import SHAPE, attached_pool
+from tests.transfer.conftest import (NB, PATTERNS, SHAPE, assert_landed, attached_pool,
+                                     block_pattern, region_nbytes)
 
 BACKENDS = ("shm", "tcp", "ring")
-NB = SHAPE[3]
 RING_BYTES = 1024  # 4 rows of 128 bytes per slot: many chunks per transfer
 
 
@@ -37,29 +36,18 @@ def flow(src_pool):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("pattern", ["consecutive", "scattered", "layers"])
+@pytest.mark.parametrize("pattern", PATTERNS)
 def test_transfer_is_byte_identical(flow, src_pool, peer, backend, pattern):
     assert flow.link("p", _endpoint(peer, backend), backend) == backend
-    rng = random.Random(f"{backend}{pattern}")
-    if pattern == "consecutive":
-        src, dst, layers = list(range(2, 9)), list(range(5, 12)), None
-    else:
-        src, dst = rng.sample(range(NB), 9), rng.sample(range(NB), 9)
-        layers = (1, 3) if pattern == "layers" else None
+    src, dst, layers = block_pattern(pattern, f"{backend}{pattern}")
     with attached_pool(peer.endpoint) as dst_pool:
         dst_pool.zero_()
         result = flow.transfer("p", PoolRegion(src, layers), PoolRegion(dst, layers),
                                checksum=True).wait(10)
-        l0, l1 = layers or (0, SHAPE[1])
-        assert torch.equal(dst_pool[:, l0:l1, :, dst], src_pool[:, l0:l1, :, src])
-        untouched = torch.ones(NB, dtype=torch.bool)
-        untouched[dst] = False
-        assert not dst_pool[:, :, :, untouched].any()
-        if layers:
-            assert not dst_pool[:, :l0].any() and not dst_pool[:, l1:].any()
+        assert_landed(dst_pool, src_pool, src, dst, layers)
     assert result.backend == backend
-    assert result.nbytes == 2 * (l1 - l0) * SHAPE[2] * len(src) * 4 * 8 * 4
-    assert result.checksum == checksum_region(src_pool, src, (l0, l1))
+    assert result.nbytes == region_nbytes(len(src), layers)
+    assert result.checksum == checksum_region(src_pool, src, layers or (0, SHAPE[1]))
 
 
 def test_auto_prefers_shm_then_tcp(flow, peer):

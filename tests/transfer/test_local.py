@@ -81,6 +81,13 @@ def test_tcp_frames_are_zero_copy_slices_or_one_packed_tensor(pools, receiver):
         df.close()
 
 
+@pytest.mark.parametrize("bind", ["tcp://0.0.0.0:0", "tcp://*:0", "tcp://[::]:0"])
+def test_receiver_refuses_a_wildcard_bind(pools, bind):
+    """The endpoint advertises the bound address; a wildcard one would reach no sender."""
+    with pytest.raises(ValueError, match="wildcard"):
+        DistFlowReceiver(pools[1], bind=bind)
+
+
 def test_bf16_pools_over_tcp():
     shape = (2, 2, 2, 8, 4, 8)
     src = torch.randn(shape).to(torch.bfloat16)

@@ -1,6 +1,6 @@
 """DistFlowReceiver: the destination side of the tcp and ring backends.
 
-    senders' DEALERs ---> ROUTER (bound, 127.0.0.1 by default)
+    senders' DEALERs ---> ROUTER (bound: 127.0.0.1, or the host's address across hosts)
                             |  one daemon thread owns the socket:
                             |  Hello -> Welcome; Push -> write rows -> Ack;
                             |  RingChunk -> copy from the sender's staging
@@ -37,6 +37,8 @@ from deepserve.transfer.wire import Ack, Bye, Hello, Push, RingChunk, ToReceiver
 
 log = logging.getLogger(__name__)
 POLL_MS = 50  # how often the loop looks at the stop flag
+LOOPBACK = "tcp://127.0.0.1:0"
+WILDCARDS = ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:")
 
 
 class _RingState(msgspec.Struct):
@@ -49,8 +51,13 @@ class _RingState(msgspec.Struct):
 class DistFlowReceiver:
     """The destination side for the tcp and ring backends: a thread that writes incoming blocks into its pool and acknowledges each transfer (with the checksum of the bytes it wrote when asked)."""
 
-    def __init__(self, pool: torch.Tensor, *, bind: str = "tcp://127.0.0.1:0",
+    def __init__(self, pool: torch.Tensor, *, bind: str = LOOPBACK,
                  ctx: zmq.Context | None = None):
+        """`bind`: loopback serves senders on this host; senders on other hosts need
+        this host's own address (e.g. "tcp://10.0.0.5:0"). Never a wildcard: the
+        endpoint advertises the bound address, and "0.0.0.0" reaches no peer."""
+        if bind.startswith(WILDCARDS):
+            raise ValueError(f"bind {bind!r}: name this host's address, not a wildcard")
         layout.check_pool(pool)
         self.pool = pool
         self._rows = layout.rows_view(pool)  # (R, E)
