@@ -45,6 +45,36 @@ def test_linear_keeps_leading_dims():
     torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("max_rows,free_kept", [(3, True), (None, False)])
+def test_linear_routes_by_rows_where_torch_wins(monkeypatch, max_rows, free_kept):
+    """Where torch's bf16 matmul wins past a few rows (kernel_max_rows, CPUs
+    with native bf16), a packed Linear sends inputs of up to that many rows
+    to the kernel and larger ones to torch, keeping both copies of the
+    weight; elsewhere the kernel serves every size and the copy is freed.
+    The lm_head (always=True) stays on the kernel at every size."""
+    from deepserve.model.llama import Linear
+    monkeypatch.setattr(kernels, "kernel_max_rows", lambda: max_rows)
+    calls, real = [], kernels.linear_bf16
+
+    def spy(x, *args):
+        calls.append(x.numel() // x.shape[-1])  # rows sent to the kernel
+        return real(x, *args)
+
+    monkeypatch.setattr(kernels, "linear_bf16", spy)
+    lin, head = Linear(64, 48, bias=True).to(torch.bfloat16), Linear(64, 48, bias=False)
+    head = head.to(torch.bfloat16)
+    w, b = lin.weight.detach().float().clone(), lin.bias.detach().float().clone()
+    lin.pack(free_weight=True)
+    head.pack(free_weight=True, always=True)
+    assert (lin.weight.numel() > 0) == free_kept and head.weight.numel() == 0
+    for m in (1, 3, 4, 9):
+        x = torch.randn(m, 64).to(torch.bfloat16)
+        torch.testing.assert_close(lin(x).float(), F.linear(x.float(), w, b), rtol=2e-2, atol=6e-2)
+        head(x)
+    kernel_rows = [1, 3] if max_rows == 3 else [1, 3, 4, 9]
+    assert calls == [r for m in (1, 3, 4, 9) for r in ([m, m] if m in kernel_rows else [m])]
+
+
 def _pool(num_kv_heads, num_blocks, block_size, head_dim, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     shape = (num_kv_heads, num_blocks, block_size, head_dim)

@@ -44,18 +44,26 @@ class Linear(nn.Linear):
     on a packed copy of its weight (model/kernels.py); the torch path else."""
 
     packed: torch.Tensor | None = None
+    kernel_rows: int | None = None
+    """With a packed weight: inputs of up to this many rows go to the kernel,
+    larger ones to torch (None: every input; kernels.kernel_max_rows)."""
 
-    def pack(self, free_weight: bool) -> None:
-        """Pack a bf16 weight when the kernels are there; free_weight drops
-        the unpacked copy (not for a weight tied to the embedding)."""
+    def pack(self, free_weight: bool, always: bool = False) -> None:
+        """Pack a bf16 weight when the kernels are there. free_weight drops
+        the unpacked copy (not for a weight tied to the embedding) where the
+        kernel serves every size; where torch wins past a few rows, both
+        copies are kept. always: the kernel at every size (the lm_head, whose
+        fp32 logits the kernel gives without a bf16 rounding)."""
         if self.weight.dtype != torch.bfloat16 or not kernels.available():
             return
         self.packed = kernels.pack_linear_weight(self.weight.detach())
-        if free_weight:
+        self.kernel_rows = None if always else kernels.kernel_max_rows()
+        if free_weight and self.kernel_rows is None:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and (self.kernel_rows is None or
+                                        x.numel() <= self.kernel_rows * x.shape[-1]):
             return kernels.linear_bf16(x, self.packed, bias, self.out_features)
         return F.linear(x, self.weight, bias)
 
@@ -174,8 +182,9 @@ class CausalLM(nn.Module):
         """Pack every bf16 projection for the C++ kernel (a no-op without it)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                tied = module is self.lm_head and self.config.tie_word_embeddings
-                module.pack(free_weight=not tied)
+                is_head = module is self.lm_head
+                module.pack(free_weight=not (is_head and self.config.tie_word_embeddings),
+                            always=is_head)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
