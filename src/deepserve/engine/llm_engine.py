@@ -19,12 +19,14 @@ from deepserve.engine.sequence import Sequence
 from deepserve.engine.step_core import StepCore
 from deepserve.tokenizer import Tokenizer
 from deepserve.messages.sampling import SamplingParams
+from deepserve.model import kernels
 from deepserve.model.loader import load_model
 from deepserve.worker.model_runner import ModelRunner
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        kernels.start_flushing_denormals()  # before loading starts torch's threads
         model = load_model(config.model, config.dtype)
         self.model_config = model.config
         self.tokenizer = Tokenizer(config.model)

@@ -26,6 +26,7 @@ import torch
 from deepserve.messages.sampling import SamplingParams
 from deepserve.messages.step import (PLACEHOLDER, SampledToken, ScheduledSeq, SeqFailed,
                                      StepBatch, StepOutput)
+from deepserve.model import kernels
 from deepserve.model.attention import AttentionMetadata, PrefillSpan
 from deepserve.model.llama import CausalLM
 from deepserve.model.parallel import TensorParallel
@@ -106,8 +107,9 @@ class ModelRunner:
         self._update_states(batch)
         self._resolve_placeholders(batch)
         input_ids, positions, meta = self._prepare(batch.seqs)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches,
-                            self._layer_hook(after_layer))  # (T, E)
+        with kernels.denormals_flushed():
+            hidden = self.model(input_ids, positions, meta, self.kv_caches,
+                                self._layer_hook(after_layer))  # (T, E)
         sampled: list[SampledToken] = []
         rows = self._last_rows(batch.seqs)  # (seq, its last row) of every sampling seq
         live = [(s, row) for s, row in rows if s.seq_id not in self._failed]

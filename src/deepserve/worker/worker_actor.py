@@ -57,6 +57,7 @@ from deepserve.messages.engine import StepDone, WorkerFailed, WorkerReady
 from deepserve.worker.cache_executor import CacheExecutor
 from deepserve.worker.kv_sender import KVSender
 from deepserve.messages.step import CACHE_ONLY_STEP_ID, SHUTDOWN_STEP_ID, StepBatch
+from deepserve.model import kernels
 from deepserve.model.llama import CausalLM
 from deepserve.model.loader import load_model
 from deepserve.model.parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
@@ -85,6 +86,7 @@ def worker_main(spec: WorkerSpec, death_pipe: Connection, ready_pipe: Connection
                      component=f"{spec.te_id}/worker{spec.rank}")
     torch.set_num_threads(spec.config.num_threads
                           or max(1, (os.cpu_count() or 1) // spec.config.tp))
+    kernels.start_flushing_denormals()  # before any other parallel op
     worker = _Worker(spec, life)
     try:
         worker.start()
