@@ -9,7 +9,7 @@ job-executor routing, PD policy, cluster-manager scaling loop and autoscaler.
     sessions (Poisson; multi-turn, shared prefixes)      sim_model.Workload
         │ a turn's prompt ids
         ▼
-    JE: ModelBook.others ─> PDPolicy.decide ─> Router.decide (x2 if PD)     real, timed
+    JE: TE types of the model ─> PDPolicy.decide ─> Router.decide (x2 if PD)  real, timed
         ▲ update_tes(decoded TEList)      ▲ on_report(TEReport)   │ task
     CM: TEList ─msgpack─> JE              │                       ▼
         ScalingControl + Autoscaler <─────┴──── SimTE x N  (queue + server + block LRU)
@@ -22,9 +22,10 @@ hand-offs (kv_transfer_s_per_token), TE reports every 0.5 s (only TEs with
 news, and draining ones), a CM step every --tick-s (demand, decide, re-publish
 the TE list each second). A TE scaled out takes the type that keeps its
 model's --mix; no model has an SLO, so the autoscaler scales on queueing and
-low load. Decisions/s count only the timed routing calls (one job: others +
-PD + one or two Router.decide) on one core; match and hash us are re-timed
-after the run on sampled prompts. The process pins itself to one CPU.
+low load. Decisions/s count only the timed routing calls (one job: the
+model's TE types + PD + hashing the prompt once + one or two Router.decide)
+on one core; match (the index's best_matches over the candidates) and hash us
+are re-timed after the run on sampled prompts. The process pins itself to one CPU.
 --requests is per run: a larger cluster sees fewer per TE (colder caches).
 """
 
@@ -49,7 +50,7 @@ from deepserve.control.autoscaler import ModelPolicy
 from deepserve.control.model_book import ModelBook
 from deepserve.control.pd_policy import PDPolicy
 from deepserve.control.prompt_index import GlobalPromptIndex
-from deepserve.control.router import NoTEAvailable, Router
+from deepserve.control.router import NoTEAvailable, PromptHashes, Router
 from deepserve.messages.control import TEInfo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,16 +181,18 @@ class ClusterSim:
     def _route(self, job: Job) -> tuple[str, str | None]:
         """What the JE does per job (job_executor.py _route / _job_layout), timed."""
         c0, t0 = thread_time(), perf_counter()
-        exclude = self.book.others(job.model, self.router.tes.values())
-        types = {te.te_type for te in self.router.tes.values() if te.te_id not in exclude}
+        model = self.book.te_model(job.model)
+        types = self.router.te_types(model)
         t1 = perf_counter()
         layout = self.pd.decide(job.prompt, types).te_type
         t2 = perf_counter()
+        hashes = PromptHashes(job.prompt)  # hashed in the first decide, once per job
         if layout == "disaggregated":
-            first = self.router.decide(job.prompt, None, "prefill", exclude)
-            te_id = self.router.decide(job.prompt, None, "decode", exclude).te_id
+            first = self.router.decide(job.prompt, None, "prefill", model=model, hashes=hashes)
+            te_id = self.router.decide(job.prompt, None, "decode", model=model,
+                                       hashes=hashes).te_id
         else:
-            first = self.router.decide(job.prompt, None, "colocated", exclude)
+            first = self.router.decide(job.prompt, None, "colocated", model=model, hashes=hashes)
             te_id = first.te_id
         t3 = perf_counter()
         first_type = "prefill" if layout == "disaggregated" else "colocated"

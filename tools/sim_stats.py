@@ -32,7 +32,7 @@ def _us(seconds: float, n: int) -> float:
 class Stats:
     num_decisions: int = 0  # jobs routed (PD + one or two Router.decide)
     num_router_calls: int = 0
-    scan_s: float = 0.0  # ModelBook.others + the TE types present
+    scan_s: float = 0.0  # the model's TE types present (Router.te_types)
     pd_s: float = 0.0  # PDPolicy.decide
     router_s: float = 0.0  # Router.decide
     cpu_s: float = 0.0  # thread CPU time of the three (robust when cores are shared)
@@ -133,16 +133,16 @@ class Stats:
 
 
 def probe(router, samples: list) -> tuple[float, float]:
-    """(us of GlobalPromptIndex.match over the candidates, us hashing the prompt) per
-    sampled decision, timed again on the router's index as the run left it."""
+    """(us of GlobalPromptIndex.best_matches over the candidates, as the router
+    calls it, us hashing the prompt) per sampled decision, timed again on the
+    router's index as the run left it."""
     match_s = hash_s = 0.0
     for model, te_type, prompt in samples:
+        ids = [te.te_id for te in router.candidates(te_type, model)]
         t0 = perf_counter()
         hashes = prompt_block_hashes(prompt, router.block_size)
         t1 = perf_counter()
-        for te in router.tes.values():
-            if te.model == model and te.te_type == te_type:
-                router.index.match(te.te_id, hashes)
+        router.index.best_matches(ids, hashes)
         match_s += perf_counter() - t1
         hash_s += t1 - t0
     n = max(1, len(samples))

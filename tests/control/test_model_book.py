@@ -7,18 +7,13 @@ import pytest
 
 from deepserve.control.model_book import DEMAND_INTERVAL_S, ModelBook
 from deepserve.errors import InvalidRequestError
-from deepserve.messages.control import TEInfo
-
-
-def te(te_id, model):
-    return TEInfo(te_id=te_id, model=model, address="ipc://x")
 
 
 def test_one_model_serves_every_request_and_every_te():
     book = ModelBook("/models/tiny")
     assert book.default == "tiny" and not book.is_multi
     assert book.name_of(None) == book.name_of("anything") == "tiny"
-    assert book.others("tiny", [te("a", "whatever")]) == frozenset()
+    assert book.te_model("tiny") is None  # the router takes every TE, whatever its name
 
 
 def test_many_models_route_apart_and_refuse_an_unknown_name():
@@ -27,7 +22,7 @@ def test_many_models_route_apart_and_refuse_an_unknown_name():
     with pytest.raises(InvalidRequestError) as info:
         book.name_of("c")
     assert info.value.param == "model"
-    assert book.others("a", [te("t1", "a"), te("t2", "b")]) == {"t2"}
+    assert book.te_model("a") == "a"  # the router takes only TEs whose TEInfo.model is a
     assert book.waits_for_scaling("b") and not book.waits_for_scaling("a")
 
 

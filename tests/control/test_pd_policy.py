@@ -146,6 +146,26 @@ def test_buckets_and_features():
     assert featurize([]) == {0: 1.0, 1: 0.0, 2: 0.0, 3: 1.0}
 
 
+@pytest.mark.parametrize("window", [64, 7, 0])
+def test_fast_logits_equal_the_plain_sum(window):
+    """logits() (memoized slots, itemgetter, sum of map) gives the plain
+    formula's floats exactly, on the shipped predictor and on random weights."""
+    rng = random.Random(window)
+    shipped = DecodeLengthPredictor.load(Path(__file__).parents[2] / "conf/decode_predictor.json")
+    dim = 3 + 16 + 32
+    rand = DecodeLengthPredictor([[rng.uniform(-3, 3) for _ in range(dim)] for _ in range(5)],
+                                 num_hash=32, window=window)
+    for pred in (shipped, rand):
+        for _ in range(60):
+            n = rng.choice([0, 1, 5, 63, 64, 65, 300, 5000])
+            ids = [rng.randrange(rng.choice([50, 152_064])) for _ in range(n)]
+            feats = featurize(ids, pred.num_hash, pred.window)
+            plain = [sum(row[i] * v for i, v in feats.items()) for row in pred.weights]
+            assert pred.logits(ids) == plain
+            assert featurize(ids, pred.num_hash, pred.window, {}) == feats
+            assert list(featurize(ids, pred.num_hash, pred.window, {})) == list(feats)
+
+
 # -- policy -----------------------------------------------------------------------------
 LONG_PROMPT_SHORT_OUT = list(range(1000, 3000))   # predicted bucket 0: d = 64, p = 2000
 SHORT_PROMPT_LONG_OUT = list(range(2000, 2040))   # predicted bucket >= 3, p = 40

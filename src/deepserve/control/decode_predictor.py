@@ -5,14 +5,18 @@ from the prompt ids alone (featurize()):
   hashed  num_hash (256) buckets of the last `window` (64) token ids, each id
           hashed by a 32-bit integer mix, term frequency (count / ids in the window)
 Training (numpy, imported lazily) is seeded mini-batch Adam with L2; inference
-is pure Python over the ~80 non-zero features. predict_length() returns the
-bucket midpoint 128k + 64 (the top bucket too).
+is pure Python over the ~80 non-zero features (the JE runs it per job, so
+the predictor memoizes each token id's hashed index, and logits() gathers
+each row's weights with itemgetter and sums their products in C, in the
+features' order: the same floats as the plain sum). predict_length() returns
+the bucket midpoint 128k + 64 (the top bucket too).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from operator import itemgetter, mul
 from pathlib import Path
 from typing import Sequence
 
@@ -21,6 +25,7 @@ from deepserve.control.pd_heatmap import PDConfigError, _read_json
 PREDICTOR_FORMAT = "deepserve.decode_predictor/1"
 BUCKET_SIZE = 128
 _NUM_LEN_BANDS = 16
+_MAX_SLOTS = 1 << 18  # token ids whose hashed index a predictor memoizes
 
 
 # -- decode-length predictor ---------------------------------------------------------
@@ -31,9 +36,10 @@ def _mix32(x: int) -> int:
     return x ^ (x >> 13)
 
 
-def featurize(prompt_ids: Sequence[int], num_hash: int = 256,
-              window: int = 64) -> dict[int, float]:
-    """Sparse features {index: value} of a prompt (see the module doc)."""
+def featurize(prompt_ids: Sequence[int], num_hash: int = 256, window: int = 64,
+              slots: dict[int, int] | None = None) -> dict[int, float]:
+    """Sparse features {index: value} of a prompt (see the module doc);
+    slots: a memo token id -> hashed feature index, for this num_hash only."""
     n = len(prompt_ids)
     log_len = math.log2(1 + n)
     scaled = log_len / 13.0
@@ -41,8 +47,11 @@ def featurize(prompt_ids: Sequence[int], num_hash: int = 256,
     tail = prompt_ids[-window:] if window > 0 else ()
     if tail:
         base, w = 3 + _NUM_LEN_BANDS, 1.0 / len(tail)
+        memo = {} if slots is None else slots
         for t in tail:
-            i = base + _mix32(int(t)) % num_hash
+            i = memo.get(t)
+            if i is None:
+                i = memo[t] = base + _mix32(int(t)) % num_hash
             feats[i] = feats.get(i, 0.0) + w
     return feats
 
@@ -65,6 +74,7 @@ class DecodeLengthPredictor:
                                 f"(num_hash {num_hash}, window {window})")
         self.weights = [[float(w) for w in row] for row in weights]
         self.metadata = dict(metadata or {})
+        self._slots: dict[int, int] = {}  # featurize's memo
 
     @property
     def num_buckets(self) -> int:
@@ -106,8 +116,12 @@ class DecodeLengthPredictor:
         return cls(w.T.tolist(), num_hash, window, meta)
 
     def logits(self, prompt_ids: Sequence[int]) -> list[float]:
-        feats = featurize(prompt_ids, self.num_hash, self.window)
-        return [sum(row[i] * v for i, v in feats.items()) for row in self.weights]
+        """Per bucket, sum(row[i] * v for i, v in features), in that order."""
+        if len(self._slots) > _MAX_SLOTS:
+            self._slots.clear()
+        feats = featurize(prompt_ids, self.num_hash, self.window, self._slots)
+        pick, values = itemgetter(*feats), list(feats.values())  # >= 4 features: tuples
+        return [sum(map(mul, pick(row), values)) for row in self.weights]
 
     def predict_bucket(self, prompt_ids: Sequence[int]) -> int:
         scores = self.logits(prompt_ids)

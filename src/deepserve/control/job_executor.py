@@ -53,7 +53,7 @@ from deepserve.control.dualpath import DualPathScheduler, engine_loads
 from deepserve.control.je_settings import PARK_S, JESettings, load_settings
 from deepserve.control.model_book import ModelBook
 from deepserve.control.pd_policy import PDPolicy
-from deepserve.control.router import NoTEAvailable, Router
+from deepserve.control.router import NoTEAvailable, PromptHashes, Router
 from deepserve.control.isolation import IsolationSide
 from deepserve.control.suspects import HeldSuspects, SuspectBook
 from deepserve.control.tasks import CRASHED, EventSink, Task, crashed_text, no_event
@@ -198,18 +198,19 @@ class JobExecutor(IsolationSide):
         """(TE, prefill TE or None, read path or None) for a job of `model`,
         never on a TE in `exclude`; with [router] dualpath, DualPath's
         scheduler picks the pair and the side that reads storage."""
-        tes = self.router.tes.values()
-        exclude = exclude | self.book.others(self.book.name_of(model), tes)
-        if self._job_layout(ids, exclude, max_tokens) != "disaggregated":
-            return self.router.route(ids, salt, exclude=exclude), None, None
+        te_model = self.book.te_model(self.book.name_of(model))  # None: every TE serves it
+        if self._job_layout(ids, exclude, max_tokens, te_model) != "disaggregated":
+            return self.router.route(ids, salt, exclude=exclude, model=te_model), None, None
         if self.dualpath is not None:
             d = self.dualpath.choose(len(ids), max_tokens or 0, *(
-                engine_loads(tes, self.router.reports, t, exclude) for t in ("prefill", "decode")))
+                engine_loads(self.router.candidates(t, te_model, exclude), self.router.reports, t)
+                for t in ("prefill", "decode")))
             if d is None:
                 raise NoTEAvailable("every prefill TE is past beta or no decode TE has room")
             return d.decode_te, d.prefill_te, d.read_path
-        prefill_te = self.router.route(ids, salt, te_type="prefill", exclude=exclude)
-        return self.router.route(ids, salt, te_type="decode", exclude=exclude), prefill_te, None
+        hashes = PromptHashes(ids, salt)  # hashed once for both decisions
+        prefill_te = self.router.route(ids, salt, "prefill", exclude, te_model, hashes)
+        return self.router.route(ids, salt, "decode", exclude, te_model, hashes), prefill_te, None
 
     def _send_task(self, msg: SubmitRequest, ids: list[int], te_id: str, prefill_te: str | None,
                    is_suspect: bool = False, read_path: str | None = None) -> bool:
@@ -244,10 +245,10 @@ class JobExecutor(IsolationSide):
             self._dispatch(msg, ids, park_until)
 
     def _job_layout(self, ids: list[int], exclude: frozenset[str] = frozenset(),
-                    max_tokens: int | None = None) -> str:
-        """colocated or disaggregated: the policy's choice among what exists
-        (TEs in exclude aside)."""
-        types = {te.te_type for te in self.router.tes.values() if te.te_id not in exclude}
+                    max_tokens: int | None = None, te_model: str | None = None) -> str:
+        """colocated or disaggregated: the policy's choice among the TEs of
+        te_model (None: of any model) that exist, TEs in exclude aside."""
+        types = self.router.te_types(te_model, exclude)
         has_pair = {"prefill", "decode"} <= types
         if not has_pair:
             return "colocated"

@@ -3,7 +3,7 @@ its tokenizer, which TEs serve it, and the demand the autoscaler hears of.
 
     SubmitRequest.model ──ModelBook.name_of──> a served model (None: the first)
         ──prompts(model)──> its PromptTokens (created on first use: bounded, cached)
-        ──others(model, tes)──> TE ids of other models: the router excludes them
+        ──te_model(model)──> the TEInfo.model its TEs carry (None: any): the router's filter
     arrivals, parked ──demand()──> ModelDemand ──(the JE pushes it)──> CM autoscaler
 
 One model (the node's [[te]] TEs, or a test's JE given a directory): every
@@ -20,7 +20,6 @@ from typing import Callable, Iterable, Mapping
 
 from deepserve.control.admission import PromptTokens
 from deepserve.errors import InvalidRequestError
-from deepserve.messages.control import TEInfo
 from deepserve.messages.scaling import ModelDemand
 from deepserve.tokenizer import Tokenizer
 
@@ -67,11 +66,10 @@ class ModelBook:
             self._prompts[model] = PromptTokens.for_model(path, Tokenizer(path))
         return self._prompts[model]
 
-    def others(self, model: str, tes: Iterable[TEInfo]) -> frozenset[str]:
-        """TEs that do not serve `model` (none when the node serves one model)."""
-        if not self.is_multi:
-            return frozenset()
-        return frozenset(te.te_id for te in tes if te.model != model)
+    def te_model(self, model: str) -> str | None:
+        """The TEInfo.model of the TEs that serve `model`; None when the node
+        serves one model (every TE serves it, whatever name it announces)."""
+        return model if self.is_multi else None
 
     def waits_for_scaling(self, model: str) -> bool:
         return model in self.scalable
