@@ -196,7 +196,10 @@ def table(runs: list[dict], args) -> str:
 
 
 def plot(runs: list[dict], args, path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("--png needs matplotlib: pip install -e '.[bench]'")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -248,11 +251,11 @@ def main(argv=None) -> None:
                 runs.append(row)
                 print(json.dumps(row), flush=True)
     print(table(runs, args))
-    if args.png:
-        plot(runs, args, args.png)
-    if args.json:
+    if args.json:  # first: a plot that fails must not lose the runs
         Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
                                                "runs": runs}, indent=1))
+    if args.png:
+        plot(runs, args, args.png)
 
 
 if __name__ == "__main__":
