@@ -44,6 +44,7 @@ dtype = "{dtype}"
 enable_prefix_caching = false
 max_num_batched_tokens = {budget}
 kv_cache_memory = {kv_bytes}
+{threads_line}
 
 [supervisor]
 # One step of a {budget}-token prefill takes seconds on a small CPU: longer
@@ -130,8 +131,9 @@ def our_pids(root_pid: int) -> dict[str, int]:
 @click.option("--port", default=8123)
 @click.option("--py-spy", "spy_dir", type=click.Path(path_type=Path), default=None)
 @click.option("--skip-vllm-server", is_flag=True, help="only our gateway")
+@click.option("--threads", default=0, help="our worker's torch threads (0: one per core)")
 def main(vllm_python, model, dtype, concurrency, num_prompts, input_len, output_len, budget,
-         port, spy_dir, skip_vllm_server):
+         port, spy_dir, skip_vllm_server, threads):
     model = model.resolve()
     name = model.name
     url = f"http://127.0.0.1:{port}"
@@ -144,6 +146,7 @@ def main(vllm_python, model, dtype, concurrency, num_prompts, input_len, output_
     cfg = load_model_config(model, dtype)
     kv_per_token = 2 * cfg.num_layers * cfg.kv_size * cfg.dtype.itemsize
     conf.write_text(CONF.format(model=model, name=name, port=port, dtype=dtype, budget=budget,
+                                threads_line=f"num_threads = {threads}" if threads else "",
                                 kv_bytes=2 * max(levels) * (input_len + output_len + 32) *
                                 kv_per_token))
     ours = subprocess.Popen([str(ROOT / "bin" / "deepserve-up"), "--conf", str(conf)],
