@@ -15,6 +15,7 @@ connection from A's address to it, and A's eth0 sent at least the payload.
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -81,7 +82,7 @@ def test_dead_peer_is_an_error_within_the_timeout(host_peers, sender):
     victim = host_peers[C]
     sender.transfer("c", PoolRegion([0, 1]), PoolRegion([0, 1]))
     victim.proc.kill()  # by its pid: ip exec'd the peer itself
-    victim.proc.wait(10)
+    assert victim.proc.wait(10) == -signal.SIGKILL  # the fault happened: the peer is gone
     t0 = time.monotonic()
     with pytest.raises(TransferError):
         sender.transfer("c", PoolRegion([0, 1]), PoolRegion([0, 1]))

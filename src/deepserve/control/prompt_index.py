@@ -101,8 +101,8 @@ class GlobalPromptIndex:
         if te_id not in self._confirmed:
             return
         confirmed, optimistic = self._confirmed[te_id], self._optimistic[te_id]
-        holders, now = self._holders, self.clock()
-        for h in hashes:  # the hot path of every decision: _hold inlined
+        now = self.clock()
+        for h in hashes:
             if h in confirmed:
                 confirmed.move_to_end(h)
             elif h in optimistic:
@@ -110,11 +110,7 @@ class GlobalPromptIndex:
                 optimistic.move_to_end(h)
             else:
                 optimistic[h] = now
-                held = holders.get(h)
-                if held is None:
-                    holders[h] = {te_id}
-                else:
-                    held.add(te_id)
+                self._hold(h, te_id)
         self._bound(te_id)
         if optimistic and te_id not in self._due:
             self._schedule(te_id)

@@ -223,9 +223,7 @@ class Router:
             return self._by_load(ids, loads, "least loaded")
         if self.policy == "locality":
             return self._by_locality(ids, loads, hashes, "locality")
-        most = max(loads)
-        spread = most - min(loads)
-        limit = max(self.balance_threshold, self.balance_ratio * most)  # balance_limit
+        spread, limit = max(loads) - min(loads), self.balance_limit(loads)
         if spread <= limit:
             return self._by_locality(ids, loads, hashes,
                                      f"balanced (spread {spread} <= {limit:g})")
