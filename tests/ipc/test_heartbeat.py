@@ -80,6 +80,18 @@ def test_roundtrip_and_rate_limit(ctx, inbox, monkeypatch) -> None:
     assert not inbox.poll(0.05)
 
 
+def test_ready_sent_right_after_connecting_arrives(ctx, inbox) -> None:
+    """Ready is sent once, as soon as the actor is up, i.e. typically before
+    the pipe is connected: it waits for the connection instead of being
+    dropped (a lost Ready left a pre-warmed pod never counted warm)."""
+    for i in range(20):
+        with HeartbeatSender(ctx, inbox.socket.last_endpoint.decode(), f"pod{i}") as sender:
+            assert sender.ready({"n": i}) and sender.num_dropped == 0
+        got = inbox.get(timeout=5)
+        assert isinstance(got, Ready)
+        assert (got.component, got.pid, got.details) == (f"pod{i}", os.getpid(), {"n": i})
+
+
 def test_real_interval(ctx, inbox) -> None:
     with HeartbeatSender(ctx, inbox.socket.last_endpoint.decode(), "je",
                          interval_s=0.05) as sender:

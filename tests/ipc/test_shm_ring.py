@@ -18,8 +18,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from deepserve.ipc.segments import segment_name
-from deepserve.ipc.shm_ring import BroadcastRing
+from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
+from deepserve.ipc.shm_ring import BroadcastRing, RingNotReady
 
 SLOT_BYTES = 4096
 NUM_MESSAGES = 2000
@@ -186,3 +186,32 @@ def test_segment_is_private_and_unlink_is_final(run_id):
     reader.close()
     ring.close()
     ring.close()  # idempotent
+
+
+def test_a_ring_caught_half_made_is_not_ready_and_a_foreign_segment_is_refused(run_id):
+    """A reader that attaches between the writer's create and its header gets
+    RingNotReady (retry), whether the segment is still 0 bytes or its header
+    still zero; a segment with some other header is a plain ValueError."""
+    name = segment_name(run_id, "ring")
+    with open(f"/dev/shm/{name}", "wb"):  # created, not yet sized
+        pass
+    try:
+        with pytest.raises(RingNotReady, match="not sized"):
+            BroadcastRing.attach(name, 0)
+    finally:
+        unlink_segment(name)
+    for header, error in ((b"\0" * 64, RingNotReady), (b"\xff" * 64, ValueError)):
+        shm = create_segment(name, 4096)
+        shm.buf[:64] = header
+        try:
+            with pytest.raises(ValueError) as caught:
+                BroadcastRing.attach(name, 0)
+            assert type(caught.value) is error
+        finally:
+            shm.close()
+            unlink_segment(name)
+    with BroadcastRing.create(name, num_readers=1, slot_bytes=64) as ring:
+        reader = BroadcastRing.attach(name, 0)  # the finished ring attaches
+        ring.put(b"ok", timeout=1.0)
+        assert reader.get(timeout=1.0) == b"ok"
+        reader.close()

@@ -83,9 +83,13 @@ class HeartbeatSender:
         return self._send(hb)
 
     def ready(self, details: dict | None = None) -> bool:
-        """Tell the supervisor this component finished starting up."""
+        """Tell the supervisor this component finished starting up. Sent once,
+        usually right after connecting, and the scaler counts a pod warm only
+        on it: like an event it waits up to EVENT_WAIT_S for the connection
+        (a plain send would be dropped by IMMEDIATE while the pipe comes up)."""
         return self._send(Ready(component=self.component, pid=self.pid,
-                                time=time.monotonic(), details=details or {}))
+                                time=time.monotonic(), details=details or {}),
+                          wait_s=EVENT_WAIT_S)
 
     def event(self, event: str, **details) -> bool:
         """A health-log event, written by the supervisor. Events are rare and

@@ -40,7 +40,7 @@ _HAS_TRACK_ARG = sys.version_info >= (3, 13)
 def segment_name(run_id: str, purpose: str) -> str:
     """The shared-memory name for `purpose` in run `run_id` (no leading slash)."""
     name = f"deepserve-{run_id}-{purpose}"
-    _check_name(name)
+    check_segment_name(name)
     return name
 
 
@@ -65,7 +65,7 @@ def create_segment(name: str, size: int, track: bool = False) -> SharedMemory:
     with `unlink_segment`. With `track=True` the tracker unlinks it at exit
     if nobody did; such a segment must be removed with `shm.unlink()`.
     """
-    _check_name(name)
+    check_segment_name(name)
     if size <= 0:
         raise ValueError(f"size must be positive, got {size}")
     shm = _open(name, create=True, size=size, track=track)
@@ -85,7 +85,7 @@ def attach_segment(name: str) -> SharedMemory:
 
     Raises FileNotFoundError if no segment has that name.
     """
-    _check_name(name)
+    check_segment_name(name)
     return _open(name, create=False, size=0, track=False)
 
 
@@ -93,7 +93,7 @@ def unlink_segment(name: str) -> bool:
     """Remove the segment's name; attached mappings stay valid. Gone is fine.
     Cleanup never raises: a segment we may not unlink (PermissionError, e.g.
     another user's squat) is logged and left; False then."""
-    _check_name(name)
+    check_segment_name(name)
     try:
         _posixshmem.shm_unlink("/" + name)
     except FileNotFoundError:
@@ -124,7 +124,7 @@ def _open(name: str, create: bool, size: int, track: bool) -> SharedMemory:
     return shm
 
 
-def _check_name(name: str) -> None:
+def check_segment_name(name: str) -> None:
     if not name or "/" in name or "\0" in name or len(name) > MAX_NAME_LEN:
         raise ValueError(f"invalid shared-memory name {name!r}: need 1..{MAX_NAME_LEN} "
                          "characters, no '/' or NUL")

@@ -42,7 +42,8 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Callable
 
 from deepserve.ipc.overflow import OverflowChannel
-from deepserve.ipc.segments import attach_segment, create_segment, unlink_segment
+from deepserve.ipc.segments import (attach_segment, check_segment_name, create_segment,
+                                    unlink_segment)
 
 MAGIC = 0x42525344  # b"DSRB" little-endian
 VERSION = 1
@@ -57,14 +58,23 @@ _MAX_SLEEP_S = 1e-3  # then sleeps doubling from 10 us up to this
 _FENCE_LOCK = threading.Lock()
 
 
+class RingNotReady(ValueError):
+    """The segment exists but its creator has not finished it: not yet sized,
+    or its header not yet marked valid. A reader may retry."""
+
+
 class BroadcastRing:
     """Single-writer, multi-reader ring; build with `create` or `attach`."""
 
     def __init__(self, shm: SharedMemory, reader_rank: int | None,
                  overflow_address: str | None):
+        if shm.size < RING_HEADER_BYTES:
+            raise RingNotReady(f"segment {shm.name!r} is not sized yet")
         header = shm.buf[:RING_HEADER_BYTES].cast("q")
         magic, version, num_readers, num_slots, slot_bytes, stride = header[:6]
         header.release()
+        if magic == 0:
+            raise RingNotReady(f"segment {shm.name!r}: its header is not written yet")
         if magic != MAGIC or version != VERSION:
             raise ValueError(f"segment {shm.name!r} is not a BroadcastRing v{VERSION}")
         if reader_rank is not None and not 0 <= reader_rank < num_readers:
@@ -109,8 +119,14 @@ class BroadcastRing:
     @classmethod
     def attach(cls, name: str, reader_rank: int,
                overflow_address: str | None = None) -> BroadcastRing:
-        """Reader side: attach to an existing ring as reader `reader_rank`."""
-        shm = attach_segment(name)
+        """Reader side: attach to an existing ring as reader `reader_rank`.
+        FileNotFoundError before the writer created it, RingNotReady while the
+        writer is still filling it in: both are worth a retry."""
+        check_segment_name(name)
+        try:
+            shm = attach_segment(name)
+        except ValueError as e:  # the name is valid: mmap refused a 0-byte segment
+            raise RingNotReady(f"segment {name!r} is not sized yet") from e
         try:
             return cls(shm, reader_rank, overflow_address)
         except BaseException:

@@ -51,7 +51,7 @@ from deepserve.cache.weight_cache import cached_model_dir
 from deepserve.config import EngineConfig
 from deepserve.errors import ModelLoadError
 from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
-from deepserve.ipc.shm_ring import BroadcastRing
+from deepserve.ipc.shm_ring import BroadcastRing, RingNotReady
 from deepserve.ipc.sockets import PushSocket
 from deepserve.messages.engine import StepDone, WorkerFailed, WorkerReady
 from deepserve.worker.cache_executor import CacheExecutor
@@ -161,12 +161,14 @@ class _Worker:
                 "pid": os.getpid()}
 
     def _attach_ring(self, deadline: float) -> BroadcastRing:
-        """The master creates the ring; it may not exist yet when we get here."""
+        """The master creates the ring; it may not exist yet when we get here,
+        or exist without its header (the master is between creating and
+        filling it in)."""
         while True:
             try:
                 return BroadcastRing.attach(self.spec.ring_name, self.spec.rank,
                                             overflow_address=self.spec.ring_overflow)
-            except FileNotFoundError:
+            except (FileNotFoundError, RingNotReady):
                 if time.monotonic() > deadline or self.life.should_stop():
                     raise
                 time.sleep(0.05)
