@@ -19,15 +19,15 @@ import zmq
 from deepserve.config import EngineConfig, load_config
 from deepserve.config.child import parse_child_args
 from deepserve.config.loading import load_node_config, write_run_config
-from deepserve.config.models import ModelSection, ScalingSection, SLOSection
+from deepserve.config.models import ModelSection, ModelSpec, ScalingSection, SLOSection
 from deepserve.config.node import (ENGINE_OPTIONS, DualPathOptions, FLAT_SECTIONS, GatewaySection, NodeConfig,
                                    NodeSection, PDOptions, RouterSection, RunAddresses,
-                                   SupervisorConfig, TESection, TESpec)
+                                   SupervisorConfig, TESection, TESpec, ClusterSection)
 from deepserve.cache import tier_server
 from deepserve.control import cluster_manager, job_executor
 from deepserve.engine import te_server
 from deepserve.gateway import __main__ as gateway_main
-from deepserve.supervisor.node_config import with_models, with_port
+from deepserve.supervisor.node_config import with_cluster, with_models, with_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"cluster-manager": cluster_manager, "job-executor": job_executor,
@@ -58,8 +58,8 @@ def write_toml(tmp_path: Path, tables: dict) -> Path:
 def resolve(path: Path, run_dir: Path) -> Path:
     """What the node does before it starts children: resolve, add the run, write."""
     config = load_node_config(path)
-    run = RunAddresses.in_dir(run_dir, "run1", [te.te_id for te in config.tes],
-                              kv_cache=config.node.host_cache_bytes > 0)
+    run = RunAddresses.for_node(run_dir, "run1", [te.te_id for te in config.tes],
+                                config.node.host_cache_bytes > 0, config.cluster)
     return write_run_config(config.with_run(run), run_dir / "node.json")
 
 
@@ -91,7 +91,8 @@ ENGINE_VALUES = {
     "max_num_batched_tokens": 333, "max_num_seqs": 7, "max_model_len": 128,
     "enable_prefix_caching": False, "seed": 5, "tp": 2, "async_scheduling": False,
     "num_threads": 3, "startup_timeout_s": 77.0, "kv_transfer_backend": "tcp",
-    "kv_transfer_layerwise": True, "kv_transfer_timeout_s": 9.0, "storage_read_gbps": 0.5}
+    "kv_transfer_layerwise": True, "kv_transfer_timeout_s": 9.0, "storage_read_gbps": 0.5,
+    "kv_bind_host": "10.0.0.7"}
 """A valid non-default value of every engine option but `processes` (implied True)."""
 
 # (section, key, value in the TOML, role that uses it, what that role sees -> expected)
@@ -179,10 +180,24 @@ CASES = [
       for key, value in {"window_s": 3.5, "out_queue_per_te": 4.0, "in_load_per_te": 0.25,
                          "out_cooldown_s": 1.5, "in_cooldown_s": 2.5,
                          "in_sustain_s": 6.5}.items()],
+    ("cluster", "host", "10.0.0.2", "te", lambda s, t: s.inbox == "tcp://10.0.0.2:7408"
+     and s.engine.kv_bind_host == "10.0.0.2"),
+    ("cluster", "host", "10.0.0.2", "cluster-manager",
+     lambda s, t: (s.inbox, s.pub) == ("tcp://10.0.0.2:7400", "tcp://10.0.0.2:7401")),
+    ("cluster", "host", "10.0.0.2", "gateway",
+     lambda s, t: s.reply_address == "tcp://10.0.0.2:7403" and s.je_address.startswith("ipc")),
+    ("cluster", "port", 9000, "cluster-manager", lambda s, t: s.inbox == "tcp://10.0.0.2:9000"),
+    ("cluster", "head", "10.0.0.1:7500", "node", lambda s, t: s.cluster.joins
+     and [te.te_id for te in s.tes] == ["n10-0-0-2-te0"]
+     and RunAddresses.for_node(t, "r", ["x"], False, s.cluster).cm == "tcp://10.0.0.1:7500"),
+    ("cluster", "name", "h7", "node", lambda s, t: [te.te_id for te in s.tes] == ["h7-te0"]),
 ]
+WITH = {("cluster", "port"): {"host": "10.0.0.2"}, ("cluster", "head"): {"host": "10.0.0.2"},
+        ("cluster", "name"): {"host": "10.0.0.2", "head": "10.0.0.1:7400"}}
+"""Keys a case needs next to its own (a joining node needs its host)."""
 SECTION_TYPES = {"node": NodeSection, "gateway": GatewaySection, "router": RouterSection,
                  "supervisor": SupervisorConfig, "te": TESection, "model": ModelSection,
-                 "scaling": ScalingSection}
+                 "scaling": ScalingSection, "cluster": ClusterSection}
 
 
 def _m(settings, key):
@@ -207,10 +222,13 @@ def test_key_reaches_its_process(tmp_path, section, key, value, role, sees):
         tables["model"] = [{"path": "models/x", key: value}]
     else:
         tables.setdefault(section, {})[key] = value
+    both = {section: WITH[section, key]} if (section, key) in WITH else {}
+    for name, table in both.items():
+        tables[name] = {**table, **tables[name]}
     settings = effective(role, write_toml(tmp_path, tables))
     assert sees(settings, tmp_path), settings
     (tmp_path / "default").mkdir()
-    default = effective(role, write_toml(tmp_path / "default", BASE))
+    default = effective(role, write_toml(tmp_path / "default", {**BASE, **both}))
     assert key == "processes" or not sees(default, tmp_path / "default"), "set a non-default"
 
 
@@ -370,7 +388,7 @@ def test_flat_view_and_build():
         NodeConfig.build(model="/m", tes=[TESpec("te0", "sideways")])
 
 
-@pytest.mark.parametrize("name", ["node", "pd", "drill"])
+@pytest.mark.parametrize("name", ["node", "pd", "drill", "cluster-node"])
 def test_shipped_node_confs_load(name):
     config = load_node_config(ROOT / "conf" / f"{name}.toml")
     assert config.node.model == str(ROOT / "models" / "tiny") and config.tes
@@ -550,3 +568,74 @@ def test_scaling_limits_at_and_past_their_boundary(tmp_path, key, good, bad):
                    .scaling, key) == good
     with pytest.raises(ValueError, match=rf"\[scaling\] {key}"):
         load_node_config(write_toml(tmp_path, {**base, "scaling": {key: bad}}))
+
+
+def test_cluster_section_checks_its_values_and_derives_the_addresses(tmp_path):
+    """[cluster]: wildcards, a malformed head, a joining node without its own
+    address, odd names and ports are errors naming the key; a head may have no
+    TE; a joining node's TEs are named after it (again when the command line
+    renames it) and point at the head's sockets; same-host sockets stay ipc."""
+    for host in ("0.0.0.0", "::", "*"):
+        with pytest.raises(ValueError, match="wildcard"):
+            ClusterSection(host=host)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        ClusterSection(host="10.0.0.2", head="10.0.0.1")
+    with pytest.raises(ValueError, match="needs host"):
+        ClusterSection(head="10.0.0.1:7400")
+    with pytest.raises(ValueError, match="letters, digits"):
+        ClusterSection(host="10.0.0.2", name="a/b")
+    for port in (1023, 60001):
+        with pytest.raises(ValueError, match=r"\[cluster\] port"):
+            load_node_config(write_toml(tmp_path, {**BASE, "cluster": {"host": "h", "port": port}}))
+    assert ClusterSection(host="10.0.0.2", port=1024).port == 1024
+    assert ClusterSection(host="h", port=60000).te_port(1381) == 65532  # its 4 ports fit
+    with pytest.raises(ValueError, match=r"would need port"):
+        ClusterSection(host="h", port=60000).te_port(1382)
+    head = NodeConfig.build(model="/m", cluster=ClusterSection(host="10.0.0.1"))
+    assert not head.tes and [(m.name, m.min_tes) for m in head.all_models] == [("m", 0)]
+    with pytest.raises(ValueError, match="at least one"):
+        NodeConfig.build(model="/m")
+    with pytest.raises(ValueError, match="joining node runs"):
+        NodeConfig.build(model="/m", tes=[TESpec("te0", "colocated")],
+                         cluster=ClusterSection(host="10.0.0.2", head="10.0.0.1:7400"),
+                         models=[ModelSpec(name="x", path="/x")])
+    joined = NodeConfig.build(model="/m", tes=[TESpec("te0", "colocated"), TESpec("te1", "decode")],
+                              cluster=ClusterSection(host="10.0.0.2", head="10.0.0.1:7400"))
+    assert [te.te_id for te in joined.tes] == ["n10-0-0-2-te0", "n10-0-0-2-te1"]
+    renamed = with_cluster(joined, name="h2")
+    assert [te.te_id for te in renamed.tes] == ["h2-te0", "h2-te1"]
+    run = RunAddresses.for_node(tmp_path, "r", [te.te_id for te in renamed.tes], True,
+                                renamed.cluster)
+    assert (run.cm, run.cm_pub, run.gw_reply, run.je) == (
+        "tcp://10.0.0.1:7400", "tcp://10.0.0.1:7401", "tcp://10.0.0.1:7403", "")
+    assert run.tes == {"h2-te0": "tcp://10.0.0.2:7408", "h2-te1": "tcp://10.0.0.2:7412"}
+    assert run.hb.startswith("ipc://") and run.kv_cache.startswith("ipc://")
+    single = RunAddresses.for_node(tmp_path, "r", ["te0"], False, ClusterSection())
+    assert single == RunAddresses.in_dir(tmp_path, "r", ["te0"])
+    with pytest.raises(ValueError, match="wildcard"):
+        with_cluster(joined, host="0.0.0.0")
+    for host in ("0.0.0.0", ""):  # a KV receiver other hosts reach binds a real address
+        with pytest.raises(ValueError, match="kv_bind_host"):
+            EngineConfig("/m", kv_bind_host=host)
+
+
+def test_k8s_manifest_opens_the_ports_the_cluster_binds():
+    """conf/k8s/raycluster.yaml (validated once against KubeRay's CRD schema,
+    conf/k8s/README.md): the pods expose the [cluster] ports our nodes bind
+    by default, mount an in-memory /dev/shm, and pin the Ray the extra installs."""
+    yaml = pytest.importorskip("yaml")
+    raycluster, service = yaml.safe_load_all((ROOT / "conf" / "k8s" / "raycluster.yaml").read_text())
+    assert (raycluster["apiVersion"], raycluster["kind"]) == ("ray.io/v1", "RayCluster")
+    c = ClusterSection(host="10.0.0.1")
+    head = raycluster["spec"]["headGroupSpec"]["template"]["spec"]
+    [worker_group] = raycluster["spec"]["workerGroupSpecs"]
+    worker = worker_group["template"]["spec"]
+    ports = lambda pod: {p["containerPort"] for p in pod["containers"][0]["ports"]}  # noqa: E731
+    assert {c.port, c.port + 1, c.port + 3, c.te_port(0), 8000, 6379} <= ports(head)
+    assert {c.te_port(0), c.te_port(0) + 1} <= ports(worker)
+    for pod in (head, worker):
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+        assert pod["volumes"][0]["emptyDir"]["medium"] == "Memory"
+    assert service["spec"]["ports"][0]["targetPort"] == NodeSection().port
+    head_labels = raycluster["spec"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= head_labels.items()

@@ -35,6 +35,7 @@ import multiprocessing as mp
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -164,6 +165,15 @@ class HostNet:
         except subprocess.TimeoutExpired:
             proc.kill()
             return proc.wait(timeout_s)
+
+    def kill_host(self, host: int) -> list[int]:
+        """A host dies: SIGKILL every process inside it at once (the namespace is
+        ours, so every pid in it is one of ours or their children). The pids."""
+        pids = self.pids(self.names[host])
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return pids
 
     # -- looking -------------------------------------------------------------
 

@@ -63,7 +63,8 @@ def _send(sender: KVSender, te: _DecodeTE) -> None:
 def test_a_restarted_decode_te_leaves_no_mapping_behind(backend):
     ctx = zmq.Context()
     pool = torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).view(SHAPE)
-    config = SimpleNamespace(kv_transfer_backend=backend, kv_transfer_timeout_s=5.0)
+    config = SimpleNamespace(kv_transfer_backend=backend, kv_transfer_timeout_s=5.0,
+                             kv_bind_host="127.0.0.1")
     sender = KVSender(pool, segment_name("x", "own-kv"), 0, config, ctx, NoFaults())
     incarnations = []
     try:

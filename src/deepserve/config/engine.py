@@ -12,6 +12,8 @@ import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from deepserve.config.cluster import WILDCARD_HOSTS
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -51,6 +53,9 @@ class EngineConfig:
     """How a prefill TE sends KV to a decode TE (DistFlow): "shm" straight into
     its shared-memory pool, "ring" through a staging ring, "tcp" over ZeroMQ.
     A TE whose peers send with ring/tcp starts a receiver for them."""
+    kv_bind_host: str = "127.0.0.1"
+    """The address a ring/tcp KV receiver binds: loopback serves prefill TEs of
+    this host; a node of many hosts sets its [cluster] host here."""
     kv_transfer_layerwise: bool = False
     """Send each layer's KV as soon as that layer is computed (overlaps the
     transfer with the rest of the forward) instead of after the forward."""
@@ -73,6 +78,9 @@ class EngineConfig:
         if self.kv_transfer_backend not in ("shm", "ring", "tcp"):
             raise ValueError(f"kv_transfer_backend must be shm, ring or tcp, "
                              f"got {self.kv_transfer_backend!r}")
+        if self.kv_bind_host in WILDCARD_HOSTS:
+            raise ValueError(f"kv_bind_host must name this host's address, got "
+                             f"{self.kv_bind_host!r}")
         if self.storage_read_gbps is not None and (
                 isinstance(self.storage_read_gbps, bool) or not self.storage_read_gbps > 0):
             raise ValueError(f"storage_read_gbps must be > 0, got {self.storage_read_gbps!r}")

@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 
 from deepserve.config.models import ModelSpec, model_spec
+from deepserve.config.cluster import named_for_cluster
 from deepserve.config.node import (_SECTION_TYPES, ENGINE_OPTIONS, NodeConfig, RunAddresses,
                                    TESpec)
 
@@ -45,10 +46,10 @@ def load_node_config(path: str | Path, overrides: dict | None = None) -> NodeCon
         raise ValueError(f'{path}: [node] model: required (model = "DIR")')
     root = Path(path).resolve().parent.parent
     parts = {}
-    for section in ("node", "gateway", "router", "supervisor", "scaling"):
+    for section in ("node", "gateway", "router", "supervisor", "scaling", "cluster"):
         table = _absolute_paths(section, dict(raw.get(section, {})), root)
         parts[section] = _decode(path, f"[{section}]", table, _SECTION_TYPES[section])
-    tes = tuple(_te_specs(path, raw.get("te", [])))
+    tes = named_for_cluster(_te_specs(path, raw.get("te", [])), parts["cluster"])
     models = tuple(_model_specs(path, raw.get("model", []), root))
     try:
         return NodeConfig(tes=tes, models=models, **parts)

@@ -7,6 +7,7 @@
     [[te]]        TESection          type, count, priority + every EngineConfig option
     [[model]]     ModelSection       more models, scaled by the autoscaler (config/models.py)
     [scaling]     ScalingSection     pre-warmed pool, weight cache, autoscaler (config/models.py)
+    [cluster]     ClusterSection     this host's address, the head a node joins (config/cluster.py)
     (resolved)    RunAddresses       the run's sockets, written by the node, never in TOML
 
 Decoding forbids unknown keys and checks ranges (Meta constraints); the
@@ -26,6 +27,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from deepserve.config.cluster import ClusterSection, named_for_cluster
 from deepserve.config.engine import EngineConfig
 from deepserve.config.models import ModelSection, ModelSpec, ScalingSection
 
@@ -246,6 +248,22 @@ class RunAddresses(msgspec.Struct, frozen=True, kw_only=True):
     """Where TEs started later (scaling) and pre-warmed processes bind theirs."""
 
     @classmethod
+    def for_node(cls, run_dir: str | Path, run_id: str, te_ids, kv_cache: bool,
+                 cluster: ClusterSection) -> "RunAddresses":
+        """One host: `in_dir`. Many ([cluster] host set): what other hosts reach
+        binds tcp://host:port+k (the head's cluster manager, its PUB, the gateway's
+        replies; every TE's inbox), or, on a joining node, points at the head's;
+        same-host sockets (heartbeats, the KV tier, the JE's inbox) stay ipc://."""
+        local = cls.in_dir(run_dir, run_id, te_ids, kv_cache)
+        if not cluster.is_cluster:
+            return local
+        head = cluster.head_address
+        tes = {t: f"tcp://{cluster.host}:{cluster.te_port(i)}" for i, t in enumerate(te_ids)}
+        je = "" if cluster.joins else local.je
+        return msgspec.structs.replace(local, cm=head(0), cm_pub=head(1), je=je,
+                                       gw_reply=head(3), tes=tes)
+
+    @classmethod
     def in_dir(cls, run_dir: str | Path, run_id: str, te_ids,
                kv_cache: bool = False) -> "RunAddresses":
         at = lambda name: f"ipc://{run_dir}/{name}.sock"  # noqa: E731
@@ -275,12 +293,19 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     models: tuple[ModelSpec, ...] = ()
     """The [[model]] tables (and command-line models), scaled by the autoscaler."""
     scaling: ScalingSection = ScalingSection()
+    cluster: ClusterSection = ClusterSection()
     run: RunAddresses | None = None
     """Set by the node once its run directory exists (None in what conf/ files give)."""
 
     def __post_init__(self):
-        if not self.tes and not self.models:
+        if not self.tes and not self.models and not self.cluster.is_cluster:
             raise ValueError("te: a node needs at least one [[te]] or [[model]]")
+        if self.cluster.joins and self.models:
+            raise ValueError("model: a joining node runs [[te]] TEs only; [[model]] tables "
+                             "(scaled TEs) live on the head")
+        if self.cluster.is_cluster and not self.tes and not self.models \
+                and not self.node.model:
+            raise ValueError('node: model: required (model = "DIR")')
         if self.tes and not self.node.model:
             raise ValueError('node: model: required with [[te]] tables (model = "DIR")')
         for te in self.tes:  # fail now, not in a child process
@@ -302,7 +327,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Every model the node serves: the [node] model of the [[te]] TEs (if
         any; not scalable) first, then the [[model]] ones."""
         static = ()
-        if self.tes:
+        if self.tes or (self.cluster.is_cluster and self.node.model):
             static = (ModelSpec(name=self.node.served_model, path=self.node.model,
                                 min_tes=len(self.tes), max_tes=len(self.tes), scalable=False),)
         return static + self.models
@@ -334,7 +359,8 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def build(cls, *, tes=(), supervisor: SupervisorConfig | None = None, models=(),
-              scaling: ScalingSection | None = None, **keys) -> "NodeConfig":
+              scaling: ScalingSection | None = None, cluster: ClusterSection | None = None,
+              **keys) -> "NodeConfig":
         """From flat keys (model=..., port=..., policy=...), each put in the
         section that has it, decoded with the same checks as a TOML file."""
         sections: dict[str, dict] = {name: {} for name in FLAT_SECTIONS}
@@ -344,8 +370,10 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"unknown node config key {key!r}")
             sections[owner[0]][key] = value
         parts = {name: msgspec.convert(raw, _SECTION_TYPES[name]) for name, raw in sections.items()}
-        return cls(tes=tuple(tes), supervisor=supervisor or SupervisorConfig(),
-                   models=tuple(models), scaling=scaling or ScalingSection(), **parts)
+        cluster = cluster or ClusterSection()
+        return cls(tes=named_for_cluster(tes, cluster), supervisor=supervisor or SupervisorConfig(),
+                   models=tuple(models), scaling=scaling or ScalingSection(), cluster=cluster,
+                   **parts)
 
     def with_run(self, run: RunAddresses) -> "NodeConfig":
         return msgspec.structs.replace(self, run=run)
@@ -353,5 +381,5 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 _SECTION_TYPES = {"node": NodeSection, "gateway": GatewaySection, "router": RouterSection,
                   "supervisor": SupervisorConfig, "te": TESection, "model": ModelSection,
-                  "scaling": ScalingSection}
+                  "scaling": ScalingSection, "cluster": ClusterSection}
 """TOML section name -> its Struct (the loader's only list of sections)."""

@@ -167,6 +167,8 @@ class ClusterManager:
             self.scaling.on_te_down(te_id, info.model, reason, self.clock())
         if self.tes.pop(te_id, None) is not None:
             log.warning("TE %s down: %s", te_id, reason)
+            if self.events is not None:  # a whole host gone shows as its TEs, all at once
+                self.events("te_removed", te_id=te_id, reason=reason)
             self.publish()
 
     def publish(self) -> None:

@@ -5,9 +5,13 @@ into a running node under streaming load and report what the clients saw.
     bin/deepserve-drill hang-worker --mode stall --json out.json
     bin/deepserve-drill kill-master --url http://127.0.0.1:8000 \\
         --log-dir /tmp/ds-logs --drill-dir /tmp/ds-drill --conf conf/drill.toml
+    bin/deepserve-drill kill-node                      # a head and two joined nodes
 
 Without --url a node is started from --conf (supervisor.drill forced on, a
-free port) and always stopped at the end, on errors and Ctrl-C too. With
+free port) and always stopped at the end, on errors and Ctrl-C too;
+kill-node starts a cluster instead (drill/cluster.py: the head from --conf,
+two nodes from conf/cluster-node.toml joined on 127.0.0.2 and 127.0.0.3) and
+has no --url form. With
 --url the node is someone else's: --conf must describe it (deadlines, TE
 types, model), --log-dir is its health log's folder (pids for signal
 scenarios; the fault's proof, detection and recovery for all) and --drill-dir
@@ -30,6 +34,7 @@ from pathlib import Path
 
 import click
 
+from deepserve.drill.cluster import JOINERS
 from deepserve.drill.report import DrillReport
 from deepserve.drill.runner import run_drill, served_model
 from deepserve.drill.scenarios import SCENARIOS, get_scenario
@@ -115,11 +120,22 @@ def main(scenario, mode, url, log_dir, drill_dir, conf, json_path, duration, con
     def echo(msg: str) -> None:
         click.echo(f"[{time.strftime('%H:%M:%S')}] {msg}", err=True)
 
-    node = None
+    node = cluster = None
     try:
         conf = conf or str(ROOT / "conf" / chosen.conf)
         config = load_node_config(conf, overrides=None if url else {"port": free_port()})
-        if url is None:
+        if chosen.kills_node and url is not None:
+            raise click.BadParameter(f"{chosen.name} starts a cluster of its own; no --url",
+                                     param_hint="--url")
+        if chosen.kills_node:
+            from deepserve.drill.cluster import LocalCluster, head_config
+            node = cluster = LocalCluster(head_config(config))
+            config = cluster.config
+            echo(f"starting a cluster: head from {conf} on {cluster.url}, nodes "
+                 f"{', '.join(n for n, _ in JOINERS)}")
+            cluster.start()
+            url, log_dir, drill_dir = cluster.url, cluster.log_dir, cluster.drill_dir
+        elif url is None:
             config, node = _drill_node(config, chosen)
             echo(f"starting a node from {conf} on {node.url}")
             node.start()  # assigned first: the finally below stops it even if this fails
@@ -135,7 +151,7 @@ def main(scenario, mode, url, log_dir, drill_dir, conf, json_path, duration, con
                            config=config, log_dir=log_dir, drill_dir=drill_dir,
                            duration_s=duration, concurrency=concurrency, max_tokens=max_tokens,
                            warmup_s=warmup, request_timeout_s=request_timeout, te=te,
-                           echo=echo)
+                           echo=echo, cluster=cluster)
     except KeyboardInterrupt:
         echo("interrupted")
         raise SystemExit(130) from None

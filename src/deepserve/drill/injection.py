@@ -17,6 +17,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -50,6 +51,10 @@ class Injection:
     lifted_at: float | None = None
     """When the drill took the fault back (slow: file removed; stall: removed on detection)."""
     notes: list[str] = field(default_factory=list)
+    killer: Callable[[], tuple[list[int], float]] | None = None
+    """kill-node: kills the whole node; (its pids, the time just before)."""
+    pids: list[int] = field(default_factory=list)
+    """kill-node: every pid the kill went to."""
 
     @property
     def component(self) -> str:
@@ -58,7 +63,11 @@ class Injection:
     def inject(self, events: HealthEvents | None, drill_dir: str | os.PathLike | None,
                now=time.time) -> float:
         """Apply the fault; returns (and records) its time."""
-        if self.scenario.is_signal:
+        if self.scenario.kills_node:
+            if self.killer is None:
+                raise RuntimeError(f"{self.scenario.name}: runs on a cluster the drill starts")
+            self.pids, self.at = self.killer()
+        elif self.scenario.is_signal:
             self._send_signal(events, now)
         else:
             self._write_hooks(drill_dir, now)

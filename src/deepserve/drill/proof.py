@@ -18,6 +18,8 @@
                      the load's request with that id completed
     TECrashed        a "crashed" event of the target TE after the        at the end of the drill
                      fault (stage-die: the hook kills the decode TE)
+    NodeLost         every killed pid gone, and a `te_removed` event     at the end of the drill
+                     (the cluster manager's) for each of the node's TEs
 
 A proof is settled once proven or failed; the runner stops waiting for
 recovery when one fails (nothing more can be learnt), and never reports a
@@ -35,6 +37,7 @@ from deepserve.drill.stream import COMPLETED, RequestRecord
 FAULT_INJECTED = "fault_injected"
 PID_DETECTIONS = frozenset({"crashed", "hung", "heartbeat_missed"})
 MIGRATED = "request_migrated"
+TE_REMOVED = "te_removed"
 
 
 class FaultProof:
@@ -230,6 +233,35 @@ class TECrashed(FaultProof):
         self.poll(float("inf"))
         if self.crash is None:
             self.failure = f"{self.te} did not crash after the fault: it never fired"
+
+
+class NodeLost(FaultProof):
+    def __init__(self, events: HealthEvents, te_ids: list[str], pids: list[int], since: float):
+        super().__init__()
+        self.events, self.te_ids, self.pids, self.since = events, list(te_ids), pids, since
+        self.removed: dict[str, dict] = {}
+        self.gone = False
+
+    def _is_shown(self) -> bool:
+        return self.gone and set(self.removed) == set(self.te_ids)
+
+    def poll(self, t: float) -> None:
+        if not self.gone and self.pids and all(is_gone(pid) for pid in self.pids):
+            self.gone = True
+            self.evidence.append(f"all {len(self.pids)} processes of the node are gone")
+        for e in self.events.events(self.since):
+            te = (e.get("details") or {}).get("te_id")
+            if e.get("event") == TE_REMOVED and te in self.te_ids and te not in self.removed:
+                self.removed[te] = e
+                self.evidence.append(f"{te} removed: {e['details'].get('reason')} "
+                                     f"(+{e['t'] - self.since:.3f} s)")
+
+    def finish(self, records: list[RequestRecord]) -> None:
+        self.poll(float("inf"))
+        if not self._is_shown() and self.failure is None:
+            missing = sorted(set(self.te_ids) - set(self.removed))
+            self.failure = (f"node kill not shown: pids gone {self.gone}, "
+                            f"TEs never removed {missing}")
 
 
 class Proofs(FaultProof):

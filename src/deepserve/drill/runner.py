@@ -31,10 +31,10 @@ from deepserve.drill.load import LoadDriver
 from deepserve.drill.poison import PoisonRequest, Quarantined, has_recovered, poison_ids, summary
 from deepserve.drill.prompts import (make_long_prompts, make_probe_prompt, make_prompts,
                                      token_counter)
-from deepserve.drill.proof import (CacheMissed, FaultProof, HookFired, Proofs, SignalDetected,
-                                   TECrashed, TransferResumed)
+from deepserve.drill.proof import (CacheMissed, FaultProof, HookFired, NodeLost, Proofs,
+                                   SignalDetected, TECrashed, TransferResumed)
 from deepserve.drill.report import DrillReport, build_report
-from deepserve.drill.scenarios import (DETECT_EVENTS, Scenario, deadline_of,
+from deepserve.drill.scenarios import (DETECT_EVENTS, TE_REMOVED, Scenario, deadline_of,
                                        target_te, target_tes)
 from deepserve.drill.stream import COMPLETED, RequestRecord, first_success_after, now
 from deepserve.supervisor.node import num_tes
@@ -69,14 +69,17 @@ def run_drill(scenario: Scenario, *, url: str, model: str, config=None,
               duration_s: float = 10.0, concurrency: int = 3, max_tokens: int = 16,
               warmup_s: float = 2.0, settle_s: float = 2.0, request_timeout_s: float = 30.0,
               prompts: list[str] | None = None, te: str | None = None,
-              fire_bound_s: float = FIRE_BOUND_S, echo=lambda msg: None) -> DrillReport:
+              fire_bound_s: float = FIRE_BOUND_S, echo=lambda msg: None,
+              cluster=None) -> DrillReport:
     """One drill against the node at `url`. config: its NodeConfig (TE types,
     supervisor deadlines, PD threshold); None: the health log's details and the
     supervisor defaults. te: the target TE (default: te0, or the first TE of the
     scenario's te_type). log_dir (the node's health log) is needed by every
-    scenario: it holds the proof. The report's details hold what its keys do not."""
+    scenario: it holds the proof. cluster: the LocalCluster (drill/cluster.py)
+    kill-node runs on. The report's details hold what its keys do not."""
     drill = Drill(scenario, url=url, model=model, config=config, log_dir=log_dir,
-                  drill_dir=drill_dir, te=te, fire_bound_s=fire_bound_s, echo=echo)
+                  drill_dir=drill_dir, te=te, fire_bound_s=fire_bound_s, echo=echo,
+                  cluster=cluster)
     drill.prepare(prompts, concurrency=concurrency, max_tokens=max_tokens,
                   request_timeout_s=request_timeout_s)
     return drill.run(duration_s=duration_s, warmup_s=warmup_s, settle_s=settle_s)
@@ -86,7 +89,7 @@ class Drill:
     """The state of one drill run; run_drill is its one caller."""
 
     def __init__(self, scenario: Scenario, *, url: str, model: str, config, log_dir, drill_dir,
-                 te: str | None, fire_bound_s: float, echo):
+                 te: str | None, fire_bound_s: float, echo, cluster=None):
         if log_dir is None:
             raise RuntimeError(f"{scenario.name}: the fault's proof, detection and recovery "
                                "come from the health log: give --log-dir")
@@ -103,14 +106,26 @@ class Drill:
             self.te_types = {spec.te_id: spec.te_type for spec in config.tes}
         else:
             self.te_types = self.events.te_types()
+        self.cluster = cluster
+        self.num_tes = (cluster.num_tes if cluster is not None
+                        else len(config.tes) if config is not None else 1)
         if scenario.node_process:  # kill-cm / kill-je: the process is its own "TE"
             self.te, components = scenario.part, [scenario.part]
+        elif scenario.kills_node:  # the node's TEs are the components
+            if cluster is None:
+                raise RuntimeError(f"{scenario.name}: runs on a cluster the drill starts "
+                                   "(no --url)")
+            self.te = te or scenario.part
+            components = cluster.node_tes[self.te]
         else:
             self.te = te or target_te(scenario, self.te_types)
             components = [f"{t}/{scenario.part}" for t in target_tes(scenario, self.te,
                                                                      self.te_types)]
         self.injection = Injection(scenario, self.te, components)
-        self.deadline_s = deadline_of(scenario, self.supervisor)
+        if scenario.kills_node:
+            self.injection.killer = lambda: cluster.kill_node(self.te)
+        self.deadline_s = deadline_of(scenario, self.supervisor,
+                                      getattr(getattr(config, "node", None), "te_timeout_s", 10))
         self.bound_s = recovery_bound_s(self.supervisor)
         if scenario.fault == "poison":  # resume-once: up to two TE restarts, one after the other
             self.bound_s *= 2
@@ -137,7 +152,7 @@ class Drill:
             prompts = make_prompts(min_len, counter)
         self.echo(f"drill {self.scenario.name}: {self.scenario.description}; "
                   f"target {', '.join(self.injection.components)}")
-        wait_tes(self.url, len(config.tes) if config is not None else 1, self.bound_s)
+        wait_tes(self.url, self.num_tes, self.bound_s)
         if self.scenario.is_signal:
             wait_pid(self.events, self.injection.component, self.bound_s)
         self.driver = LoadDriver(self.url, self.model, prompts=prompts, **driver_options)
@@ -152,6 +167,8 @@ class Drill:
 
     def _make_proof(self, fault_at: float) -> FaultProof:
         inj, s = self.injection, self.scenario
+        if s.kills_node:
+            return NodeLost(self.events, inj.components, inj.pids, fault_at)
         if s.is_signal:
             return SignalDetected(self.events, self.te, inj.component, inj.pid, inj.te_pid,
                                   fault_at)
@@ -238,6 +255,10 @@ class Drill:
     def _first_detection(self, fault_at: float) -> dict | None:
         """The first fault the supervisor saw in the target TE (poison: in any
         TE it was injected into: the request of death may land on either)."""
+        if self.scenario.kills_node:  # the cluster manager drops the node's TEs
+            tes = set(self.injection.components)
+            return self.events.first_where(fault_at, lambda e: e.get("event") == TE_REMOVED
+                                           and (e.get("details") or {}).get("te_id") in tes)
         if self.poison is None:
             return self.events.first(fault_at, DETECT_EVENTS, self.te)
         tes = {te_of(c) for c in self.injection.components}
@@ -253,6 +274,9 @@ class Drill:
                     and (num_tes(self.url) or 0) >= want)
         if s.restarts:
             return self.recovered is not None or self.gave_up is not None
+        if s.kills_node:  # nothing restarts: served by the others after the detection
+            return self.detected is not None and first_success_after(
+                list(self.driver.records), self.detected["t"]) is not None
         if s.hold_s:  # slow: lift after hold_s, then one success after
             if inj.lifted_at is None and t >= fault_at + s.hold_s:
                 inj.lift()
@@ -276,6 +300,8 @@ class Drill:
             recovered_at = self.recovered["t"] if self.recovered is not None else None
         elif self.poison is not None:  # every restarted TE back, then a success (poison.py)
             recovered_at = self.done_at
+        elif self.scenario.kills_node and self.detected is not None:
+            recovered_at = first_success_after(records, self.detected["t"])
         else:
             recovered_at = first_success_after(records, fault_at)
         self.proof.finish(records)

@@ -21,6 +21,15 @@ proving it proof.py.
     dualpath-de-fail  <decode>/worker0  hook file <decode>.worker0.stage-die heartbeat_deadline_s
                       (conf/dualpath.toml; the worker exits 13 half-way through
                       staging a prompt's storage blocks for its prefill TE)
+    kill-node         node n2 (a host)  SIGKILL the node process and every   [node] te_timeout_s
+                      of its cluster    process under it (drill/cluster.py: a head and two
+                                        joined nodes on 127.0.0.1-3, conf/cluster-*.toml)
+
+kill-node loses a whole host: its TEs leave the head's TE list once silent
+for te_timeout_s (detection: the cluster manager's `te_removed` events for
+all of them), their requests resume on the other node, nothing restarts
+(the host is gone). Proof: every killed pid is gone and each of the node's
+TEs was removed. Recovery: a request that started after the detection completed.
 
 kill-cm / kill-je hit a node-level process (node_process: the target is the
 process itself, not a part of a TE). Detection is its "crashed" event; recovery
@@ -73,7 +82,9 @@ from dataclasses import dataclass
 
 DETECT_EVENTS = frozenset({"crashed", "killed", "hung", "heartbeat_missed"})
 RECOVERED = "recovered"
-HEARTBEAT, PROGRESS = "heartbeat", "progress"
+HEARTBEAT, PROGRESS, TE_TIMEOUT = "heartbeat", "progress", "te_timeout"
+NODE_KILL = "node-kill"
+TE_REMOVED = "te_removed"
 
 
 @dataclass(frozen=True)
@@ -106,6 +117,11 @@ class Scenario:
     """[node] keys set on a node the drill starts itself (never on --url's)."""
     prompt_tokens: int = 0
     """Long load prompts of this many tokens, each its own (0: the usual mix)."""
+
+    @property
+    def kills_node(self) -> bool:
+        """The fault is a whole node (drill/cluster.py), not one TE's process."""
+        return self.fault == NODE_KILL
 
     @property
     def is_signal(self) -> bool:
@@ -143,6 +159,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              prompt_tokens=640,
              description="a decode TE dies while it reads storage for its prefill TE "
                          "(DualPath): its requests complete elsewhere"),
+    Scenario("kill-node", "n2", NODE_KILL, TE_TIMEOUT, False, conf="cluster-head.toml",
+             description="a joined node (a host) dies whole under load: its TEs leave the "
+                         "list, their requests resume on the other node"),
 )}
 
 ALIASES = {"hang-worker-sigstop": "hang-worker", "hang-worker-stall": "stall-worker"}
@@ -162,9 +181,12 @@ def get_scenario(name: str, mode: str | None = None) -> Scenario:
     return SCENARIOS[name]
 
 
-def deadline_of(scenario: Scenario, supervisor) -> float | None:
+def deadline_of(scenario: Scenario, supervisor, te_timeout_s: float = 10.0) -> float | None:
     """The configured deadline (seconds) that applies to `scenario`;
-    `supervisor` is NodeConfig.supervisor (or None: the defaults 3 / 5 s)."""
+    `supervisor` is NodeConfig.supervisor (or None: the defaults 3 / 5 s);
+    te_timeout_s: [node] te_timeout_s (kill-node)."""
+    if scenario.deadline == TE_TIMEOUT:
+        return float(te_timeout_s)
     if scenario.deadline == HEARTBEAT:
         return float(getattr(supervisor, "heartbeat_deadline_s", 3.0))
     if scenario.deadline == PROGRESS:

@@ -70,6 +70,14 @@ class TESettings(msgspec.Struct, frozen=True, kw_only=True):
 
 def load_settings(args: ChildArgs) -> TESettings:
     config, run = read_run_config(args.conf)
+    settings = _settings(args, config, run)
+    if config.cluster.is_cluster:  # peers on other hosts send KV to this host's address
+        engine = dataclasses.replace(settings.engine, kv_bind_host=config.cluster.host)
+        settings = msgspec.structs.replace(settings, engine=engine)
+    return settings
+
+
+def _settings(args: ChildArgs, config, run) -> TESettings:
     is_static = any(te.te_id == args.te_id for te in config.tes)
     if args.model is not None and not is_static:  # a TE the autoscaler added
         try:

@@ -1,8 +1,10 @@
 """`python -m deepserve.supervisor --conf conf/node.toml [--host H] [--port P]
-[--model [NAME=]DIR ...] [--scale-to-zero-after SECONDS]`:
+[--model [NAME=]DIR ...] [--scale-to-zero-after SECONDS]
+[--cluster-host ADDR] [--join HEAD:PORT] [--node-name NAME]`:
 start a node, print how to call it, serve until Ctrl-C or SIGTERM. The
 node's supervisor restarts what fails; a gateway, job executor or cluster
-manager that crash-loops stops the node."""
+manager that crash-loops stops the node. With --join the node adds its
+[[te]] TEs to the head's cluster and runs nothing else ([cluster], README)."""
 
 from __future__ import annotations
 
@@ -14,12 +16,17 @@ import click
 
 from deepserve.actor import ActorLife
 from deepserve.supervisor.node import Node
-from deepserve.supervisor.node_config import load_node_config, with_models, with_port
+from deepserve.supervisor.node_config import (load_node_config, with_cluster, with_models,
+                                              with_port)
 
 _VITAL = ("gateway", "job-executor", "cluster-manager")
 
 
 def _usage(node: Node) -> str:
+    if node.joins:
+        c = node.config.cluster
+        return (f"DeepServe node {c.name} ({c.host}) joined the cluster at {c.head}: "
+                f"TEs {', '.join(node.te_ids)} are listed. Ctrl-C stops them.")
     names = list(node.config.served_models)
     model = names[0]
     return f"""DeepServe is up at {node.url}  ({len(node.te_ids)} TEs; models {', '.join(names)})
@@ -44,8 +51,16 @@ Ctrl-C stops every process."""
 @click.option("--scale-to-zero-after", "idle_s", default=None,
               type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="every model goes to zero TEs after this long without a request")
+@click.option("--cluster-host", default=None, metavar="ADDR",
+              help="overrides [cluster] host: this host's address for cross-host sockets")
+@click.option("--join", default=None, metavar="HOST:PORT",
+              help="overrides [cluster] head: join that head's cluster with this node's TEs")
+@click.option("--node-name", default=None, help="overrides [cluster] name (prefix of TE ids)")
+@click.option("--cluster-port", default=None, type=int,
+              help="overrides [cluster] port (this node's first TCP port)")
 def main(conf: str, host: str | None, port: int | None, models: tuple[str, ...],
-         idle_s: float | None) -> None:
+         idle_s: float | None, cluster_host: str | None, join: str | None,
+         node_name: str | None, cluster_port: int | None) -> None:
     for value in models:
         path = value.partition("=")[2] if "=" in value else value
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -53,14 +68,17 @@ def main(conf: str, host: str | None, port: int | None, models: tuple[str, ...],
                                      param_hint="--model")
     try:
         config = with_models(with_port(load_node_config(conf), host, port), models, idle_s)
+        config = with_cluster(config, join, cluster_host, node_name, cluster_port)
     except ValueError as e:  # names the file, the section and the key
         raise click.UsageError(str(e)) from None
     life = ActorLife("node")  # SIGTERM / SIGINT only set its flag
     node = Node(config)
     status = {"code": 0}
 
+    vital = set() if node.joins else set(_VITAL)
+
     def watch() -> bool:
-        failed = sorted(node.supervisor.failed & set(_VITAL))
+        failed = sorted(node.supervisor.failed & vital)
         if failed:  # restarted until it crash-looped
             click.echo(f"node: {', '.join(failed)} failed for good; stopping", err=True)
             status["code"] = 1

@@ -41,6 +41,7 @@ SEVERITY: dict[str, str] = {
     "evicted": WARNING,
     "request_migrated": WARNING,
     "te_list_complete": INFO,
+    "te_removed": WARNING,
     "request_quarantined": ERROR,
     "fault_injected": WARNING,
     "scale_decision": INFO,

@@ -55,11 +55,13 @@ from deepserve.config.node import RunAddresses
 from deepserve.faults import ENV_VAR as DRILL_ENV
 from deepserve.supervisor.health_log import HealthLog
 from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
+from deepserve.ipc.sockets import SubSocket
+from deepserve.messages.control import FromClusterManager, TEList
 from deepserve.supervisor.node_config import NodeConfig, TESpec
 from deepserve.supervisor.placement import Gang, place
 from deepserve.supervisor.process_table import ProcessTable, sweep_scratch
 from deepserve.supervisor.scaler import NodeScaler
-from deepserve.supervisor.supervisor import Supervisor
+from deepserve.supervisor.supervisor import NODE_PROCESSES, Supervisor
 
 log = logging.getLogger(__name__)
 RUN_CONFIG = "node.json"
@@ -72,9 +74,10 @@ class Node:
         self.config = config
         self.run_id = uuid.uuid4().hex[:8]
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"ds-n{self.run_id}-"))
-        self.run = RunAddresses.in_dir(self.run_dir, self.run_id,
-                                       [te.te_id for te in config.tes],
-                                       kv_cache=config.node.host_cache_bytes > 0)
+        self.run = RunAddresses.for_node(self.run_dir, self.run_id,
+                                         [te.te_id for te in config.tes],
+                                         config.node.host_cache_bytes > 0, config.cluster)
+        self.joins = config.cluster.joins  # a joining node: its TEs (and KV tier) only
         sup = config.supervisor
         self.log_dir = Path(sup.log_dir) if sup.log_dir else self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -109,10 +112,11 @@ class Node:
         try:
             self.supervisor = self._supervisor()  # its inbox first: no early heartbeat is lost
             conf = self._write_run_config()  # each child reads its part: --conf PATH --role NAME
-            self._spawn("cluster-manager", "deepserve.control.cluster_manager",
-                        *child_argv(conf, "cluster-manager"))
-            self._spawn("job-executor", "deepserve.control.job_executor",
-                        *child_argv(conf, "job-executor"))
+            if not self.joins:  # the head's (or the only node's) control processes
+                self._spawn("cluster-manager", "deepserve.control.cluster_manager",
+                            *child_argv(conf, "cluster-manager"))
+                self._spawn("job-executor", "deepserve.control.job_executor",
+                            *child_argv(conf, "job-executor"))
             if self.run.kv_cache:  # before the TEs: their first lookups find it
                 self._spawn(KV_CACHE, "deepserve.cache.tier_server",
                             *child_argv(conf, KV_CACHE, run_id=self.te_run_id(KV_CACHE)))
@@ -122,8 +126,9 @@ class Node:
                                 *child_argv(conf, "te", te.te_id, self.te_run_id(te.te_id)))
             for te_id, model in self.config.initial_scaled_tes().items():
                 self.scaler.start_te(te_id, model, "min_tes", time.monotonic())
-            self.scaler.fill_pool()
-            self._spawn("gateway", "deepserve.gateway", *self._gateway_args())
+            if not self.joins:
+                self.scaler.fill_pool()
+                self._spawn("gateway", "deepserve.gateway", *self._gateway_args())
             if self.weights is not None:
                 self._filler = threading.Thread(target=self._fill_weight_cache,
                                                 name="weight-cache", daemon=True)
@@ -135,9 +140,10 @@ class Node:
             raise
 
     def _supervisor(self) -> Supervisor:
+        watched = ("kv-cache",) if self.joins else NODE_PROCESSES
         return Supervisor(self.table, self.health, self.config.supervisor, tes=self.te_ids,
                           inbox=self.run.hb, cm_pub=self.run.cm_pub, cm=self.run.cm,
-                          scaler=self.scaler)
+                          scaler=self.scaler, watched=watched)
 
     def _fill_weight_cache(self) -> None:
         """DRAM pre-load: every model's weights into the node's cache (those that
@@ -257,16 +263,27 @@ class Node:
         return f"{self.run_id}{te_id}-"
 
     def _wait_healthy(self) -> None:
+        """Until the gateway lists every TE (the head, or the only node), or, on
+        a joining node, until the head's cluster manager lists all of ours."""
         deadline = time.monotonic() + self.config.startup_timeout_s
         want = len(self.te_ids)
-        while time.monotonic() < deadline:
-            dead = [d for d in self.dead() if not d.startswith("pool")]
-            if dead:
-                raise RuntimeError(f"node process died while starting: {dead}")
-            listed = num_tes(self.url)
-            if listed is not None and listed >= want:
-                return
-            time.sleep(0.3)
+        te_list = SubSocket(self.ctx, self.run.cm_pub, bind=False, type=FromClusterManager) \
+            if self.joins else None
+        try:
+            while time.monotonic() < deadline:
+                dead = [d for d in self.dead() if not d.startswith("pool")]
+                if dead:
+                    raise RuntimeError(f"node process died while starting: {dead}")
+                if te_list is None:
+                    listed = num_tes(self.url)
+                    if listed is not None and listed >= want:
+                        return
+                    time.sleep(0.3)
+                elif te_list.poll(0.3) and set(self.te_ids) <= _listed(te_list.drain()):
+                    return
+        finally:
+            if te_list is not None:
+                te_list.close()
         raise TimeoutError(f"node not healthy after {self.config.startup_timeout_s} s")
 
     def dead(self) -> list[str]:
@@ -296,6 +313,12 @@ class Node:
             self.weights.clear()
         self.health.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _listed(msgs) -> set[str]:
+    """TE ids in the newest TEList among the cluster manager's messages."""
+    lists = [m for m in msgs if isinstance(m, TEList)]
+    return {te.te_id for te in lists[-1].tes} if lists else set()
 
 
 def num_tes(url: str) -> int | None:

@@ -4,14 +4,36 @@ keeps the names the node, the drills and the tools import."""
 
 from __future__ import annotations
 
+import msgspec
 from msgspec.structs import replace
 
 from deepserve.config.loading import load_node_config
 from deepserve.config.models import ModelSpec, parse_model_arg
+from deepserve.config.cluster import ClusterSection, named_for_cluster
 from deepserve.config.node import NodeConfig, NodeSection, SupervisorConfig, TESpec
 
-__all__ = ["NodeConfig", "SupervisorConfig", "TESpec", "load_node_config", "with_models",
-           "with_port"]
+__all__ = ["NodeConfig", "SupervisorConfig", "TESpec", "load_node_config", "with_cluster",
+           "with_models", "with_port"]
+
+
+def with_cluster(config: NodeConfig, join: str | None = None, host: str | None = None,
+                 name: str | None = None, port: int | None = None) -> NodeConfig:
+    """The command line's --join HOST:PORT / --cluster-host ADDR / --node-name /
+    --cluster-port over the file's [cluster] (checked as the file's; a joining
+    node's TEs are renamed after it)."""
+    if join is None and host is None and name is None and port is None:
+        return config
+    c = config.cluster
+    derived = c.name == "" or c.name == ClusterSection(host=c.host).name
+    cluster = msgspec.convert({"host": c.host if host is None else host,
+                               "port": c.port if port is None else port,
+                               "head": c.head if join is None else join,
+                               "name": name if name is not None else ("" if derived else c.name)},
+                              ClusterSection)
+    if cluster.joins and config.models:
+        raise ValueError("--join: a joining node runs [[te]] TEs only; this file has "
+                         "[[model]] tables (they scale on the head)")
+    return replace(config, cluster=cluster, tes=named_for_cluster(config.tes, cluster))
 
 
 def with_port(config: NodeConfig, host: str | None, port: int | None) -> NodeConfig:

@@ -54,7 +54,7 @@ class KVSender:
         self.receiver = None
         endpoint = KVEndpoint(shape=tuple(pool.shape), dtype=_dtype_name(pool.dtype), shm=segment)
         if self.backend in ("ring", "tcp"):
-            self.receiver = DistFlowReceiver(pool, ctx=ctx)
+            self.receiver = DistFlowReceiver(pool, bind=f"tcp://{config.kv_bind_host}:0", ctx=ctx)
             e = self.receiver.endpoint(shm_name=segment)
             endpoint = KVEndpoint(shape=endpoint.shape, dtype=endpoint.dtype, shm=segment,
                                   tcp=e.tcp)

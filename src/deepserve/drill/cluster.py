@@ -1,0 +1,172 @@
+"""A cluster of three nodes on this machine, for the kill-node drill.
+
+    head   this process's Node (conf/cluster-head.toml): cluster manager, job
+           executor, gateway, [cluster] host 127.0.0.1; no TE
+    n1     `python -m deepserve.supervisor --conf conf/cluster-node.toml --join ...`
+           on 127.0.0.2 (its own supervisor, KV tier and TEs)
+    n2     the same on 127.0.0.3: the node the drill kills
+
+Every 127.x address is this machine's loopback, so "hosts" here share one
+kernel; the nodes still talk over tcp exactly as on separate machines (the
+namespace tests in tests/cluster/ run them on separate network stacks).
+
+Killing a node is what losing the host does: SIGKILL to the node process and
+every process under it, at once (pids of the process we started and of its
+descendants, never by name). What a killed node leaves (its shared memory,
+run directories) goes at cleanup, as a rebooted host would lose it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+from msgspec.structs import replace
+
+from deepserve.ipc.segments import SHM_DIR, list_segments, unlink_segment
+from deepserve.supervisor.node_config import with_cluster
+
+ROOT = Path(__file__).resolve().parents[3]
+NODE_CONF = ROOT / "conf" / "cluster-node.toml"
+JOINERS = (("n1", "127.0.0.2"), ("n2", "127.0.0.3"))
+PORT_BLOCK = 16  # a node's first ports: control (head) and TE inboxes (4 each)
+STOP_S = 30.0
+
+
+def free_port_block(host: str, size: int = PORT_BLOCK, tries: int = 50) -> int:
+    """A first port p with p .. p+size-1 all free on host right now."""
+    for _ in range(tries):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            first = s.getsockname()[1]
+        if first + size > 60000:
+            continue
+        if all(_is_free(host, p) for p in range(first, first + size)):
+            return first
+    raise RuntimeError(f"no {size} free ports in a row on {host}")
+
+
+def _is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+class LocalCluster:
+    """The head (a Node in this process) and two joining node processes."""
+
+    def __init__(self, head_config, node_conf: Path = NODE_CONF):
+        from deepserve.supervisor.node import Node
+        port = free_port_block("127.0.0.1")
+        self.config = with_cluster(head_config, host="127.0.0.1", port=port)
+        self.head = Node(self.config)
+        self.head_address = f"127.0.0.1:{port}"
+        self.node_conf = node_conf
+        self.nodes: dict[str, subprocess.Popen] = {}
+        self.node_tes: dict[str, list[str]] = {}
+        self.logs = Path(tempfile.mkdtemp(prefix="ds-drill-cluster-"))
+        self.killed: dict[str, list[int]] = {}
+        self._scratch: dict[str, list[str]] = {}  # node -> its run ids (what to sweep)
+
+    @property
+    def url(self) -> str:
+        return self.head.url
+
+    @property
+    def log_dir(self):
+        return self.head.log_dir
+
+    @property
+    def drill_dir(self):
+        return self.head.drill_dir
+
+    @property
+    def num_tes(self) -> int:
+        return sum(len(t) for t in self.node_tes.values()) + len(self.config.tes)
+
+    def start(self) -> None:
+        """The joining nodes first (they wait for the head), then the head,
+        which is healthy once its gateway lists every joined TE."""
+        from deepserve.supervisor.node_config import load_node_config
+        for name, host in JOINERS:
+            port = free_port_block(host)
+            joined = with_cluster(load_node_config(self.node_conf), self.head_address, host,
+                                  name, port)
+            self.node_tes[name] = [te.te_id for te in joined.tes]
+            out = open(self.logs / f"{name}.log", "wb")
+            self.nodes[name] = subprocess.Popen(
+                [sys.executable, "-m", "deepserve.supervisor", "--conf", str(self.node_conf),
+                 "--join", self.head_address, "--cluster-host", host, "--node-name", name,
+                 "--cluster-port", str(port)], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+            out.close()
+        self.head.start()
+
+    def kill_node(self, name: str) -> tuple[list[int], float]:
+        """SIGKILL node `name` and every process under it at once; (pids, time)."""
+        root = psutil.Process(self.nodes[name].pid)
+        procs = [root, *root.children(recursive=True)]
+        self._scratch[name] = sorted({run for p in procs for run in _run_ids(p)})
+        at = time.time()
+        for proc in procs:
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        self.killed[name] = [p.pid for p in procs]
+        return self.killed[name], at
+
+    def stop(self) -> None:
+        for proc in self.nodes.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.nodes.values():
+            try:
+                proc.wait(STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(STOP_S)
+        self.head.stop()
+        for runs in self._scratch.values():  # what the killed node could not remove
+            for run in runs:
+                for segment in list_segments(f"deepserve-{run}"):
+                    unlink_segment(segment)
+                shutil.rmtree(f"{SHM_DIR}/deepserve-w{run}", ignore_errors=True)  # weight cache
+                for path in Path(tempfile.gettempdir()).glob(f"ds-*{run}*"):
+                    shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(self.logs, ignore_errors=True)
+
+    def tail(self, name: str, nbytes: int = 3000) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_bytes()[-nbytes:].decode(errors="replace") if path.exists() else ""
+
+
+def _run_ids(proc: psutil.Process) -> list[str]:
+    """The run ids a node's process names its scratch with: its --run-id, and
+    the node's own (the run directory in --conf /tmp/ds-n<run id>-.../node.json)."""
+    try:
+        argv = proc.cmdline()
+    except psutil.Error:
+        return []
+    runs = []
+    for flag, value in zip(argv, argv[1:]):
+        if flag == "--run-id":
+            runs.append(value)
+        elif flag == "--conf" and Path(value).parent.name.startswith("ds-n"):
+            runs.append(Path(value).parent.name[len("ds-n"):].split("-")[0])
+    return [r for r in runs if r and os.sep not in r]
+
+
+def head_config(config, drill: bool = True):
+    """The head's config as the drill runs it: drills on."""
+    return replace(config, supervisor=replace(config.supervisor, drill=drill))
