@@ -6,6 +6,8 @@ TYPE_CHECKING: a lazy import is still a dependency."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,16 @@ def test_the_checker_catches_an_upward_import(tmp_path, source, expected):
     path = root / room / "bad.py"
     path.write_text(source)
     assert any(expected in line for line in violations(path, root))
+
+
+def test_one_host_needs_no_ray():
+    """Ray is the optional `cluster` extra: a node, its children and the drills
+    import without it; only supervisor/ray_fabric.py asks for it, when run."""
+    code = ("import sys; import deepserve.supervisor.__main__, deepserve.supervisor.node, "
+            "deepserve.engine.te_server, deepserve.control.job_executor, "
+            "deepserve.control.cluster_manager, deepserve.gateway.__main__, "
+            "deepserve.drill.__main__, deepserve.supervisor.ray_fabric; "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
