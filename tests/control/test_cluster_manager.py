@@ -163,3 +163,42 @@ def test_a_new_incarnation_passes_the_fence_at_once_and_the_old_one_does_not(ctx
         assert (info.te_id, info.incarnation) == ("te0", "run-1")
     finally:
         wire.close()
+
+
+def test_a_second_te_of_a_listed_id_is_refused_and_cannot_take_it_down(ctx, tmp_path):
+    """Two nodes of one [cluster] name both announce h1-te0: the TE listed first
+    keeps the id while it reports; the newcomer is refused (one te_id_conflict
+    event, however often it announces), and its TEDown leaves the listed TE up.
+    Once the listed TE went silent past te_timeout_s, the id is free again."""
+    import msgspec
+    now = [0.0]
+    events = []
+    wire = _Wire(ctx, tmp_path, grace_s=0.0, clock=lambda: now[0],
+                 events=lambda event, **d: events.append((event, d)))
+    at = lambda address: TEUp(info=msgspec.structs.replace(  # noqa: E731
+        _te_up("h1-te0").info, address=address))
+    try:
+        wire.te.put(at("tcp://10.0.0.2:7408"))
+        assert [te.address for te in wire.run(0.3)[-1].tes] == ["tcp://10.0.0.2:7408"]
+        for t in (1.0, 2.0):
+            now[0] = t
+            wire.te.put(at("tcp://10.0.0.3:7408"))
+            assert [te.address for lst in wire.run(0.3) for te in lst.tes] \
+                == ["tcp://10.0.0.2:7408"] * (t == 2.0)  # a republish at most, never the newcomer
+        conflicts = [d for e, d in events if e == "te_id_conflict"]
+        assert [d["address"] for d in conflicts] == ["tcp://10.0.0.3:7408"]
+        wire.te.put(TEDown(te_id="h1-te0", reason="shutdown", address="tcp://10.0.0.3:7408"))
+        wire.te.put(at("tcp://10.0.0.2:7408"))  # the listed TE reports on
+        wire.run(0.3)
+        assert wire.cm.tes["h1-te0"].address == "tcp://10.0.0.2:7408"
+        now[0] = 2.0 + wire.cm.te_timeout_s + 0.1  # the listed one went silent: dropped...
+        wire.run(0.3)
+        assert "h1-te0" not in wire.cm.tes
+        wire.te.put(at("tcp://10.0.0.3:7408"))  # ...and the id is free for the other
+        wire.run(0.3)
+        assert wire.cm.tes["h1-te0"].address == "tcp://10.0.0.3:7408"
+        wire.te.put(TEDown(te_id="h1-te0", reason="shutdown", address="tcp://10.0.0.3:7408"))
+        wire.run(0.3)
+        assert "h1-te0" not in wire.cm.tes  # its own TEDown (and an address-less one) count
+    finally:
+        wire.close()

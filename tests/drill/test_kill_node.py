@@ -71,14 +71,20 @@ def _scratch() -> set[str]:
 
 
 @pytest.mark.slow
-def test_kill_node_drill_loses_nothing(tmp_path):
+def test_kill_node_drill_loses_nothing(tmp_path, tiny_model):
     """The drill's own verdict, read from its JSON: the node's processes were
     killed and its TE removed (proof), then lost = 0, bad = 0; and what the
     killed node could not clean up is gone too."""
     before = _scratch()
     out = tmp_path / "report.json"
+    confs = []
+    for name in ("cluster-head", "cluster-node"):  # the shipped files, on the test's model
+        text = (ROOT / "conf" / f"{name}.toml").read_text()
+        (tmp_path / f"{name}.toml").write_text(text.replace('"models/tiny"', f'"{tiny_model}"'))
+        confs.append(str(tmp_path / f"{name}.toml"))
     done = subprocess.run([sys.executable, "-m", "deepserve.drill", "kill-node", "--json",
-                           str(out), "--duration", "6", "--concurrency", "4"],
+                           str(out), "--duration", "6", "--concurrency", "4",
+                           "--conf", confs[0], "--node-conf", confs[1]],
                           cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -87,3 +93,16 @@ def test_kill_node_drill_loses_nothing(tmp_path):
     assert report["detect_s"] is not None and report["detect_s"] <= report["deadline_s"] + 3
     assert report["recover_s"] is not None
     assert _scratch() - before == set()
+
+
+def test_kill_node_without_its_model_fails_at_once(tmp_path):
+    """A node conf whose model is missing: exit 2 naming it, before any process starts
+    (a joined node would die at once and the head wait out its startup timeout)."""
+    text = (ROOT / "conf" / "cluster-node.toml").read_text()
+    (tmp_path / "node.toml").write_text(text.replace('"models/tiny"', '"/nonexistent/m"'))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "deepserve.drill", "kill-node", "--node-conf",
+                           str(tmp_path / "node.toml")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "no model at" in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - started < 60

@@ -86,6 +86,7 @@ class ClusterManager:
         self.down_at: dict[str, float] = {}  # te id -> its last TEDown (the re-up fence)
         self.down_incarnation: dict[str, str] = {}  # te id -> the incarnation that went
         self.last_published: float | None = None
+        self.conflicts: set[tuple[str, str]] = set()  # (te id, address) refused (logged once)
         self.scaling: ScalingControl | None = None  # enable_scaling
 
     def enable_scaling(self, control: ScalingControl) -> None:
@@ -125,6 +126,8 @@ class ClusterManager:
                 log.info("TE %s: TEUp %.3f s after its TEDown ignored (stale)", te_id,
                          now - self.down_at[te_id])
                 return
+            if self._conflicts(msg.info, now):
+                return
             self.last_seen[te_id] = now
             if self.scaling is not None:
                 if self.scaling.is_held(te_id) and te_id in self.tes:
@@ -135,6 +138,11 @@ class ClusterManager:
                 log.warning("TE %s up at %s", te_id, msg.info.address)
                 self.publish()
         elif isinstance(msg, TEDown):
+            listed = self.tes.get(msg.te_id)
+            if msg.address and listed is not None and listed.address != msg.address:
+                log.error("TE %s: TEDown from %s ignored: the listed TE of that id is at %s",
+                          msg.te_id, msg.address, listed.address)
+                return
             self.down_at[msg.te_id] = now
             self._remove(msg.te_id, msg.reason)
         elif isinstance(msg, TEReport) and (msg.te_id in self.tes or not self.is_listing):
@@ -151,6 +159,24 @@ class ClusterManager:
             self.pub.put(msg)  # gateways count it (/metrics)
         elif isinstance(msg, TierReport):
             self.pub.put(msg)  # the KV tiers' state, for the gateways' /metrics
+
+    def _conflicts(self, info: TEInfo, now: float) -> bool:
+        """A second TE claims a listed TE's id from another address (two nodes
+        of one name, a copied config) while the listed one still reports: the
+        newcomer is refused, loudly, once per address; the listed TE keeps its id."""
+        listed = self.tes.get(info.te_id)
+        if listed is None or listed.address == info.address \
+                or now - self.last_seen.get(info.te_id, -float("inf")) > self.te_timeout_s:
+            return False
+        if (info.te_id, info.address) not in self.conflicts:
+            self.conflicts.add((info.te_id, info.address))
+            log.error("TE id %s claimed from %s while the TE at %s holds it: refused (give "
+                      "each node its own [cluster] name)", info.te_id, info.address,
+                      listed.address)
+            if self.events is not None:
+                self.events("te_id_conflict", te_id=info.te_id, address=info.address,
+                            listed_address=listed.address)
+        return True
 
     def _expire(self) -> None:
         now = self.clock()

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import click
 
-from deepserve.drill.cluster import JOINERS
+from deepserve.drill.cluster import JOINERS, NODE_CONF
 from deepserve.drill.report import DrillReport
 from deepserve.drill.runner import run_drill, served_model
 from deepserve.drill.scenarios import SCENARIOS, get_scenario
@@ -83,6 +83,8 @@ def _describe(report: DrillReport) -> str:
 @click.option("--conf", default=None, type=click.Path(exists=True, dir_okay=False),
               help="The node's config; default: the scenario's (conf/drill.toml, "
                    "conf/dualpath.toml for dualpath-de-fail).")
+@click.option("--node-conf", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="kill-node: the joined nodes' config (default conf/cluster-node.toml).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Write the report's JSON here.")
 @click.option("--duration", default=10.0, show_default=True, type=float,
@@ -98,7 +100,7 @@ def _describe(report: DrillReport) -> str:
               "first prefill TE).")
 @click.option("--list", "list_", is_flag=True, help="List the scenarios and exit.")
 @click.option("-v", "--verbose", is_flag=True)
-def main(scenario, mode, url, log_dir, drill_dir, conf, json_path, duration, concurrency,
+def main(scenario, mode, url, log_dir, drill_dir, conf, node_conf, json_path, duration, concurrency,
          max_tokens, model, warmup, request_timeout, te, list_, verbose) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -129,7 +131,8 @@ def main(scenario, mode, url, log_dir, drill_dir, conf, json_path, duration, con
                                      param_hint="--url")
         if chosen.kills_node:
             from deepserve.drill.cluster import LocalCluster, head_config
-            node = cluster = LocalCluster(head_config(config))
+            node = cluster = LocalCluster(head_config(config), Path(node_conf) if node_conf
+                                          else NODE_CONF)
             config = cluster.config
             echo(f"starting a cluster: head from {conf} on {cluster.url}, nodes "
                  f"{', '.join(n for n, _ in JOINERS)}")

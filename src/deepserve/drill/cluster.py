@@ -99,10 +99,14 @@ class LocalCluster:
         """The joining nodes first (they wait for the head), then the head,
         which is healthy once its gateway lists every joined TE."""
         from deepserve.supervisor.node_config import load_node_config
+        node_config = load_node_config(self.node_conf)
+        for config in (self.config, node_config):  # a joined node without it dies at once
+            if not (Path(config.node.model) / "config.json").is_file():
+                raise FileNotFoundError(f"no model at {config.node.model} (make it with "
+                                        "tools/make_model.py, or point [node] model elsewhere)")
         for name, host in JOINERS:
             port = free_port_block(host)
-            joined = with_cluster(load_node_config(self.node_conf), self.head_address, host,
-                                  name, port)
+            joined = with_cluster(node_config, self.head_address, host, name, port)
             self.node_tes[name] = [te.te_id for te in joined.tes]
             out = open(self.logs / f"{name}.log", "wb")
             self.nodes[name] = subprocess.Popen(

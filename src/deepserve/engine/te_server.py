@@ -162,7 +162,8 @@ class _Host:
     def close(self) -> None:
         reason = "shutdown" if self.status == 0 else f"process died: {self.launcher.dead()}"
         try:
-            self.to_cm.put(TEDown(te_id=self.te_id, reason=reason), timeout=1.0)
+            self.to_cm.put(TEDown(te_id=self.te_id, reason=reason,
+                                  address=self.up.info.address), timeout=1.0)
         except TimeoutError:
             pass  # the cluster manager is gone (node shutting down)
         self.launcher.shutdown()

@@ -46,6 +46,9 @@ class TEUp(msgspec.Struct, tag="te_up", **_STRUCT):
 class TEDown(msgspec.Struct, tag="te_down", **_STRUCT):
     te_id: str
     reason: str
+    address: str = ""
+    """The inbox of the TE going down, when the sender knows it ("": the
+    supervisor's, trusted): a TEDown for another TE of that id is ignored."""
 
 
 class TEReport(msgspec.Struct, tag="te_report", **_STRUCT):

@@ -42,6 +42,7 @@ SEVERITY: dict[str, str] = {
     "request_migrated": WARNING,
     "te_list_complete": INFO,
     "te_removed": WARNING,
+    "te_id_conflict": ERROR,
     "request_quarantined": ERROR,
     "fault_injected": WARNING,
     "scale_decision": INFO,

@@ -143,7 +143,7 @@ class Node:
         watched = ("kv-cache",) if self.joins else NODE_PROCESSES
         return Supervisor(self.table, self.health, self.config.supervisor, tes=self.te_ids,
                           inbox=self.run.hb, cm_pub=self.run.cm_pub, cm=self.run.cm,
-                          scaler=self.scaler, watched=watched)
+                          scaler=self.scaler, watched=watched, te_address=self.run.te_address)
 
     def _fill_weight_cache(self) -> None:
         """DRAM pre-load: every model's weights into the node's cache (those that

@@ -70,7 +70,7 @@ class Supervisor:
 
     def __init__(self, table: ProcessTable, health: HealthLog, cfg, *, tes: Container[str],
                  inbox: str, cm_pub: str, cm: str, watched: Iterable[str] = NODE_PROCESSES,
-                 tick_s: float = 0.1, scaler=None):
+                 tick_s: float = 0.1, scaler=None, te_address=lambda te_id: ""):
         self.table, self.health, self.cfg, self.tick_s = table, health, cfg, tick_s
         self.tes, self.watched = tes, tuple(watched)
         self.watchdog = Watchdog()
@@ -85,6 +85,7 @@ class Supervisor:
         self.failed: set[str] = set()
         self.tes_listed: set[str] = set()
         self.scaler = scaler  # scaler.py (None: a fixed set of TEs, no pool)
+        self.te_address = te_address  # te id -> its inbox (TEDown names it: ours, no namesake)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -196,7 +197,8 @@ class Supervisor:
         incident = self.incidents[name] = _Incident(now)
         if name in self.tes:
             try:
-                self.to_cm.put(TEDown(te_id=name, reason="supervisor: process fault"), timeout=1)
+                self.to_cm.put(TEDown(te_id=name, reason="supervisor: process fault",
+                                      address=self.te_address(name)), timeout=1)
             except TimeoutError:  # no CM (it is being replaced): its TE timeout drops the TE
                 log.warning("TEDown %s: the cluster manager does not listen", name)
         pid = self.table.pid(name)
