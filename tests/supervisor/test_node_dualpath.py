@@ -26,6 +26,7 @@ from tests.supervisor.test_node import _shm
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 SESSIONS, TURNS, CONTEXT, APPEND, OUT = 4, 3, 320, 32, 6
+ROUNDS = 3
 
 
 def dualpath_config(tiny_model, disk: Path):
@@ -54,10 +55,10 @@ def node(tiny_model, tmp_path_factory):
     assert _shm() - before == set()
 
 
-def sessions() -> list[list[list[int]]]:
+def sessions(first_session: int = 0) -> list[list[list[int]]]:
     """Per session: its first prompt, then what each later turn appends."""
     out = []
-    for s in range(SESSIONS):
+    for s in range(first_session, first_session + SESSIONS):
         first = [(s * 211 + i * 53) % 1800 + 100 for i in range(CONTEXT)]
         appends = [[(s * 17 + t * 29 + i * 7) % 1800 + 100 for i in range(APPEND)]
                    for t in range(1, TURNS)]
@@ -79,26 +80,34 @@ async def run_session(client: httpx.AsyncClient, url: str, turns: list[list[int]
     return prompts, outputs
 
 
-async def run_all(url: str):
+async def run_all(url: str, first_session: int = 0):
     async with httpx.AsyncClient() as client:
-        return await asyncio.gather(*(run_session(client, url, s) for s in sessions()))
+        return await asyncio.gather(*(run_session(client, url, s)
+                                      for s in sessions(first_session)))
 
 
 def test_agentic_sessions_match_cache_off_and_both_paths_read(node, tiny_model):
-    results = asyncio.run(run_all(node.url))
+    """Tokens equal a cache-off run; storage is read through both paths. The
+    path is the side with the shorter read queue at the time, so one round of
+    sessions on a loaded machine may send every read one way (seen once in
+    CI: decode only): up to ROUNDS rounds of fresh sessions, each checked."""
+    import time
     reference = LLM(str(tiny_model), enable_prefix_caching=False, num_kv_blocks=256)
     greedy = SamplingParams(temperature=0, max_tokens=OUT)
-    for prompts, outputs in results:
-        expected = [o.token_ids for o in reference.generate(prompts, greedy)]
-        assert outputs == expected
-    import time
-    time.sleep(1.5)  # the TEs' last reports reach the gateway
-    metrics = scrape(node.url)
-    reads = {labels["path"]: 0.0 for labels, _ in metrics}
-    for labels, value in metrics:
-        reads[labels["path"]] += value
-    assert reads.get("decode", 0) > 0, reads  # decode TEs read storage for prefill TEs
-    assert reads.get("prefill", 0) > 0, reads
+    for round_ in range(ROUNDS):
+        results = asyncio.run(run_all(node.url, round_ * SESSIONS))
+        for prompts, outputs in results:
+            expected = [o.token_ids for o in reference.generate(prompts, greedy)]
+            assert outputs == expected
+        time.sleep(1.5)  # the TEs' last reports reach the gateway
+        reads = {"prefill": 0.0, "decode": 0.0}
+        for labels, value in scrape(node.url):
+            reads[labels["path"]] = reads.get(labels["path"], 0.0) + value
+        if reads["prefill"] > 0 and reads["decode"] > 0:
+            break
+    reference.shutdown()
+    assert reads["decode"] > 0, reads  # decode TEs read storage for prefill TEs
+    assert reads["prefill"] > 0, reads
 
 
 def scrape(url: str) -> list[tuple[dict, float]]:
