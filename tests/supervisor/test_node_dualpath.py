@@ -38,7 +38,7 @@ def dualpath_config(tiny_model, disk: Path):
              for te in config.tes]  # pools that hold one session: the rest is in storage
     sup = msgspec.structs.replace(config.supervisor, log_dir=str(disk.parent / "logs"))
     config = msgspec.structs.replace(config, tes=tuple(small), supervisor=sup)
-    config, _ = drill_main._drill_node(config, get_scenario("dualpath-de-fail"))
+    config = drill_main.drill_config(config, get_scenario("dualpath-de-fail"))
     return config  # drills on, the drill's host tier (1 MiB, as above)
 
 

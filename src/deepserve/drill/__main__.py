@@ -130,9 +130,9 @@ def main(scenario, mode, url, log_dir, drill_dir, conf, node_conf, json_path, du
             raise click.BadParameter(f"{chosen.name} starts a cluster of its own; no --url",
                                      param_hint="--url")
         if chosen.kills_node:
-            from deepserve.drill.cluster import LocalCluster, head_config
-            node = cluster = LocalCluster(head_config(config), Path(node_conf) if node_conf
-                                          else NODE_CONF)
+            from deepserve.drill.cluster import LocalCluster
+            node = cluster = LocalCluster(drill_config(config, chosen), Path(node_conf)
+                                          if node_conf else NODE_CONF)
             config = cluster.config
             echo(f"starting a cluster: head from {conf} on {cluster.url}, nodes "
                  f"{', '.join(n for n, _ in JOINERS)}")
@@ -175,11 +175,17 @@ def _drill_node(config, scenario=None):
     """A node of our own, drills on (and the scenario's [node] keys), not
     started yet; (its config, the node)."""
     from deepserve.supervisor.node import Node
+    config = drill_config(config, scenario)
+    return config, Node(config)
+
+
+def drill_config(config, scenario=None):
+    """The config a drill's own node runs: drills on, the scenario's [node] keys."""
     if hasattr(config, "supervisor"):
         config = replace(config, supervisor=replace(config.supervisor, drill=True))
     if scenario is not None and scenario.node_overrides:
         config = replace(config, node=replace(config.node, **dict(scenario.node_overrides)))
-    return config, Node(config)
+    return config
 
 
 def _print(report: DrillReport, json_path: str | None) -> None:

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import psutil
-from msgspec.structs import replace
 
 from deepserve.ipc.segments import SHM_DIR, list_segments, unlink_segment
 from deepserve.supervisor.node_config import with_cluster
@@ -169,8 +168,3 @@ def _run_ids(proc: psutil.Process) -> list[str]:
         elif flag == "--conf" and Path(value).parent.name.startswith("ds-n"):
             runs.append(Path(value).parent.name[len("ds-n"):].split("-")[0])
     return [r for r in runs if r and os.sep not in r]
-
-
-def head_config(config, drill: bool = True):
-    """The head's config as the drill runs it: drills on."""
-    return replace(config, supervisor=replace(config.supervisor, drill=drill))
