@@ -79,6 +79,7 @@ class NodeAgent:
     def start(self, conf: str, join: str, log_path: str) -> dict:
         import ray
         host = ray.util.get_node_ip_address()
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)  # on this agent's host
         with open(log_path, "ab") as out:
             self.proc = subprocess.Popen(_node_command(conf, host, join), stdout=out,
                                          stderr=subprocess.STDOUT, cwd=ROOT,
@@ -129,9 +130,16 @@ class Fabric:
             agent = self._agent_class.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
             log_path = str(self.log_dir / f"node-{node['NodeManagerAddress']}.log")
+            try:
+                self.placed[node_id] = self.ray.get(
+                    agent.start.remote(self.node_conf, self.join, log_path), timeout=60)
+            except Exception:
+                try:
+                    self.ray.kill(agent)  # the next look places a new one
+                except Exception:  # noqa: BLE001 - Ray itself may be what failed
+                    pass
+                raise
             self.agents[node_id] = agent
-            self.placed[node_id] = self.ray.get(
-                agent.start.remote(self.node_conf, self.join, log_path), timeout=60)
             log.warning("fabric: host %s joined: node pid %d", self.placed[node_id]["host"],
                         self.placed[node_id]["pid"])
         gone = set(self.agents) - {n["NodeID"] for n in alive}
@@ -214,7 +222,8 @@ class Fabric:
 @click.option("--cluster-port", default=7400, type=click.IntRange(1024, 60000),
               help="the head's first TCP port")
 @click.option("--log-dir", default=None, type=click.Path(file_okay=False),
-              help="the nodes' console logs (default: a new temporary folder)")
+              help="the nodes' console logs, each host's under this path on that host "
+                   "(default: a new temporary folder)")
 @click.option("--host", "http_host", default=None,
               help="overrides the head's [node] host (the gateway's HTTP interface)")
 @click.option("--port", "http_port", default=None, type=click.IntRange(1, 65535),
