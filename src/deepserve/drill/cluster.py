@@ -23,15 +23,17 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
 
-from deepserve.ipc.segments import SHM_DIR, list_segments, unlink_segment
+from deepserve.ipc.segments import SHM_DIR
 from deepserve.supervisor.node_config import with_cluster
+from deepserve.supervisor.process_table import sweep_scratch
+from deepserve.supervisor.ray_fabric import node_command
+from deepserve.supervisor.restart_policy import terminate
 
 ROOT = Path(__file__).resolve().parents[3]
 NODE_CONF = ROOT / "conf" / "cluster-node.toml"
@@ -109,9 +111,9 @@ class LocalCluster:
             self.node_tes[name] = [te.te_id for te in joined.tes]
             out = open(self.logs / f"{name}.log", "wb")
             self.nodes[name] = subprocess.Popen(
-                [sys.executable, "-m", "deepserve.supervisor", "--conf", str(self.node_conf),
-                 "--join", self.head_address, "--cluster-host", host, "--node-name", name,
-                 "--cluster-port", str(port)], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+                node_command(str(self.node_conf), host, self.head_address, "--node-name", name,
+                             "--cluster-port", str(port)),
+                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
             out.close()
         self.head.start()
 
@@ -131,21 +133,13 @@ class LocalCluster:
 
     def stop(self) -> None:
         for proc in self.nodes.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.nodes.values():
-            try:
-                proc.wait(STOP_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(STOP_S)
+            terminate(proc, STOP_S)
         self.head.stop()
         for runs in self._scratch.values():  # what the killed node could not remove
             for run in runs:
-                for segment in list_segments(f"deepserve-{run}"):
-                    unlink_segment(segment)
+                sweep_scratch(run)  # its TEs' segments and run directories
                 shutil.rmtree(f"{SHM_DIR}/deepserve-w{run}", ignore_errors=True)  # weight cache
-                for path in Path(tempfile.gettempdir()).glob(f"ds-*{run}*"):
+                for path in Path(tempfile.gettempdir()).glob(f"ds-n{run}-*"):  # the node's
                     shutil.rmtree(path, ignore_errors=True)
         shutil.rmtree(self.logs, ignore_errors=True)
 

@@ -28,8 +28,6 @@ what the joined nodes dial), reconciling with nodes left by an earlier fabric.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -37,6 +35,8 @@ import time
 from pathlib import Path
 
 import click
+
+from deepserve.supervisor.restart_policy import terminate
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[3]
@@ -54,19 +54,11 @@ def _ray():
     return ray
 
 
-def _node_command(conf: str, host: str, join: str | None) -> list[str]:
+def node_command(conf: str, host: str, join: str | None, *extra: str) -> list[str]:
+    """argv of a node (`python -m deepserve.supervisor`) on host `host`, joined
+    to `join` (HOST:PORT) or, with None, the head."""
     cmd = [sys.executable, "-m", "deepserve.supervisor", "--conf", conf, "--cluster-host", host]
-    return cmd + (["--join", join] if join else [])
-
-
-def _stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        return proc.wait(STOP_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(STOP_S)
+    return cmd + (["--join", join] if join else []) + list(extra)
 
 
 class NodeAgent:
@@ -81,7 +73,7 @@ class NodeAgent:
         host = ray.util.get_node_ip_address()
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)  # on this agent's host
         with open(log_path, "ab") as out:
-            self.proc = subprocess.Popen(_node_command(conf, host, join), stdout=out,
+            self.proc = subprocess.Popen(node_command(conf, host, join), stdout=out,
                                          stderr=subprocess.STDOUT, cwd=ROOT,
                                          start_new_session=True)
         return {"host": host, "pid": self.proc.pid}
@@ -91,7 +83,10 @@ class NodeAgent:
         return None if self.proc is None else self.proc.poll()
 
     def stop(self) -> int | None:
-        return None if self.proc is None else _stop(self.proc)
+        if self.proc is None:
+            return None
+        terminate(self.proc, STOP_S)
+        return self.proc.returncode
 
 
 class Fabric:
@@ -113,8 +108,8 @@ class Fabric:
     def start(self) -> None:
         head_log = open(self.log_dir / "head.log", "ab")
         self.head = subprocess.Popen(
-            _node_command(self.head_conf, self.host, None) + self.head_args
-            + ["--cluster-port", self.join.rsplit(":", 1)[1]],
+            node_command(self.head_conf, self.host, None, *self.head_args,
+                         "--cluster-port", self.join.rsplit(":", 1)[1]),
             stdout=head_log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
         head_log.close()
         self.place()
@@ -201,15 +196,12 @@ class Fabric:
                     log.error("fabric: an agent did not stop its node (%s)", e)
             info = self.placed.get(node_id, {})
             if info.get("host") == self.host:  # our host: its pid is this machine's
-                try:
-                    os.kill(info["pid"], signal.SIGTERM)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                terminate(info["pid"], STOP_S)
             else:
                 log.error("fabric: the node on %s (pid %s there) is left running: Ray cannot "
                           "reach its agent", info.get("host"), info.get("pid"))
         if self.head is not None:
-            _stop(self.head)
+            terminate(self.head, STOP_S)
 
 
 @click.command()
