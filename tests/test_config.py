@@ -588,6 +588,9 @@ def test_cluster_section_checks_its_values_and_derives_the_addresses(tmp_path):
         with pytest.raises(ValueError, match=r"\[cluster\] port"):
             load_node_config(write_toml(tmp_path, {**BASE, "cluster": {"host": "h", "port": port}}))
     assert ClusterSection(host="10.0.0.2", port=1024).port == 1024
+    for port in (1024, 60000):  # both ends accepted through the loader's checks too
+        conf = write_toml(tmp_path, {**BASE, "cluster": {"host": "h", "port": port}})
+        assert load_node_config(conf).cluster.port == port
     assert ClusterSection(host="h", port=60000).te_port(1381) == 65532  # its 4 ports fit
     with pytest.raises(ValueError, match=r"would need port"):
         ClusterSection(host="h", port=60000).te_port(1382)
