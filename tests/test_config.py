@@ -92,7 +92,7 @@ ENGINE_VALUES = {
     "enable_prefix_caching": False, "seed": 5, "tp": 2, "async_scheduling": False,
     "num_threads": 3, "startup_timeout_s": 77.0, "kv_transfer_backend": "tcp",
     "kv_transfer_layerwise": True, "kv_transfer_timeout_s": 9.0, "storage_read_gbps": 0.5,
-    "kv_bind_host": "10.0.0.7"}
+    "kv_bind_host": "10.0.0.7", "timeline_dir": "/tmp/timeline"}
 """A valid non-default value of every engine option but `processes` (implied True)."""
 
 # (section, key, value in the TOML, role that uses it, what that role sees -> expected)

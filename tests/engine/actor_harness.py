@@ -20,14 +20,13 @@ from deepserve.ipc.sockets import PullSocket, PushSocket, ipc_address
 from deepserve.messages.engine import ToClient, ToMaster, ToTokenizer
 from deepserve.messages.pd import KVEndpoint, ToPeer, pd_address
 from deepserve.model.config import load_model_config
-from deepserve.worker.model_runner import ModelRunner
 
 
 def resolved_config(model: str, **options) -> EngineConfig:
     config = EngineConfig.from_options(model, **{"num_kv_blocks": 32, **options})
     mc = load_model_config(config.model, config.dtype)
     return config.resolve(mc.max_position_embeddings,
-                          ModelRunner.kv_bytes_per_block(mc, config.block_size))
+                          mc.kv_bytes_per_block(config.block_size))
 
 
 def drain(sock: PullSocket, wait_s: float = 0.3) -> list:

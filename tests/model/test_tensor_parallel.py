@@ -216,10 +216,10 @@ def test_tp_that_does_not_divide_heads_is_refused(tiny_model):
 
 def test_kv_bytes_per_block_is_the_rank_share(tiny_model):
     cfg = load_model(tiny_model).config
-    whole = ModelRunner.kv_bytes_per_block(cfg, 16)
-    assert ModelRunner.kv_bytes_per_block(cfg, 16, tp_size=2) * 2 == whole
+    whole = cfg.kv_bytes_per_block(16)
+    assert cfg.kv_bytes_per_block(16, tp_size=2) * 2 == whole
     with pytest.raises(ValueError, match="tp=3"):
-        ModelRunner.kv_bytes_per_block(cfg, 16, tp_size=3)
+        cfg.kv_bytes_per_block(16, tp_size=3)
 
 
 def test_tp1_needs_no_process_group():

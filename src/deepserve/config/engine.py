@@ -65,6 +65,10 @@ class EngineConfig:
     storage_read_gbps: float | None = None
     """GB/s this TE may read from the disk tier (the node's KV storage): a token
     bucket standing in for its storage NIC (DualPath); None: unlimited."""
+    timeline_dir: str | None = None
+    """A folder where each of the TE's processes writes its step timeline (the
+    parts of every step, timed) when it stops: tools/profile_step.py --engine
+    reads it. None: no timeline is kept."""
 
     def __post_init__(self):
         for name in ("block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",

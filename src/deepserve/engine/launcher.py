@@ -36,7 +36,6 @@ from deepserve.ipc.segments import free_run_id, list_segments, segment_name, unl
 from deepserve.ipc.sockets import free_port, ipc_address
 from deepserve.messages.pd import pd_address
 from deepserve.model.config import load_model_config
-from deepserve.worker.model_runner import ModelRunner
 from deepserve.worker.worker_actor import WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
@@ -66,7 +65,7 @@ class TELauncher:
         model_config = load_model_config(config.model, config.dtype)
         self.config = config.resolve(
             model_config.max_position_embeddings,
-            ModelRunner.kv_bytes_per_block(model_config, config.block_size, config.tp))
+            model_config.kv_bytes_per_block(config.block_size, config.tp))
         # a name squat under a predictable run id must not stop a (re)start
         self.run_id = free_run_id(run_id or uuid.uuid4().hex[:12])
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"ds-{self.run_id}-"))

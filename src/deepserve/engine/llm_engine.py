@@ -32,7 +32,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model)
         self.config = config.resolve(
             model.config.max_position_embeddings,
-            ModelRunner.kv_bytes_per_block(model.config, config.block_size))
+            model.config.kv_bytes_per_block(config.block_size))
         c = self.config
         self.core = StepCore(c, model.config.eos_token_ids, model.config.vocab_size)
         self.kv, self.scheduler = self.core.kv, self.core.scheduler

@@ -40,6 +40,7 @@ from deepserve.engine.tier_link import TierLink
 from deepserve.engine.tier_stage import DECODE_PATH
 from deepserve.errors import InvalidRequestError
 from deepserve.ipc.shm_ring import BroadcastRing
+from deepserve.ipc.timeline import Timeline
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.engine import (AddRequest, EngineStats, FinishRequest, FromWorker,
@@ -50,7 +51,6 @@ from deepserve.messages.pd import (CancelOrder, FailRequest, KVAck, KVReady, KVS
 from deepserve.messages.cache import CacheOpsDone
 from deepserve.messages.step import CACHE_ONLY_STEP_ID, SHUTDOWN_STEP_ID, StepBatch
 from deepserve.model.config import load_model_config
-from deepserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class Master:
         self.core = StepCore(cfg, model_config.eos_token_ids, model_config.vocab_size,
                              record_events=spec.report_address is not None,
                              collect_new_nodes=bool(spec.tier_address))
-        self.block_bytes = ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, cfg.tp)
+        self.block_bytes = model_config.kv_bytes_per_block(cfg.block_size, cfg.tp)
         self.kv, self.scheduler = self.core.kv, self.core.scheduler
         self.depth = 2 if cfg.async_scheduling else 1
         # (step id, what it scheduled, the seq ids it samples), oldest first
@@ -109,6 +109,19 @@ class Master:
         self.ring = self.pd = self.to_cm = self.tier = None
         self.staging: dict[int, tuple[str, str]] = {}  # decode seq -> (request id, prefill TE)
         self.num_steps = self.num_tokens = 0
+        self.timeline = Timeline(f"{spec.te_id}/master", spec.config.timeline_dir)
+        now = time.monotonic
+        self.handlers = {  # message type -> its handler, whichever inbox it came in
+            AddRequest: self._add, GetStats: self._send_stats,
+            FinishRequest: lambda m: self.finish(m.request_id, m.reason),
+            PrefillOrder: self._add_prefill,
+            KVReady: lambda m: self._apply(self.pd.on_kv_ready(m)),
+            KVAck: lambda m: self._apply(self.pd.on_kv_ack(m)),
+            CancelOrder: lambda m: self._apply(self.pd.on_cancel(m, now())),
+            StepDone: self._on_step_done, WorkerFailed: self._worker_failed,
+            WorkerReady: lambda m: None,  # a restarted worker's late hello: nothing to do
+            KVSent: lambda m: self._apply(self.pd.on_kv_sent(m, now())),
+            CacheOpsDone: lambda m: self.tier is not None and self.tier.on_ops_done(m)}
 
     def start(self) -> None:
         s = self.spec
@@ -168,12 +181,10 @@ class Master:
             log.warning("drill: dropped %d cached blocks", self.kv.reset_prefix_cache())
         self._fill_pipeline()
         events = dict(self.poller.poll(timeout=1000 if self.in_flight else 200))
-        if self.requests.socket in events:
-            self._recv_requests()
-        if self.from_peers.socket in events:
-            self._recv_peers()
-        if self.steps.socket in events:
-            self._collect()
+        for inbox in (self.requests, self.from_peers, self.steps):
+            if inbox.socket in events:
+                for msg in inbox.drain():  # each inbox decodes only its channel's types
+                    self.handlers[type(msg)](msg)
         self._apply(self.pd.poll(time.monotonic()))
         if self.tier is not None:
             if self.tier.socket in events:
@@ -184,6 +195,7 @@ class Master:
 
     def _fill_pipeline(self) -> None:
         while len(self.in_flight) < self.depth:
+            t0 = time.monotonic()
             step = self.core.schedule()
             if step is None:
                 break
@@ -191,7 +203,10 @@ class Master:
             self.pd.attach_transfers(batch)
             if self.tier is not None:
                 batch.cache_ops = self.tier.take_ops()
+            t1 = time.monotonic()
             self.ring.put(self.encoder.encode(batch), timeout=30)
+            self.timeline.add("schedule", batch.step_id, t0, t1, len(batch.seqs))
+            self.timeline.add("ring_write", batch.step_id, t1, time.monotonic())
             self.scheduler.on_dispatched(scheduled)
             self.in_flight.append((batch.step_id, scheduled,
                                    frozenset(s.seq_id for s in batch.seqs if s.do_sample)))
@@ -199,15 +214,9 @@ class Master:
             ops = StepBatch(CACHE_ONLY_STEP_ID, [], cache_ops=self.tier.take_ops())
             self.ring.put(self.encoder.encode(ops), timeout=30)
 
-    def _recv_requests(self) -> None:
-        for msg in self.requests.drain():
-            if isinstance(msg, AddRequest):
-                self._add(msg)
-            elif isinstance(msg, FinishRequest):
-                self.finish(msg.request_id, msg.reason)
-            elif isinstance(msg, GetStats):
-                self.to_client.put(EngineStats(forward_spans=list(self.forward_spans),
-                                               num_preemptions=self.scheduler.num_preemptions))
+    def _send_stats(self, _: GetStats) -> None:
+        self.to_client.put(EngineStats(forward_spans=list(self.forward_spans),
+                                       num_preemptions=self.scheduler.num_preemptions))
 
     def _add(self, msg: AddRequest) -> None:
         """The tokenizer checked the request; a forged or stale AddRequest is
@@ -269,17 +278,6 @@ class Master:
         if seq is not None and seq.pin_context is not None and self.kv.has_seq(seq.seq_id):
             self.kv.free(seq.seq_id)
 
-    def _recv_peers(self) -> None:
-        for msg in self.from_peers.drain():
-            if isinstance(msg, PrefillOrder):
-                self._add_prefill(msg)
-            elif isinstance(msg, KVReady):
-                self._apply(self.pd.on_kv_ready(msg))
-            elif isinstance(msg, KVAck):
-                self._apply(self.pd.on_kv_ack(msg))
-            elif isinstance(msg, CancelOrder):
-                self._apply(self.pd.on_cancel(msg, time.monotonic()))
-
     def _add_prefill(self, order: PrefillOrder) -> None:
         try:  # what the tokenizer checks for our own requests
             check_request(order.prompt_token_ids, order.sampling, self.core.vocab_size,
@@ -313,16 +311,9 @@ class Master:
         for seq in effects.released:
             self.core.release(seq)
 
-    def _collect(self) -> None:
-        for msg in self.steps.drain():
-            if isinstance(msg, WorkerFailed):
-                raise RuntimeError(f"worker {msg.rank} failed: {msg.message}")
-            if isinstance(msg, StepDone):
-                self._on_step_done(msg)
-            elif isinstance(msg, KVSent):
-                self._apply(self.pd.on_kv_sent(msg, time.monotonic()))
-            elif isinstance(msg, CacheOpsDone) and self.tier is not None:
-                self.tier.on_ops_done(msg)
+    @staticmethod
+    def _worker_failed(msg: WorkerFailed) -> None:
+        raise RuntimeError(f"worker {msg.rank} failed: {msg.message}")
 
     def _on_step_done(self, done: StepDone) -> None:
         if not self.in_flight or not answers(done, *self.in_flight[0]):
@@ -331,6 +322,7 @@ class Master:
                         self.in_flight[0][0] if self.in_flight else "none")
             return
         step_id, scheduled, _ = self.in_flight.popleft()
+        t_collect = time.monotonic()
         self.num_steps += 1
         self.forward_spans.append((done.forward_start, done.forward_end))
         items, now = [], time.monotonic()
@@ -347,9 +339,10 @@ class Master:
                 items.append(new_tokens(self.core.request_ids[seq.seq_id], seq))
             if seq.is_finished:
                 self.core.release(seq)
-        self._stream(items)
+        self._stream(items, step_id)
         for failure in done.output.failed:
             self._fail_seq(scheduled.seqs.get(failure.seq_id), failure.message)
+        self.timeline.add("collect", step_id, t_collect, time.monotonic(), len(items))
 
     def _fail_seq(self, seq: Sequence | None, message: str) -> None:
         """A worker failed one sequence for a reason of its own: that request
@@ -366,10 +359,10 @@ class Master:
             self.to_tokenizer.put(FailRequest(request_id=request_id, error="request_failed",
                                               message=f"the request failed: {message}"))
 
-    def _stream(self, items: list[NewTokens]) -> None:
+    def _stream(self, items: list[NewTokens], step_id: int = -1) -> None:
         if items:
             self.num_tokens += len(items)
-            self.to_tokenizer.put(StepTokens(items=items))
+            self.to_tokenizer.put(StepTokens(items=items, step_id=step_id))
 
     def _maybe_report(self) -> None:
         now = time.monotonic()
@@ -380,6 +373,7 @@ class Master:
                                     self.spec.config.tp * self.block_bytes))
 
     def close(self) -> None:
+        self.timeline.close()
         for request_id in list(self.core.seqs):
             try:  # whoever listens may be gone already: never hang on the way out
                 self.to_client.put(RequestFailed(request_id=request_id, error="engine_dead",

@@ -18,6 +18,7 @@ PD messages between TEs go master to master (messages/pd.py), not through here.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -31,6 +32,7 @@ from deepserve.tokenizer import Tokenizer
 from deepserve.errors import InvalidRequestError, PromptTooLongError
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, PushSocket
+from deepserve.ipc.timeline import Timeline
 from deepserve.messages.engine import (AbortRequest, AddRequest, FinishRequest, GetStats,
                                        NewTokens, RequestDelta, RequestFailed, StepTokens,
                                        SubmitRequest, ToTokenizer)
@@ -84,6 +86,8 @@ class TokenizerActor:
         self.states: dict[str, RequestState] = {}
         self.num_handled = 0
         self.num_undeliverable = 0  # requests aborted because their caller took no reply
+        self.timeline = Timeline(f"{spec.te_id}/tokenizer", spec.config.timeline_dir)
+        self._detok_s = self._reply_s = 0.0  # this StepTokens' parts (timeline on)
 
     def step(self) -> None:
         """One message, or a 0.2 s wait (the life loop's bound)."""
@@ -95,6 +99,7 @@ class TokenizerActor:
         self.num_handled += 1
 
     def close(self) -> None:
+        self.timeline.close()
         for sock in [self.inbox, self.to_master, self.replies]:
             sock.close()
 
@@ -118,8 +123,14 @@ class TokenizerActor:
                                                          token_ids=[], finish_reason="abort"))
                 self._forget(msg.request_id)
         elif isinstance(msg, StepTokens):
+            start = time.monotonic()
+            self._detok_s = self._reply_s = 0.0
             for item in msg.items:
                 self._tokens(item)
+            if self.timeline.on:  # two spans laid end to end: the sums of each part
+                mid = start + self._detok_s
+                self.timeline.add("detokenize", msg.step_id, start, mid, len(msg.items))
+                self.timeline.add("reply", msg.step_id, mid, mid + self._reply_s)
         elif isinstance(msg, GetStats):
             self.to_master.put(msg)  # behind every request sent before it
         elif isinstance(msg, FailRequest):
@@ -168,15 +179,19 @@ class TokenizerActor:
             log.warning("tokens for %r outside the vocabulary: dropped", item.request_id)
             return  # never from our master: a crafted message
         is_first = not state.token_ids
+        t0 = time.monotonic()
         delta = state.add_tokens(item.token_ids, item.finish_reason)
         if state.finish_reason == "stop" and item.finish_reason is None:
             self.to_master.put(FinishRequest(request_id=item.request_id, reason="stop"))
+        t1 = time.monotonic()
         delivered = self._reply(item.request_id, RequestDelta(
             request_id=item.request_id, text=delta, token_ids=item.token_ids,
             finish_reason=state.finish_reason, cached_tokens=item.cached_tokens,
             prompt=state.prompt if is_first else None,
             prompt_token_ids=state.prompt_token_ids if is_first else None,
             logprobs=item.logprobs, attempt=self.attempts.get(item.request_id, 0)))
+        self._detok_s += t1 - t0
+        self._reply_s += time.monotonic() - t1
         if state.is_finished:
             del self.states[item.request_id]
             self._forget(item.request_id)

@@ -97,7 +97,11 @@ class NewTokens(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class StepTokens(msgspec.Struct, tag="tokens", **_STRUCT):
+    """items: one per request that advanced; step_id: the step that made
+    them (-1: not a step's, e.g. a context pinned), for the step timeline."""
+
     items: list[NewTokens]
+    step_id: int = -1
 
 
 # The tokenizer process binds one PULL socket (the TE's inbox): clients and

@@ -57,6 +57,16 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def kv_bytes_per_block(self, block_size: int, tp_size: int = 1) -> int:
+        """Bytes one KV block takes on one rank, which holds num_kv_heads / tp_size
+        heads (K and V of every layer); ValueError naming tp if that is uneven."""
+        if self.num_kv_heads % tp_size:
+            raise ValueError(f"tensor parallel size tp={tp_size} does not divide "
+                             f"num_kv_heads={self.num_kv_heads}")
+        local_kv_heads = self.num_kv_heads // tp_size
+        return 2 * self.num_layers * block_size * local_kv_heads * self.head_dim * \
+            self.dtype.itemsize
+
 
 def _rope_from(raw: dict) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})

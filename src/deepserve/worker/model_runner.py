@@ -21,8 +21,11 @@ device, memory or collective error — is fatal to the worker.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from deepserve.ipc.timeline import Timeline
 from deepserve.messages.sampling import SamplingParams
 from deepserve.messages.step import (PLACEHOLDER, SampledToken, ScheduledSeq, SeqFailed,
                                      StepBatch, StepOutput)
@@ -93,23 +96,20 @@ class ModelRunner:
             on_layer(i)
         return both
 
-    @staticmethod
-    def kv_bytes_per_block(model_config, block_size: int, tp_size: int = 1) -> int:
-        """Bytes one block takes on one rank: each holds num_kv_heads / tp_size heads."""
-        c = model_config
-        local_kv_heads = TensorParallel(0, tp_size).shard(c.num_kv_heads, "num_kv_heads")
-        return 2 * c.num_layers * block_size * local_kv_heads * c.head_dim * c.dtype.itemsize
-
     on_layer = None  # the worker's per-layer hook (a heartbeat with progress), if any
+    timeline = Timeline("runner")  # off; the worker sets its own
 
     def execute(self, batch: StepBatch, after_layer=None) -> StepOutput:
         """after_layer: see CausalLM.forward (layer-wise KV transfer)."""
+        t0 = time.monotonic()
         self._update_states(batch)
         self._resolve_placeholders(batch)
         input_ids, positions, meta = self._prepare(batch.seqs)
+        t1 = time.monotonic()
         with kernels.denormals_flushed():
             hidden = self.model(input_ids, positions, meta, self.kv_caches,
                                 self._layer_hook(after_layer))  # (T, E)
+        t2 = time.monotonic()
         sampled: list[SampledToken] = []
         rows = self._last_rows(batch.seqs)  # (seq, its last row) of every sampling seq
         live = [(s, row) for s, row in rows if s.seq_id not in self._failed]
@@ -123,6 +123,11 @@ class ModelRunner:
             if s.seq_id in self._failed:
                 self._last_sampled[s.seq_id] = 0
         failed, self._new_failures = self._new_failures, []
+        if self.timeline.on:
+            t3 = time.monotonic()
+            self.timeline.add("prepare", batch.step_id, t0, t1)
+            self.timeline.add("forward", batch.step_id, t1, t2, int(input_ids.numel()))
+            self.timeline.add("sample", batch.step_id, t2, t3, len(sampled))
         return StepOutput(batch.step_id, sampled, failed)
 
     def _fail(self, seq_id: int, exc: Exception) -> None:

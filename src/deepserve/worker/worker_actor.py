@@ -52,6 +52,7 @@ from deepserve.config import EngineConfig
 from deepserve.errors import ModelLoadError
 from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
 from deepserve.ipc.shm_ring import BroadcastRing, RingNotReady
+from deepserve.ipc.timeline import Timeline
 from deepserve.ipc.sockets import PushSocket
 from deepserve.messages.engine import StepDone, WorkerFailed, WorkerReady
 from deepserve.worker.cache_executor import CacheExecutor
@@ -105,6 +106,7 @@ def worker_main(spec: WorkerSpec, death_pipe: Connection, ready_pipe: Connection
 
 class _Worker:
     cache_exec = None  # a CacheExecutor once started (tests build workers without one)
+    timeline = Timeline("worker")  # off; __init__ sets the TE's (tests build workers without)
 
     def __init__(self, spec: WorkerSpec, life: ActorLife):
         self.spec, self.life = spec, life
@@ -117,6 +119,7 @@ class _Worker:
         self.num_layers = 0  # layers computed, a step's own progress (see _layer_done)
         self.in_step = False  # a batch taken off the ring, its StepDone not yet put
         self.weights, self.load_s = "disk", 0.0  # where the weights came from, how long
+        self.timeline = Timeline(f"{spec.te_id}/worker{spec.rank}", spec.config.timeline_dir)
 
     def start(self) -> None:
         cfg = self.spec.config
@@ -180,6 +183,7 @@ class _Worker:
     def attach_runner(self, runner) -> None:
         self.runner = runner
         runner.on_layer = self._layer_done
+        runner.timeline = self.timeline
 
     def _layer_done(self, i: int) -> None:
         """Inside a step, after each layer: a beat when one is due (the sender
@@ -198,11 +202,16 @@ class _Worker:
         # a batch brings the marker, so the fault_injected event is not lost in the exit
         if self.cache_exec is not None:  # drill: die mid-way through staging KV for a PE
             self.cache_exec.die_in_stage = self.life.faults.active("stage-die") is not None
+        t_wait = time.monotonic()
         try:
             data = self.ring.get(timeout=0.2)
         except TimeoutError:
             return True
+        t_got = time.monotonic()
         batch = self.decoder.decode(data)
+        if self.timeline.on:
+            self.timeline.add("ring_wait", batch.step_id, t_wait, t_got)
+            self.timeline.add("ring_read", batch.step_id, t_got, time.monotonic())
         if batch.step_id == SHUTDOWN_STEP_ID:
             return False
         if batch.cache_ops:  # copies of committed or holder-owned blocks: never wait
@@ -223,6 +232,7 @@ class _Worker:
         self._drill_faults()
         if self.tp.rank == 0:
             self.out.put(StepDone(output=output, forward_start=start, forward_end=end))
+            self.timeline.add("step_done", batch.step_id, end, time.monotonic())
         self.in_step = False
         self.num_steps += 1
         return True
@@ -273,6 +283,7 @@ class _Worker:
         if self.cache_exec is not None:
             self.cache_exec.close()
             self.cache_exec = None
+        self.timeline.close()
         self.runner = None
         if self.kv_sender is not None:
             self.kv_sender.close()
