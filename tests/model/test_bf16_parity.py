@@ -106,7 +106,11 @@ def _check_torch_path_follows_hf(model_dir, prompts, monkeypatch):
         with torch.inference_mode():
             logits = hf16(context).logits[0, -1].float()
             ref = hf32(context).logits[0, -1].float()
-        gap = float(logits[b[k]] - logits[a[k]])
+        # HF's pick is the argmax of its one-pass logits here, not always b[k]:
+        # its generate() ran this position as a 1-row step over a KV cache,
+        # and on CPUs without bf16 arithmetic (AVX2 only) torch's 1-row and
+        # 500-row bf16 GEMMs round differently (seen: b[k] 0.19 below a[k]).
+        gap = float(logits.max() - logits[a[k]])
         assert 0 <= gap <= _rms(logits, ref), (k, a, b, gap)
         assert a[k] in logits.topk(3).indices.tolist(), (k, a, b)
 

@@ -22,13 +22,14 @@ from pathlib import Path
 
 NAME = "deepserve_ops"
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "linear.cpp", "decode_attention.cpp")
+SOURCES = ("ops.cpp", "linear.cpp", "decode_attention.cpp", "elementwise.cpp")
+HEADERS = ("simd.h",)
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17")
 
 
 def build_tag() -> str:
     h = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         h.update((CSRC / name).read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(importlib.metadata.version("torch").encode())

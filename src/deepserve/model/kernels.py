@@ -1,11 +1,14 @@
 """The C++ kernels (model/csrc) when they are built, the torch path when not.
 
-Two ops, both for CPUs with AVX2 + FMA (checked before loading):
+Ops for CPUs with AVX2 + FMA (checked before loading):
 
   * linear_bf16: bf16 weights, fp32 arithmetic (see csrc/linear.cpp), on
     weights packed once at load time by pack_linear_weight;
   * paged_decode_attention: one query token per sequence over the paged KV
-    pool, read in place (see csrc/decode_attention.cpp).
+    pool, read in place (see csrc/decode_attention.cpp);
+  * add_rms_norm, rotary, silu_and_mul: a decoder layer's elementwise
+    chains fused, for bf16 activations, rounding where the torch ops round
+    (see csrc/elementwise.cpp); `fused(t)` says whether they take t.
 
 The library is built at install time (model/build_kernels.py); nothing here
 compiles. DEEPSERVE_KERNELS=0 turns the kernels off (the torch path, for
@@ -99,6 +102,29 @@ def kernel_max_rows() -> int | None:
     if has("_is_avx512_bf16_supported") or has("_is_amx_tile_supported"):
         return 3
     return None
+
+
+def fused(t: torch.Tensor) -> bool:
+    """The fused elementwise ops take this activation (bf16, kernels loaded);
+    fp32 models keep the torch ops (the exact-parity path)."""
+    return t.dtype == torch.bfloat16 and available()
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """residual += x in place (bf16; x None: no add); returns RMSNorm(residual) * weight."""
+    return torch.ops.deepserve.add_rms_norm(x, residual, weight, eps)
+
+
+def rotary(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Rotate the q and k parts of each fused qkv row in place."""
+    torch.ops.deepserve.rotary(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2I) -> (T, I): silu(gate) * up."""
+    return torch.ops.deepserve.silu_and_mul(gate_up)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

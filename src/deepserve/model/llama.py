@@ -38,6 +38,16 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
+    def add_norm(self, x: torch.Tensor | None, residual: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); x None: no add. The fused op
+        updates residual in place (it is the layer's own running sum)."""
+        if kernels.fused(residual) and self.weight.dtype == torch.bfloat16:
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
+        if x is not None:
+            residual = residual + x
+        return self(residual), residual
+
 
 class Linear(nn.Linear):
     """nn.Linear that, once pack() ran, multiplies with the C++ bf16 kernel
@@ -117,11 +127,17 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        fused = kernels.fused(qkv)
+        if fused:  # rotated in place, q and k together
+            kernels.rotary(qkv, positions, self.rotary.cos, self.rotary.sin, self.num_heads,
+                           self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hl, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkvl, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        if not fused:
+            q, k = self.rotary(positions, q, k)
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, Hl, D)
         return self.o_proj(out.view(num_tokens, self.q_size))  # (T, E), all-reduced
 
@@ -136,8 +152,11 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(self.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I/N) each
-        return self.down_proj(F.silu(gate) * up)  # (T, E), all-reduced
+        gate_up = self.gate_up_proj(x)  # (T, 2 I/N)
+        if kernels.fused(gate_up):
+            return self.down_proj(kernels.silu_and_mul(gate_up))  # (T, E), all-reduced
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # (T, I/N) each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -148,9 +167,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, positions, meta, kv):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, meta, kv):
+        """x: the previous layer's MLP output (None for the first layer);
+        residual: the running sum. Returns this layer's (MLP output, residual):
+        the next layer adds them, as the reference's x + mlp(...) does."""
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        h = self.self_attn(h, positions, meta, kv)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -192,12 +216,12 @@ class CausalLM(nn.Module):
                 after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """after_layer(i), if given, runs once layer i's KV is in the pool
         (layer-wise KV transfer starts there while layer i+1 computes)."""
-        x = self.embed_tokens(input_ids)  # (T, E)
+        x, residual = None, self.embed_tokens(input_ids)  # (T, E)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, positions, meta, kv)
+            x, residual = layer(x, residual, positions, meta, kv)
             if after_layer is not None:
                 after_layer(i)
-        return self.norm(x)
+        return self.norm.add_norm(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

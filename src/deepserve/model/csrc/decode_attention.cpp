@@ -15,6 +15,8 @@
 
 #include <immintrin.h>
 #include <ATen/ATen.h>
+
+#include "simd.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -46,33 +48,8 @@ inline void narrow16(const float* acc, float scale, float* out) {
   for (int i = 0; i < 16; ++i) out[i] = acc[i] * scale;
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), |r| <= ln2/2,
-// degree-6 polynomial, relative error ~2e-7; below -87 it flushes to 0.
-inline __m256 exp_neg(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  __m256 small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(small, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
+using ds::exp_neg;
+using ds::hsum;
 
 // p[0..n) = exp(p - max); returns their sum.
 inline float softmax_numerators(float* p, int64_t n) {
