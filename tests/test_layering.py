@@ -14,26 +14,14 @@ import pytest
 
 from deepserve import _EXPORTS
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "deepserve"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "deepserve"
 MAX_LINES = 400
 
-# room -> floor. Top-level modules are rooms of their own.
-FLOORS = {
-    "ipc": 0, "messages": 0, "actor": 0, "faults": 0, "config": 0, "errors": 0, "tokenizer": 0,
-    "model": 1, "cache": 1, "transfer": 1,
-    "worker": 2,
-    "engine": 3,
-    "gateway": 4, "control": 4, "supervisor": 4,
-    "drill": 5, "demo": 5,
-}
-# DESIGN.md: the gateway, the control plane and the supervisor talk to engines
-# only by messages; messages/ is the bottom floor and imports no transport.
-FORBIDDEN = {
-    "gateway": {"engine", "worker", "model"},
-    "control": {"engine", "worker", "model"},
-    "supervisor": {"engine", "worker", "model"},
-    "messages": {"ipc", "actor", "faults", "config", "tokenizer"},
-}
+# The floor table (room -> floor) and the forbidden imports live in
+# tools/architecture.py, which docs/architecture.md is generated from too.
+sys.path.insert(0, str(ROOT / "tools"))  # tools/ is no package
+from architecture import FLOORS, FORBIDDEN  # noqa: E402
 
 
 def room_of_path(path: Path, root: Path) -> str | None:
@@ -73,7 +61,7 @@ def violations(path: Path, root: Path = SRC) -> list[str]:
     room = room_of_path(path, root)
     if room is None:
         return []
-    assert room in FLOORS, f"{path}: room {room!r} has no floor in this test (add it)"
+    assert room in FLOORS, f"{path}: room {room!r} has no floor (add it to FLOORS in tools/architecture.py)"
     bad = []
     for lineno, module in imported_modules(ast.parse(path.read_text()), path, root):
         target = room_of_module(module)

@@ -1,4 +1,5 @@
-"""`python -m deepserve.gateway --conf RUN_DIR/node.json --role gateway [--parent-pid PID]`
+"""The gateway process: `python -m deepserve.gateway --conf RUN_DIR/node.json --role
+gateway [--parent-pid PID]` serves the HTTP app and beats from its event loop.
 
     uvicorn event loop ── HTTP handlers, JobClient receivers
         └─ _live (a task on the same loop) ──Ready, Heartbeat (PUSH)──> supervisor
