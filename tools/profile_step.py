@@ -133,10 +133,26 @@ def engine_timeline(model: Path, dtype: str, sizes: list[int], prompt_len: int, 
                       timeline_dir=folder)
             try:
                 bench_runs.run_ours(llm, prompts[b], gen_len)
+                memory = worker_memory(llm, model)
             finally:
                 llm.shutdown()
-            results.append(step_timeline.analyse(read_spans(Path(folder)), b))
+            results.append({**step_timeline.analyse(read_spans(Path(folder)), b), **memory})
     return results
+
+
+def worker_memory(llm, model: Path) -> dict:
+    """The worker's resident size against what it must hold: the weights (the
+    checkpoint's bytes) and its KV pool."""
+    import psutil
+
+    [worker] = [c for c in llm.client.launcher.children if c.name.startswith("worker")]
+    config = llm.client.config
+    from deepserve.model.config import load_model_config
+    kv = config.num_kv_blocks * load_model_config(model, config.dtype).kv_bytes_per_block(
+        config.block_size, config.tp)
+    weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    return {"worker_rss": psutil.Process(worker.process.pid).memory_info().rss,
+            "weights_bytes": weights, "kv_bytes": kv}
 
 
 if __name__ == "__main__":

@@ -88,6 +88,11 @@ def print_table(results: list[dict], label: str = "") -> None:
                         ("step period (forward start to next)", "period_s")):
         print(" | ".join(["worker", name, *[f"{r[field] * 1e3:.2f}" if r[field] else "-"
                                             for r in results]]))
+    if all("worker_rss" in r for r in results):
+        print(" | ".join(["worker", "RSS / (weights + KV pool)", *[
+            f"{r['worker_rss'] / 2**30:.2f} / ({r['weights_bytes'] / 2**30:.2f} + "
+            f"{r['kv_bytes'] / 2**30:.2f}) GiB = "
+            f"{r['worker_rss'] / (r['weights_bytes'] + r['kv_bytes']):.2f}" for r in results]]))
     print(" | ".join(["", "period / model-only", *[
         f"{r['period_s'] / r['model_only_s']:.3f}" if r["period_s"] and r["model_only_s"]
         else "-" for r in results]]))
