@@ -7,8 +7,8 @@ import time
 
 import zmq
 
-from deepserve.control.job_executor import JobExecutor
-from deepserve.control.router import Router
+from deepserve.control.je.job_executor import JobExecutor
+from deepserve.control.routing.router import Router
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.cache import ToTier
 from deepserve.messages.control import TEInfo, TEList

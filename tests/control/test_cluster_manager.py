@@ -9,8 +9,8 @@ import time
 import pytest
 import zmq
 
-from deepserve.control import cluster_manager
-from deepserve.control.cluster_manager import ClusterManager
+from deepserve.control.cm import cluster_manager
+from deepserve.control.cm.cluster_manager import ClusterManager
 from deepserve.ipc.sockets import PushSocket, SubSocket, ipc_address
 from deepserve.messages.control import FromClusterManager, TEDown, TEInfo, TEList, TEUp
 

@@ -8,9 +8,9 @@ import time
 import zmq
 
 from deepserve.cache.block_hash import prompt_block_hashes
-from deepserve.control import job_executor
-from deepserve.control.job_executor import JobExecutor
-from deepserve.control.router import Router
+from deepserve.control.je import job_executor
+from deepserve.control.je.job_executor import JobExecutor
+from deepserve.control.routing.router import Router
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.control import TEInfo, TEList, TEReport
 from deepserve.messages.engine import AbortRequest, RequestFailed, SubmitRequest, ToClient
@@ -198,9 +198,9 @@ def test_pd_aware_routing_follows_the_heatmap(tiny_model):
     pair (the decode TE gets it with prefill_from = the prefill TE's inbox), a
     short prompt with a long output to the colocated TE; when the prefill TE
     leaves, the job's request fails and its decode task is aborted."""
-    from deepserve.control.decode_predictor import DecodeLengthPredictor
-    from deepserve.control.pd_heatmap import Heatmap
-    from deepserve.control.pd_policy import PDPolicy
+    from deepserve.control.routing.decode_predictor import DecodeLengthPredictor
+    from deepserve.control.routing.pd_heatmap import Heatmap
+    from deepserve.control.routing.pd_policy import PDPolicy
     tok = Tokenizer(tiny_model)
     long_prompt = "def handler(request):\n    return request.headers\n" * 60
     short_prompt = "Tell me a story"

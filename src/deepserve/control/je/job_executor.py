@@ -1,14 +1,14 @@
 """Job executor: request -> job -> task(s), routed to a TE, tracked to its end.
 
     gateways ──SubmitRequest/AbortRequest──> [inbox PULL]
-                                                 │ tokenize (admission.py), route (router.py)
+                                                 │ tokenize (admission.py), route (routing/router.py)
                                                  ▼
                               TE tokenizer inboxes (te_links.py: a timeout per put)
     CM ──TEList / TEReport (SUB)──> router: TE set, loads, cached blocks, finished tasks
     JE ──RequestFailed──> the request's reply_to (no TE, bad input, its TE went down)
 
 A chat or completion request is a job of one `colocated` task, or, when the
-PD policy (control/pd_policy.py: DeepServe Algorithm 1, step 1) says the
+PD policy (control/routing/pd_policy.py: DeepServe Algorithm 1, step 1) says the
 request's shape is served better disaggregated, of a `prefill` and a
 `decode` task: the decode TE gets the request with prefill_from = the chosen
 prefill TE and orders the KV from it itself (messages/pd.py). Either way the
@@ -26,13 +26,13 @@ manager what arrived and what is held (ModelDemand, model_book.py).
 Many models (model_book.py): a request is routed only to its model's TEs;
 a TE draining for scale-in gets nothing new and finishes what it has.
 
-Requests of death (control/suspects.py has the rules and the trade-off):
+Requests of death (control/je/suspects.py has the rules and the trade-off):
 a request in flight on a TE that leaves the list is a suspect; its first
 crash is te_lost (resumed by the gateway; with [router] isolate_suspects run
 isolated: `_hold`), the second request_crashed_engine (final;
 `request_quarantined` logged; the id refused from then on).
 
-`python -m deepserve.control.job_executor --conf RUN_DIR/node.json --role
+`python -m deepserve.control.je.job_executor --conf RUN_DIR/node.json --role
 job-executor`: its sockets are the run's, [router] and [node] model /
 max_attempts come from the resolved config (load_settings).
 """
@@ -47,18 +47,18 @@ import zmq
 
 from deepserve.actor import ActorLife
 from deepserve.config.child import parse_child_args, print_config
-from deepserve.control.context_jobs import ContextJobs
-from deepserve.control.contexts import ContextBook
-from deepserve.control.dualpath import DualPathScheduler, engine_loads
-from deepserve.control.je_settings import PARK_S, JESettings, load_settings
-from deepserve.control.model_book import ModelBook
-from deepserve.control.pd_policy import PDPolicy
-from deepserve.control.router import NoTEAvailable, PromptHashes, Router
-from deepserve.control.isolation import IsolationSide
-from deepserve.control.suspects import HeldSuspects, SuspectBook
-from deepserve.control.tasks import CRASHED, EventSink, Task, crashed_text, no_event
-from deepserve.control.te_links import TELinks
-from deepserve.control.turns import TurnBook, request_ids
+from deepserve.control.je.context_jobs import ContextJobs
+from deepserve.control.je.contexts import ContextBook
+from deepserve.control.je.isolation import IsolationSide
+from deepserve.control.je.je_settings import PARK_S, JESettings, load_settings
+from deepserve.control.je.model_book import ModelBook
+from deepserve.control.je.suspects import HeldSuspects, SuspectBook
+from deepserve.control.je.tasks import CRASHED, EventSink, Task, crashed_text, no_event
+from deepserve.control.je.te_links import TELinks
+from deepserve.control.je.turns import TurnBook, request_ids
+from deepserve.control.routing.dualpath import DualPathScheduler, engine_loads
+from deepserve.control.routing.pd_policy import PDPolicy
+from deepserve.control.routing.router import NoTEAvailable, PromptHashes, Router
 from deepserve.errors import InvalidRequestError
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, SubSocket
@@ -101,7 +101,7 @@ class JobExecutor(IsolationSide):
         self.held = HeldSuspects()  # resumed suspects waiting to run isolated
         self.parked: list[tuple[float, SubmitRequest, list[int]]] = []  # _dispatch
         self.kv_cache = kv_cache  # the tier service: ContextUnpin
-        self.dualpath = dualpath  # [router] dualpath: pairs and read paths (dualpath.py)
+        self.dualpath = dualpath  # [router] dualpath: pairs and read paths (routing/dualpath.py)
         self.turns = TurnBook(continuity)  # token-id continuity (turns.py)
         self.contexts = ContextJobs(ContextBook(contexts_path), self.book, inbox,
                                     lambda m, ids: self._dispatch(m, ids, time.monotonic() + PARK_S),

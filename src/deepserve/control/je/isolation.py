@@ -1,5 +1,5 @@
 """Resumed suspects run isolated (the job executor's IsolationSide; the rules
-and their trade-off: control/suspects.py).
+and their trade-off: control/je/suspects.py).
 
 A request in flight on a TE that crashed resumes, with [router]
 isolate_suspects, only where it cannot take a second TE down with another
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from deepserve.control.router import NoTEAvailable
+from deepserve.control.routing.router import NoTEAvailable
 from deepserve.messages.engine import SubmitRequest
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ back into the list and the JE route resumed requests to a dead TE. A TEUp
 naming another incarnation (TEInfo.incarnation: a pre-warmed process can
 replace a TE in well under REUP_FENCE_S) is the new TE, and passes.
 
-`python -m deepserve.control.cluster_manager --conf RUN_DIR/node.json --role
+`python -m deepserve.control.cm.cluster_manager --conf RUN_DIR/node.json --role
 cluster-manager`: its sockets are the run's (cm, cm_pub), te_timeout_s is [node]'s.
 
 Scaling (scaling.py): with scalable models the CM runs the autoscaler each
@@ -49,7 +49,7 @@ import zmq
 from deepserve.actor import ActorLife
 from deepserve.config.child import ChildArgs, parse_child_args, print_config
 from deepserve.config.loading import read_run_config
-from deepserve.control.scaling import ScalingControl, options_of, policies_of
+from deepserve.control.cm.scaling import ScalingControl, options_of, policies_of
 from deepserve.config.models import ModelSpec, ScalingSection
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.cache import TierReport
