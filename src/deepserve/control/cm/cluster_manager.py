@@ -46,8 +46,8 @@ import msgspec.structs
 import msgspec
 import zmq
 
-from deepserve.actor import ActorLife
-from deepserve.config.child import ChildArgs, parse_child_args, print_config
+from deepserve.actor import ActorLife, run_main
+from deepserve.config.child import ChildArgs
 from deepserve.config.loading import read_run_config
 from deepserve.control.cm.scaling import ScalingControl, options_of, policies_of
 from deepserve.config.models import ModelSpec, ScalingSection
@@ -88,9 +88,11 @@ class ClusterManager:
         self.last_published: float | None = None
         self.conflicts: set[tuple[str, str]] = set()  # (te id, address) refused (logged once)
         self.scaling: ScalingControl | None = None  # enable_scaling
+        self.to_supervisor: PushSocket | None = None  # the scaling's outbox, closed here
 
-    def enable_scaling(self, control: ScalingControl) -> None:
-        self.scaling = control
+    def enable_scaling(self, control: ScalingControl, outbox: PushSocket | None = None) -> None:
+        """Run the autoscaler; outbox: the socket its orders leave by (closed by close())."""
+        self.scaling, self.to_supervisor = control, outbox
 
     @property
     def is_listing(self) -> bool:
@@ -213,6 +215,8 @@ class ClusterManager:
     def close(self) -> None:
         self.inbox.close()
         self.pub.close()
+        if self.to_supervisor is not None:
+            self.to_supervisor.close()
 
 
 class CMSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -244,17 +248,14 @@ def load_settings(args: ChildArgs) -> CMSettings:
                       startup_timeout_s=config.node.startup_timeout_s)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_child_args(argv, "cluster-manager", "DeepServe cluster manager")
-    settings = load_settings(args)
-    if args.print_config:
-        return print_config(settings)
-    life = ActorLife("cluster-manager", parent_pid=args.parent_pid)
-    ctx = zmq.Context()
+def build(ctx: zmq.Context, settings: CMSettings, life: ActorLife) -> ClusterManager:
+    """The CM of a node; with scalable models its autoscaler, whose orders go
+    to the supervisor through a PUSH socket the CM closes."""
     cm = ClusterManager(ctx, settings.inbox, settings.pub, settings.te_timeout_s,
                         expected_tes=settings.te_ids, events=life.event)
-    to_supervisor = PushSocket(ctx, settings.supervisor, bind=False) if settings.models else None
-    if to_supervisor is not None:
+    if settings.models:
+        to_supervisor = PushSocket(ctx, settings.supervisor, bind=False)
+
         def send(msg) -> None:
             try:
                 to_supervisor.put(msg, timeout=0.5)
@@ -262,16 +263,13 @@ def main(argv: list[str] | None = None) -> None:
                 log.error("%s not sent: the supervisor does not listen", type(msg).__name__)
         cm.enable_scaling(ScalingControl(
             policies_of(settings.models), options_of(settings.scaling), send, life.event,
-            time.monotonic(), settings.startup_timeout_s, settings.initial))
-    try:
-        life.ready()
-        life.run(cm.step, lambda: {"tes": len(cm.tes)})
-    finally:
-        cm.close()
-        if to_supervisor is not None:
-            to_supervisor.close()
-        ctx.term()
-        life.close()
+            time.monotonic(), settings.startup_timeout_s, settings.initial), to_supervisor)
+    return cm
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_main("cluster-manager", "DeepServe cluster manager", argv, load_settings, build,
+             lambda cm: {"tes": len(cm.tes)})
 
 
 if __name__ == "__main__":

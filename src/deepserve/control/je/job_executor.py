@@ -45,8 +45,7 @@ import time
 import msgspec
 import zmq
 
-from deepserve.actor import ActorLife
-from deepserve.config.child import parse_child_args, print_config
+from deepserve.actor import run_main
 from deepserve.control.je.context_jobs import ContextJobs
 from deepserve.control.je.contexts import ContextBook
 from deepserve.control.je.isolation import IsolationSide
@@ -343,20 +342,9 @@ def build(ctx: zmq.Context, s: JESettings, events: EventSink = no_event) -> JobE
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_child_args(argv, "job-executor", "DeepServe job executor")
-    settings = load_settings(args)
-    if args.print_config:
-        return print_config(settings)
-    life = ActorLife("job-executor", parent_pid=args.parent_pid)
-    ctx = zmq.Context()
-    je = build(ctx, settings, life.event)
-    try:
-        life.ready()
-        life.run(je.step, lambda: {"tasks": len(je.tasks), "migrated": je.num_migrated})
-    finally:
-        je.close()
-        ctx.term()
-        life.close()
+    run_main("job-executor", "DeepServe job executor", argv, load_settings,
+             lambda ctx, s, life: build(ctx, s, life.event),
+             lambda je: {"tasks": len(je.tasks), "migrated": je.num_migrated})
 
 
 if __name__ == "__main__":
