@@ -5,6 +5,7 @@ CM published [] at once and the JE failed every task)."""
 from __future__ import annotations
 
 import time
+import typing
 
 import pytest
 import zmq
@@ -12,7 +13,8 @@ import zmq
 from deepserve.control.cm import cluster_manager
 from deepserve.control.cm.cluster_manager import ClusterManager
 from deepserve.ipc.sockets import PushSocket, SubSocket, ipc_address
-from deepserve.messages.control import FromClusterManager, TEDown, TEInfo, TEList, TEUp
+from deepserve.messages.control import (FromClusterManager, TEDown, TEInfo, TEList, TEUp,
+                                        ToClusterManager)
 
 
 @pytest.fixture
@@ -196,5 +198,15 @@ def test_a_second_te_of_a_listed_id_is_refused_and_cannot_take_it_down(ctx, tmp_
         wire.te.put(TEDown(te_id="h1-te0", reason="shutdown", address="tcp://10.0.0.3:7408"))
         wire.run(0.3)
         assert "h1-te0" not in wire.cm.tes  # its own TEDown (and an address-less one) count
+    finally:
+        wire.close()
+
+
+def test_every_message_of_the_cm_inbox_has_a_handler(ctx, tmp_path):
+    """handle() dispatches on the message's type: a type added to the channel
+    without a handler would be dropped silently."""
+    wire = _Wire(ctx, tmp_path)
+    try:
+        assert set(wire.cm._handlers) == set(typing.get_args(ToClusterManager))
     finally:
         wire.close()

@@ -88,6 +88,10 @@ class ClusterManager:
         self.conflicts: set[tuple[str, str]] = set()  # (te id, address) refused (logged once)
         self.scaling: ScalingControl | None = None  # enable_scaling
         self.to_supervisor: PushSocket | None = None  # the scaling's outbox, closed here
+        self._handlers = {TEUp: self._on_te_up, TEDown: self._on_te_down,
+                          TEReport: self._on_report, ModelDemand: self._on_demand,
+                          ScaleEvent: self._on_scale_event,
+                          TierReport: self.pub.put}  # the KV tiers' state, for /metrics
 
     def enable_scaling(self, control: ScalingControl, outbox: PushSocket | None = None) -> None:
         """Run the autoscaler; outbox: the socket its orders leave by (closed by close())."""
@@ -118,48 +122,59 @@ class ClusterManager:
             self.publish()
 
     def handle(self, msg) -> None:
-        now = self.clock()
-        if isinstance(msg, TEUp):  # TEs repeat it, so a restarted CM relearns them
-            te_id = msg.info.te_id
-            gone = self.down_incarnation.get(te_id, "")
-            is_new = bool(msg.info.incarnation) and bool(gone) and msg.info.incarnation != gone
-            if not is_new and now - self.down_at.get(te_id, -REUP_FENCE_S) < REUP_FENCE_S:
-                log.info("TE %s: TEUp %.3f s after its TEDown ignored (stale)", te_id,
-                         now - self.down_at[te_id])
-                return
-            if self._conflicts(msg.info, now):
-                return
-            self.last_seen[te_id] = now
+        handler = self._handlers.get(type(msg))
+        if handler is not None:
+            handler(msg)
+
+    def _on_te_up(self, msg: TEUp) -> None:
+        """TEs repeat it, so a restarted CM relearns them."""
+        now, te_id = self.clock(), msg.info.te_id
+        gone = self.down_incarnation.get(te_id, "")
+        is_new = bool(msg.info.incarnation) and bool(gone) and msg.info.incarnation != gone
+        if not is_new and now - self.down_at.get(te_id, -REUP_FENCE_S) < REUP_FENCE_S:
+            log.info("TE %s: TEUp %.3f s after its TEDown ignored (stale)", te_id,
+                     now - self.down_at[te_id])
+            return
+        if self._conflicts(msg.info, now):
+            return
+        self.last_seen[te_id] = now
+        if self.scaling is not None:
+            if self.scaling.is_held(te_id) and te_id in self.tes:
+                return  # draining: it stays marked so
+            self.scaling.on_te_up(msg.info, now)
+        if self.tes.get(te_id) != msg.info:
+            self.tes[te_id] = msg.info
+            log.warning("TE %s up at %s", te_id, msg.info.address)
+            self.publish()
+
+    def _on_te_down(self, msg: TEDown) -> None:
+        listed = self.tes.get(msg.te_id)
+        if msg.address and listed is not None and listed.address != msg.address:
+            log.error("TE %s: TEDown from %s ignored: the listed TE of that id is at %s",
+                      msg.te_id, msg.address, listed.address)
+            return
+        self.down_at[msg.te_id] = self.clock()
+        self._remove(msg.te_id, msg.reason)
+
+    def _on_report(self, msg: TEReport) -> None:
+        """Relayed from a listed TE, or from any while no TE list is out yet."""
+        if msg.te_id in self.tes:
+            now = self.clock()
+            self.last_seen[msg.te_id] = now
             if self.scaling is not None:
-                if self.scaling.is_held(te_id) and te_id in self.tes:
-                    return  # draining: it stays marked so
-                self.scaling.on_te_up(msg.info, now)
-            if self.tes.get(te_id) != msg.info:
-                self.tes[te_id] = msg.info
-                log.warning("TE %s up at %s", te_id, msg.info.address)
-                self.publish()
-        elif isinstance(msg, TEDown):
-            listed = self.tes.get(msg.te_id)
-            if msg.address and listed is not None and listed.address != msg.address:
-                log.error("TE %s: TEDown from %s ignored: the listed TE of that id is at %s",
-                          msg.te_id, msg.address, listed.address)
-                return
-            self.down_at[msg.te_id] = now
-            self._remove(msg.te_id, msg.reason)
-        elif isinstance(msg, TEReport) and (msg.te_id in self.tes or not self.is_listing):
-            if msg.te_id in self.tes:
-                self.last_seen[msg.te_id] = now
-                if self.scaling is not None:
-                    self.scaling.on_report(msg, self.tes[msg.te_id].model, now)
-            self.pub.put(msg)
-        elif isinstance(msg, ModelDemand) and self.scaling is not None:
-            self.scaling.on_demand(msg, now)
-        elif isinstance(msg, ScaleEvent):
-            if self.scaling is not None:
-                self.scaling.on_scale_event(msg)
-            self.pub.put(msg)  # gateways count it (/metrics)
-        elif isinstance(msg, TierReport):
-            self.pub.put(msg)  # the KV tiers' state, for the gateways' /metrics
+                self.scaling.on_report(msg, self.tes[msg.te_id].model, now)
+        elif self.is_listing:
+            return
+        self.pub.put(msg)
+
+    def _on_demand(self, msg: ModelDemand) -> None:
+        if self.scaling is not None:
+            self.scaling.on_demand(msg, self.clock())
+
+    def _on_scale_event(self, msg: ScaleEvent) -> None:
+        if self.scaling is not None:
+            self.scaling.on_scale_event(msg)
+        self.pub.put(msg)  # gateways count it (/metrics)
 
     def _conflicts(self, info: TEInfo, now: float) -> bool:
         """A second TE claims a listed TE's id from another address (two nodes
