@@ -284,7 +284,7 @@ def test_job_executor_applies_max_attempts_and_router(tmp_path, tiny_model):
                    "pd_options": {"min_prompt_len": 10, "max_decode_len": 20, "margin": 0.5}},
         "te": [{}]})
     ctx = zmq.Context()
-    je = job_executor.build(ctx, effective("job-executor", conf))
+    je = job_executor.JobExecutor(ctx, effective("job-executor", conf))
     try:
         assert je.max_attempts == 7
         assert (je.router.policy, je.router.balance_threshold) == ("load", 12.0)

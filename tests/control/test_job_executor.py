@@ -10,13 +10,12 @@ import zmq
 from deepserve.cache.block_hash import prompt_block_hashes
 from deepserve.control.je import job_executor
 from deepserve.control.je.job_executor import JobExecutor
-from deepserve.control.routing.router import Router
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.control import TEInfo, TEList, TEReport
 from deepserve.messages.engine import AbortRequest, RequestFailed, SubmitRequest, ToClient
 from deepserve.messages.sampling import SamplingParams
 from deepserve.tokenizer import Tokenizer
-from tests.control.je_rig import _TE_IN, _publish, _pump
+from tests.control.je_rig import _TE_IN, _publish, _pump, je_settings
 
 
 def _recv(sock):
@@ -213,8 +212,8 @@ def test_pd_aware_routing_follows_the_heatmap(tiny_model):
     ctx = zmq.Context()
     addr = {n: f"ipc://{d}/{n}.sock" for n in ("je", "cm", "gw", "c0", "p0", "d0")}
     cm = PubSocket(ctx, addr["cm"], bind=True)
-    je = JobExecutor(ctx, addr["je"], addr["cm"], str(tiny_model), Router("combined"),
-                     PDPolicy("heatmap", heatmap, predictor))
+    je = JobExecutor(ctx, je_settings(addr["je"], addr["cm"], tiny_model),
+                     pd_policy=PDPolicy("heatmap", heatmap, predictor))
     tes = {t: PullSocket(ctx, addr[t], bind=True, type=_TE_IN) for t in ("c0", "p0", "d0")}
     rig = {"je": je, "to_je": PushSocket(ctx, addr["je"], bind=False), "addr": addr,
            "gw": PullSocket(ctx, addr["gw"], bind=True, type=ToClient)}

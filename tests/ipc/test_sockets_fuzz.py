@@ -182,11 +182,11 @@ def test_cluster_manager_survives_garbage(short_dir):
 
 def test_job_executor_survives_garbage(short_dir, tiny_model):
     from deepserve.control.je.job_executor import JobExecutor
-    from deepserve.control.routing.router import Router
+    from tests.control.je_rig import je_settings
     ctx = zmq.Context()
     inbox, cm_pub = ipc_address(short_dir, "je"), ipc_address(short_dir, "cm_pub")
     pub = PubSocket(ctx, cm_pub, bind=True)
-    je = JobExecutor(ctx, inbox, cm_pub, str(tiny_model), Router("combined"))
+    je = JobExecutor(ctx, je_settings(inbox, cm_pub, tiny_model))
     raw = ctx.socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(inbox)

@@ -42,10 +42,11 @@ from __future__ import annotations
 import logging
 import time
 
-import msgspec
+import msgspec.structs
 import zmq
 
 from deepserve.actor import run_main
+from deepserve.config.node import RouterSection
 from deepserve.control.je.context_jobs import ContextJobs
 from deepserve.control.je.contexts import ContextBook
 from deepserve.control.je.isolation import IsolationSide
@@ -71,38 +72,41 @@ log = logging.getLogger(__name__)
 _IN = (SubmitRequest | AbortRequest | RequestLatencies | CreateContext | GetContext
        | DeleteContext | TurnDone | RequestDelta | RequestFailed)
 PARK_MAX = 4096
-class JobExecutor(IsolationSide):
-    """models: served name -> directory (or one directory); cm: the CM's inbox
-    (ModelDemand; None: not sent); scalable: models started on demand, whose
-    requests wait up to queue_timeout_s for a TE."""
 
-    def __init__(self, ctx: zmq.Context, inbox: str, cm_pub: str, models, router: Router,
-                 pd_policy=None, max_attempts: int = 3, events: EventSink = no_event,
-                 isolate_suspects: bool = False, cm: str | None = None, scalable=(),
-                 queue_timeout_s: float = PARK_S, kv_cache: str = "",
-                 contexts_path: str | None = None, continuity: bool = True,
-                 dualpath: DualPathScheduler | None = None):
+
+class JobExecutor(IsolationSide):
+    """settings: the JE's part of the node's config (je_settings.py); events:
+    health events (request_migrated, ...) to the supervisor. Its router, PD
+    policy and DualPath scheduler are built from settings.router; a test may
+    hand in a PD policy of its own (pd_policy)."""
+
+    def __init__(self, ctx: zmq.Context, settings: JESettings, events: EventSink = no_event,
+                 *, pd_policy: PDPolicy | None = None):
+        s, r = settings, settings.router
+        # the policies first: a bad [router] file fails before a socket is bound
+        self.router = Router(r.policy, **({} if r.balance_threshold is None
+                                          else {"balance_threshold": r.balance_threshold}))
+        self.pd_policy = pd_policy if pd_policy is not None else pd_policy_of(r)
+        self.dualpath = (None if r.dualpath is None  # pairs and read paths (routing/dualpath.py)
+                         else DualPathScheduler(**msgspec.structs.asdict(r.dualpath)))
         self.ctx = ctx
-        self.inbox = PullSocket(ctx, inbox, bind=True, type=_IN)
-        self.cm = SubSocket(ctx, cm_pub, bind=False, type=FromClusterManager)
-        self.book = ModelBook(models, scalable)  # tokenizers, TEs and demand per model
-        self.cm_inbox, self.queue_timeout_s = cm, queue_timeout_s
-        self.router = router
-        self.pd_policy = pd_policy  # None: colocated unless only PD pairs exist
-        self.max_attempts = max_attempts  # a request runs on at most this many TEs
+        self.inbox = PullSocket(ctx, s.inbox, bind=True, type=_IN)
+        self.cm = SubSocket(ctx, s.cm_pub, bind=False, type=FromClusterManager)
+        self.book = ModelBook(s.models, s.scalable)  # tokenizers, TEs and demand per model
+        self.cm_inbox, self.queue_timeout_s = s.cm or None, s.queue_timeout_s  # ModelDemand
+        self.max_attempts = s.max_attempts  # a request runs on at most this many TEs
         self.events = events  # health events (request_migrated) to the supervisor
         self.num_migrated = 0
         self.links = TELinks(ctx)  # the listed TEs and sends to them
         self.replies = Outboxes(ctx)  # to reply_to addresses: never blocks for long
         self.tasks: dict[str, Task] = {}
         self.suspects = SuspectBook()
-        self.isolate_suspects = isolate_suspects  # [router] isolate_suspects: _hold
+        self.isolate_suspects = r.isolate_suspects  # [router] isolate_suspects: _hold
         self.held = HeldSuspects()  # resumed suspects waiting to run isolated
         self.parked: list[tuple[float, SubmitRequest, list[int]]] = []  # _dispatch
-        self.kv_cache = kv_cache  # the tier service: ContextUnpin
-        self.dualpath = dualpath  # [router] dualpath: pairs and read paths (routing/dualpath.py)
-        self.turns = TurnBook(continuity)  # token-id continuity (turns.py)
-        self.contexts = ContextJobs(ContextBook(contexts_path), self.book, inbox,
+        self.kv_cache = s.kv_cache  # the tier service: ContextUnpin
+        self.turns = TurnBook(s.continuity)  # token-id continuity (turns.py)
+        self.contexts = ContextJobs(ContextBook(s.contexts_path or None), self.book, s.inbox,
                                     lambda m, ids: self._dispatch(m, ids, time.monotonic() + PARK_S),
                                     self._reply, self._unpin)
         self.poller = zmq.Poller()
@@ -326,24 +330,18 @@ class JobExecutor(IsolationSide):
             sock.close()
 
 
-def build(ctx: zmq.Context, s: JESettings, events: EventSink = no_event) -> JobExecutor:
-    r = s.router
-    options = {} if r.balance_threshold is None else {"balance_threshold": r.balance_threshold}
-    pd_policy = None
-    if r.pd_policy is not None:
-        pd_policy = PDPolicy.from_files(r.pd_policy, r.pd_heatmap, r.pd_predictor,
-                                        **msgspec.structs.asdict(r.pd_options))
-    return JobExecutor(ctx, s.inbox, s.cm_pub, s.models, Router(r.policy, **options), pd_policy,
-                       s.max_attempts, events, r.isolate_suspects, cm=s.cm or None,
-                       scalable=s.scalable, queue_timeout_s=s.queue_timeout_s,
-                       kv_cache=s.kv_cache, contexts_path=s.contexts_path or None,
-                       continuity=s.continuity, dualpath=DualPathScheduler(
-                           **msgspec.structs.asdict(r.dualpath)) if r.dualpath else None)
+def pd_policy_of(r: RouterSection) -> PDPolicy | None:
+    """[router]'s PD policy, its files read; None: none set (colocated while a
+    colocated TE exists, else disaggregated: _job_layout)."""
+    if r.pd_policy is None:
+        return None
+    return PDPolicy.from_files(r.pd_policy, r.pd_heatmap, r.pd_predictor,
+                               **msgspec.structs.asdict(r.pd_options))
 
 
 def main(argv: list[str] | None = None) -> None:
     run_main("job-executor", "DeepServe job executor", argv, load_settings,
-             lambda ctx, s, life: build(ctx, s, life.event),
+             lambda ctx, s, life: JobExecutor(ctx, s, life.event),
              lambda je: {"tasks": len(je.tasks), "migrated": je.num_migrated})
 
 
