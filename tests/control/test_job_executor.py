@@ -179,7 +179,7 @@ def test_suspects_resume_one_at_a_time_with_a_spare_and_are_not_quarantined(rig)
 
 def test_a_lone_te_takes_a_waiting_suspect_after_the_hold(rig):
     """With one TE there is no spare: the suspect waits hold_s, then runs."""
-    rig["je"].held.hold_s = 0.5
+    rig["je"].isolation.held.hold_s = 0.5
     _pump(rig, lambda: _publish(rig, ["te0"]) or (rig["je"].te_sockets or None))
     _submit(rig, "s", "a suspect")
     _tasks_of(rig, "te0", 0.5)

@@ -29,7 +29,7 @@ a TE draining for scale-in gets nothing new and finishes what it has.
 Requests of death (control/je/suspects.py has the rules and the trade-off):
 a request in flight on a TE that leaves the list is a suspect; its first
 crash is te_lost (resumed by the gateway; with [router] isolate_suspects run
-isolated: `_hold`), the second request_crashed_engine (final;
+isolated: isolation.py), the second request_crashed_engine (final;
 `request_quarantined` logged; the id refused from then on).
 
 `python -m deepserve.control.je.job_executor --conf RUN_DIR/node.json --role
@@ -49,10 +49,10 @@ from deepserve.actor import run_main
 from deepserve.config.node import RouterSection
 from deepserve.control.je.context_jobs import ContextJobs
 from deepserve.control.je.contexts import ContextBook
-from deepserve.control.je.isolation import IsolationSide
+from deepserve.control.je.isolation import Isolation
 from deepserve.control.je.je_settings import PARK_S, JESettings, load_settings
 from deepserve.control.je.model_book import ModelBook
-from deepserve.control.je.suspects import HeldSuspects, SuspectBook
+from deepserve.control.je.suspects import SuspectBook
 from deepserve.control.je.tasks import CRASHED, EventSink, Task, crashed_text, no_event
 from deepserve.control.je.te_links import TELinks
 from deepserve.control.je.turns import TurnBook, request_ids
@@ -74,7 +74,7 @@ _IN = (SubmitRequest | AbortRequest | RequestLatencies | CreateContext | GetCont
 PARK_MAX = 4096
 
 
-class JobExecutor(IsolationSide):
+class JobExecutor:
     """settings: the JE's part of the node's config (je_settings.py); events:
     health events (request_migrated, ...) to the supervisor. Its router, PD
     policy and DualPath scheduler are built from settings.router; a test may
@@ -101,8 +101,9 @@ class JobExecutor(IsolationSide):
         self.replies = Outboxes(ctx)  # to reply_to addresses: never blocks for long
         self.tasks: dict[str, Task] = {}
         self.suspects = SuspectBook()
-        self.isolate_suspects = r.isolate_suspects  # [router] isolate_suspects: _hold
-        self.held = HeldSuspects()  # resumed suspects waiting to run isolated
+        self.isolate_suspects = r.isolate_suspects  # [router] isolate_suspects: isolation
+        self.isolation = Isolation(self.suspects, lambda: self.router.tes, self._job_layout,
+                                   self._route, self._send_task, self._note_migrated, self._fail)
         self.parked: list[tuple[float, SubmitRequest, list[int]]] = []  # _dispatch
         self.kv_cache = s.kv_cache  # the tier service: ContextUnpin
         self.turns = TurnBook(s.continuity)  # token-id continuity (turns.py)
@@ -129,8 +130,8 @@ class JobExecutor(IsolationSide):
         self.contexts.step()
         if self.parked:
             self._unpark()
-        if self.held:
-            self._release_held()
+        if self.isolation:
+            self.isolation.release(self.tasks.values())
         if self.cm_inbox is not None:
             demand = self.book.demand(self.book.name_of(p[1].model) for p in self.parked)
             if demand is not None:
@@ -170,7 +171,7 @@ class JobExecutor(IsolationSide):
         if msg.attempt == 0:
             self.book.note_arrival(model)
         if self.isolate_suspects and self.suspects.is_suspect(msg.request_id):
-            return self._hold(msg, ids)
+            return self.isolation.hold(msg, ids, self.tasks.values())
         waits = self.book.waits_for_scaling(model) or self.dualpath is not None  # for room
         wait_s = self.queue_timeout_s if waits else PARK_S
         self._dispatch(msg, ids, time.monotonic() + wait_s)
@@ -262,7 +263,7 @@ class JobExecutor(IsolationSide):
         return self.pd_policy.choose(ids, max_tokens=max_tokens)
 
     def _abort(self, msg: AbortRequest) -> None:
-        self.held.drop(msg.request_id)
+        self.isolation.drop(msg.request_id)
         self.parked = [p for p in self.parked if p[1].request_id != msg.request_id]
         task = self.tasks.get(msg.request_id)
         if task is not None:
@@ -298,7 +299,7 @@ class JobExecutor(IsolationSide):
         live, left = update
         # first: nothing routes to a TE that left, or that drains for scale-in
         self.router.update_tes([te for te in live if not te.draining])
-        self.held.note_listed([te.te_type for te in live])
+        self.isolation.note_listed([te.te_type for te in live])
         for te_id in left:
             self._fail_tasks_of(te_id)
 
