@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from deepserve.actor import ActorLife
+from deepserve.actor import ActorLife, run_main
 from deepserve.faults import ENV_VAR as DRILL_ENV
 from deepserve.faults import FaultHooks, NoFaults
 from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
 from deepserve.ipc.heartbeat import NullHeartbeat
-from deepserve.ipc.sockets import PullSocket
+from deepserve.ipc.sockets import PullSocket, ipc_address
 from deepserve.messages.health import HealthEvent, Heartbeat, Ready
 
 
@@ -167,3 +167,72 @@ def test_an_event_sent_right_after_start_and_before_exit_is_not_lost(inbox):
     life.close()
     msgs = _receive(inbox, 1)
     assert [(m.event, m.details["fault"]) for m in msgs] == [("fault_injected", "crash")]
+
+
+class _Counter:
+    """An actor for run_main: a PULL socket in the given context, a step that
+    counts and ends the loop at `steps` (or raises there), a recorded close."""
+
+    def __init__(self, ctx, address, log, steps=3, fail=False):
+        self.socket = PullSocket(ctx, address, bind=True, type=Heartbeat)
+        self.log, self.steps, self.fail, self.num_steps = log, steps, fail, 0
+
+    def step(self):
+        self.num_steps += 1
+        if self.fail and self.num_steps == self.steps:
+            raise RuntimeError("step failed")
+        return self.num_steps < self.steps
+
+    def close(self):
+        self.log.append("closed")
+        self.socket.close()
+
+
+def _main(argv, build, settings="the settings"):
+    """run_main as a role's main() would call it; returns the context build saw."""
+    seen = {}
+
+    def building(ctx, s, life):
+        seen.update(ctx=ctx, settings=s, life=life)
+        return build(ctx)
+    run_main("job-executor", "test actor", argv, lambda args: settings, building,
+             lambda actor: {"steps": actor.num_steps})
+    return seen
+
+
+def test_run_main_prints_the_settings_and_builds_nothing(capsys):
+    built = []
+    _main(["--conf", "x.json", "--role", "job-executor", "--print-config"], built.append,
+          settings={"max_attempts": 7})
+    assert built == [] and capsys.readouterr().out == '{"max_attempts":7}\n'
+
+
+def test_run_main_runs_the_actor_then_closes_it_before_the_context(supervisor_inbox, short_dir):
+    log = []
+    seen = _main(["--conf", "x.json", "--role", "job-executor"],
+                 lambda ctx: _Counter(ctx, ipc_address(short_dir, "a"), log))
+    msgs = _receive(supervisor_inbox.inbox, 4)
+    assert isinstance(msgs[0], Ready) and msgs[0].component == "job-executor"
+    assert [m.progress["steps"] for m in msgs[1:] if isinstance(m, Heartbeat)][:1] == [0]
+    assert log == ["closed"] and seen["ctx"].closed and seen["settings"] == "the settings"
+    assert isinstance(seen["life"].heartbeat, NullHeartbeat)  # life closed last
+
+
+def test_run_main_closes_everything_when_a_step_raises(short_dir):
+    log = []
+    with pytest.raises(RuntimeError, match="step failed"):
+        _main(["--conf", "x.json", "--role", "job-executor"],
+              lambda ctx: _Counter(ctx, ipc_address(short_dir, "a"), log, fail=True))
+    assert log == ["closed"]
+
+
+def test_a_failed_build_leaves_no_socket_to_block_the_context(short_dir):
+    made = {}
+
+    def build(ctx):
+        made["ctx"] = ctx
+        PullSocket(ctx, ipc_address(short_dir, "a"), bind=True, type=Heartbeat)  # made; then:
+        raise ValueError("bad settings")
+    with pytest.raises(ValueError, match="bad settings"):
+        _main(["--conf", "x.json", "--role", "job-executor"], build)
+    assert made["ctx"].closed

@@ -24,7 +24,8 @@ from deepserve.config.node import (ENGINE_OPTIONS, DualPathOptions, FLAT_SECTION
                                    NodeSection, PDOptions, RouterSection, RunAddresses,
                                    SupervisorConfig, TESection, TESpec, ClusterSection)
 from deepserve.cache import tier_server
-from deepserve.control import cluster_manager, job_executor
+from deepserve.control.cm import cluster_manager
+from deepserve.control.je import job_executor
 from deepserve.engine import te_server
 from deepserve.gateway import __main__ as gateway_main
 from deepserve.supervisor.node_config import with_cluster, with_models, with_port
@@ -255,8 +256,8 @@ def test_real_children_print_their_effective_config(tmp_path):
     resolved = resolve(conf, tmp_path)
     assert resolved.stat().st_mode & 0o777 == 0o600  # it holds the API keys
     printed = {}
-    for role, module in (("cluster-manager", "deepserve.control.cluster_manager"),
-                         ("job-executor", "deepserve.control.job_executor"),
+    for role, module in (("cluster-manager", "deepserve.control.cm.cluster_manager"),
+                         ("job-executor", "deepserve.control.je.job_executor"),
                          ("gateway", "deepserve.gateway"), ("te", "deepserve.engine.te_server")):
         extra = ["--te-id", "te0"] if role == "te" else []
         out = subprocess.run([sys.executable, "-m", module, "--conf", str(resolved), "--role",
@@ -283,7 +284,7 @@ def test_job_executor_applies_max_attempts_and_router(tmp_path, tiny_model):
                    "pd_options": {"min_prompt_len": 10, "max_decode_len": 20, "margin": 0.5}},
         "te": [{}]})
     ctx = zmq.Context()
-    je = job_executor.build(ctx, effective("job-executor", conf))
+    je = job_executor.JobExecutor(ctx, effective("job-executor", conf))
     try:
         assert je.max_attempts == 7
         assert (je.router.policy, je.router.balance_threshold) == ("load", 12.0)
@@ -462,7 +463,7 @@ def test_real_job_executor_uses_max_attempts_and_reports_migrations(tmp_path, ti
     te = PullSocket(ctx, run.tes["te0"], bind=True, type=SubmitRequest | AbortRequest)
     gw = PullSocket(ctx, run.gw_reply, bind=True, type=ToClient)
     to_je = PushSocket(ctx, run.je, bind=False)
-    je = subprocess.Popen([sys.executable, "-m", "deepserve.control.job_executor", "--conf",
+    je = subprocess.Popen([sys.executable, "-m", "deepserve.control.je.job_executor", "--conf",
                            str(resolved), "--role", "job-executor", "--parent-pid",
                            str(os.getpid())], env={**os.environ, HEARTBEAT_ENV: run.hb})
     heard: list = []

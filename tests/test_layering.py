@@ -110,8 +110,8 @@ def test_one_host_needs_no_ray():
     """Ray is the optional `cluster` extra: a node, its children and the drills
     import without it; only supervisor/ray_fabric.py asks for it, when run."""
     code = ("import sys; import deepserve.supervisor.__main__, deepserve.supervisor.node, "
-            "deepserve.engine.te_server, deepserve.control.job_executor, "
-            "deepserve.control.cluster_manager, deepserve.gateway.__main__, "
+            "deepserve.engine.te_server, deepserve.control.je.job_executor, "
+            "deepserve.control.cm.cluster_manager, deepserve.gateway.__main__, "
             "deepserve.drill.__main__, deepserve.supervisor.ray_fabric; "
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -2,7 +2,7 @@
 TE-list push through the wire codec, the real scaling loop, and a simulated
 supervisor that carries out its ScaleOut / ScaleIn.
 
-    SimTE reports ──on_report──> ScalingControl (control/scaling.py, real)
+    SimTE reports ──on_report──> ScalingControl (control/cm/scaling.py, real)
     every tick: ModelDemand ──> ScalingControl.step(now, listed) ──> drain ids
                                      │ ScaleOut / ScaleIn (send)
                                      ▼
@@ -21,9 +21,9 @@ from typing import Callable
 
 import msgspec
 
-from deepserve.control.autoscaler import ModelPolicy, ScalingOptions
-from deepserve.control.cluster_manager import REPUBLISH_S
-from deepserve.control.scaling import ScalingControl
+from deepserve.control.cm.autoscaler import ModelPolicy, ScalingOptions
+from deepserve.control.cm.cluster_manager import REPUBLISH_S
+from deepserve.control.cm.scaling import ScalingControl
 from deepserve.messages.control import FromClusterManager, TEInfo, TEList, TEReport
 from deepserve.messages.scaling import ModelDemand, ScaleOut
 

@@ -19,6 +19,11 @@ by `run` from the main loop itself, never from a side thread (a side thread
 keeps beating while the main thread is stuck in a collective). Fault hooks
 (faults.py) are read through `life.faults`; each firing is reported as a
 `fault_injected` health event, so a drill can prove its fault happened.
+
+run_main is the whole main() of a node-level actor started as a command (the
+job executor, the cluster manager, the KV tier service): parse the child
+command line, load its settings, build the actor in a ZeroMQ context, run it,
+release everything on every way out.
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ import logging
 import os
 import signal
 from multiprocessing.connection import Connection
-from typing import Callable
+from typing import Callable, Protocol, TypeVar
 
 import zmq
 
+from deepserve.config.child import ChildArgs, parse_child_args, print_config
 from deepserve.faults import FaultHooks, NoFaults
 from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
 from deepserve.ipc.heartbeat import HeartbeatSender, NullHeartbeat
@@ -122,3 +128,45 @@ class ActorLife:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+
+
+class Actor(Protocol):
+    """What run_main drives: one bounded step of the loop, and a close."""
+
+    def step(self) -> object: ...
+
+    def close(self) -> None: ...
+
+
+S = TypeVar("S")
+A = TypeVar("A", bound=Actor)
+
+
+def run_main(role: str, description: str, argv: list[str] | None,
+             load_settings: Callable[[ChildArgs], S],
+             build: Callable[[zmq.Context, S, ActorLife], A],
+             progress: Callable[[A], dict[str, int]]) -> None:
+    """main() of the actor that plays `role` (config/child.py): --print-config
+    prints the settings and returns; otherwise life (log prefix `role`,
+    signals, heartbeats) -> context -> build -> ready -> run -> close the
+    actor, term the context, close life. A build that fails closes what it
+    made with the context (no socket left to block term) and raises."""
+    args = parse_child_args(argv, role, description)
+    settings = load_settings(args)
+    if args.print_config:
+        return print_config(settings)
+    life = ActorLife(role, parent_pid=args.parent_pid)
+    ctx = zmq.Context()
+    try:
+        actor = build(ctx, settings, life)
+    except BaseException:
+        ctx.destroy(linger=0)
+        life.close()
+        raise
+    try:
+        life.ready()
+        life.run(actor.step, lambda: progress(actor))
+    finally:
+        actor.close()
+        ctx.term()
+        life.close()

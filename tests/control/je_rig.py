@@ -4,11 +4,13 @@ manager, test PULL sockets play two TEs, the gateway and the KV tier service."""
 import shutil
 import tempfile
 import time
+from pathlib import Path
 
 import zmq
 
-from deepserve.control.job_executor import JobExecutor
-from deepserve.control.router import Router
+from deepserve.config.node import RouterSection
+from deepserve.control.je.je_settings import JESettings
+from deepserve.control.je.job_executor import JobExecutor
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.cache import ToTier
 from deepserve.messages.control import TEInfo, TEList
@@ -18,16 +20,25 @@ from deepserve.tokenizer import Tokenizer
 _TE_IN = SubmitRequest | AbortRequest
 
 
+def je_settings(inbox: str, cm_pub: str, models, **fields) -> JESettings:
+    """A JE's settings as load_settings gives them, with 3 attempts and the
+    default [router]; models: one model directory, or name -> directory."""
+    if not isinstance(models, dict):
+        models = {Path(models).name: str(models)}
+    return JESettings(**{"inbox": inbox, "cm_pub": cm_pub, "models": models, "max_attempts": 3,
+                         "router": RouterSection(), **fields})
+
+
 def make_rig(tiny_model):
     d = tempfile.mkdtemp(prefix="dsje")
     ctx = zmq.Context()
     addr = {n: f"ipc://{d}/{n}.sock" for n in ("je", "cm", "gw", "te0", "te1", "kvc")}
     cm = PubSocket(ctx, addr["cm"], bind=True)
     events = []
-    je = JobExecutor(ctx, addr["je"], addr["cm"], str(tiny_model), Router("combined"),
-                     events=lambda event, **details: events.append((event, details)),
-                     isolate_suspects=True, kv_cache=addr["kvc"],
-                     contexts_path=f"{d}/contexts.json")
+    je = JobExecutor(ctx, je_settings(addr["je"], addr["cm"], tiny_model,
+                                      router=RouterSection(isolate_suspects=True),
+                                      kv_cache=addr["kvc"], contexts_path=f"{d}/contexts.json"),
+                     events=lambda event, **details: events.append((event, details)))
     je.links.fence_s = 0.0  # TEs "restart" here at once; test_a_te_that_just_failed_is_fenced
     rig = {"ctx": ctx, "addr": addr, "cm": cm, "je": je, "events": events,
            "gw": PullSocket(ctx, addr["gw"], bind=True, type=ToClient),

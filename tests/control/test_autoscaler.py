@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from deepserve.control.autoscaler import Autoscaler, Decision, ModelPolicy, ScalingOptions
+from deepserve.control.cm.autoscaler import Autoscaler, Decision, ModelPolicy, ScalingOptions
 
 M = "m"
 

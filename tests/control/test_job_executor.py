@@ -8,15 +8,14 @@ import time
 import zmq
 
 from deepserve.cache.block_hash import prompt_block_hashes
-from deepserve.control import job_executor
-from deepserve.control.job_executor import JobExecutor
-from deepserve.control.router import Router
+from deepserve.control.je import job_executor
+from deepserve.control.je.job_executor import JobExecutor
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.control import TEInfo, TEList, TEReport
 from deepserve.messages.engine import AbortRequest, RequestFailed, SubmitRequest, ToClient
 from deepserve.messages.sampling import SamplingParams
 from deepserve.tokenizer import Tokenizer
-from tests.control.je_rig import _TE_IN, _publish, _pump
+from tests.control.je_rig import _TE_IN, _publish, _pump, je_settings
 
 
 def _recv(sock):
@@ -180,7 +179,7 @@ def test_suspects_resume_one_at_a_time_with_a_spare_and_are_not_quarantined(rig)
 
 def test_a_lone_te_takes_a_waiting_suspect_after_the_hold(rig):
     """With one TE there is no spare: the suspect waits hold_s, then runs."""
-    rig["je"].held.hold_s = 0.5
+    rig["je"].isolation.held.hold_s = 0.5
     _pump(rig, lambda: _publish(rig, ["te0"]) or (rig["je"].te_sockets or None))
     _submit(rig, "s", "a suspect")
     _tasks_of(rig, "te0", 0.5)
@@ -198,9 +197,9 @@ def test_pd_aware_routing_follows_the_heatmap(tiny_model):
     pair (the decode TE gets it with prefill_from = the prefill TE's inbox), a
     short prompt with a long output to the colocated TE; when the prefill TE
     leaves, the job's request fails and its decode task is aborted."""
-    from deepserve.control.decode_predictor import DecodeLengthPredictor
-    from deepserve.control.pd_heatmap import Heatmap
-    from deepserve.control.pd_policy import PDPolicy
+    from deepserve.control.routing.decode_predictor import DecodeLengthPredictor
+    from deepserve.control.routing.pd_heatmap import Heatmap
+    from deepserve.control.routing.pd_policy import PDPolicy
     tok = Tokenizer(tiny_model)
     long_prompt = "def handler(request):\n    return request.headers\n" * 60
     short_prompt = "Tell me a story"
@@ -213,8 +212,8 @@ def test_pd_aware_routing_follows_the_heatmap(tiny_model):
     ctx = zmq.Context()
     addr = {n: f"ipc://{d}/{n}.sock" for n in ("je", "cm", "gw", "c0", "p0", "d0")}
     cm = PubSocket(ctx, addr["cm"], bind=True)
-    je = JobExecutor(ctx, addr["je"], addr["cm"], str(tiny_model), Router("combined"),
-                     PDPolicy("heatmap", heatmap, predictor))
+    je = JobExecutor(ctx, je_settings(addr["je"], addr["cm"], tiny_model),
+                     pd_policy=PDPolicy("heatmap", heatmap, predictor))
     tes = {t: PullSocket(ctx, addr[t], bind=True, type=_TE_IN) for t in ("c0", "p0", "d0")}
     rig = {"je": je, "to_je": PushSocket(ctx, addr["je"], bind=False), "addr": addr,
            "gw": PullSocket(ctx, addr["gw"], bind=True, type=ToClient)}

@@ -1,11 +1,11 @@
-"""ModelBook (control/model_book.py): one model or many, which TEs serve a
+"""ModelBook (control/je/model_book.py): one model or many, which TEs serve a
 request's model, and the demand the JE reports to the autoscaler."""
 
 from __future__ import annotations
 
 import pytest
 
-from deepserve.control.model_book import DEMAND_INTERVAL_S, ModelBook
+from deepserve.control.je.model_book import DEMAND_INTERVAL_S, ModelBook
 from deepserve.errors import InvalidRequestError
 
 

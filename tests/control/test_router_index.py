@@ -13,11 +13,12 @@ import pytest
 import zmq
 
 from deepserve.cache.block_hash import prompt_block_hashes
-from deepserve.control import router as router_module
-from deepserve.control.job_executor import JobExecutor
-from deepserve.control.pd_policy import PDPolicy
-from deepserve.control.prompt_index import GlobalPromptIndex
-from deepserve.control.router import NoTEAvailable, PromptHashes, Router
+from deepserve.control.routing import router as router_module
+from deepserve.control.je.job_executor import JobExecutor
+from deepserve.control.routing.pd_policy import PDPolicy
+from deepserve.control.routing.prompt_index import GlobalPromptIndex
+from deepserve.control.routing.router import NoTEAvailable, PromptHashes, Router
+from tests.control.je_rig import je_settings
 from tests.control.test_router import BS, prompt, report, te
 
 
@@ -170,9 +171,9 @@ def test_the_job_executor_routes_a_model_among_its_own_tes(model_dirs):
     index: model a has PD pairs, model b only a colocated TE."""
     d, ctx = tempfile.mkdtemp(prefix="dsmm"), zmq.Context()
     first, other = list(model_dirs.values())[:2]
-    je = JobExecutor(ctx, f"ipc://{d}/je.sock", f"ipc://{d}/cm.sock",
-                     {"a": str(first), "b": str(other)}, Router("combined"),
-                     PDPolicy("disaggregated"))
+    je = JobExecutor(ctx, je_settings(f"ipc://{d}/je.sock", f"ipc://{d}/cm.sock",
+                                      {"a": str(first), "b": str(other)}),
+                     pd_policy=PDPolicy("disaggregated"))
     try:
         je.router.update_tes([mte("a-c", "a"), mte("b-c", "b"), mte("a-p", "a", "prefill"),
                               mte("a-d", "a", "decode"), mte("b-p", "b", "prefill")])

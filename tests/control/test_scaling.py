@@ -1,10 +1,10 @@
-"""The cluster manager's scaling loop (control/scaling.py): what it sends the
+"""The cluster manager's scaling loop (control/cm/scaling.py): what it sends the
 supervisor, what it drains, and what it counts as capacity, on a fake clock."""
 
 from __future__ import annotations
 
 from deepserve.config.models import ModelSpec, ScalingSection, SLOSection
-from deepserve.control.scaling import (DRAIN_SETTLE_S, DRAIN_TIMEOUT_S, ScalingControl,
+from deepserve.control.cm.scaling import (DRAIN_SETTLE_S, DRAIN_TIMEOUT_S, ScalingControl,
                                        options_of, policies_of)
 from deepserve.messages.control import TEInfo, TEReport
 from deepserve.messages.scaling import ModelDemand, ScaleEvent, ScaleIn, ScaleOut

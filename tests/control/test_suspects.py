@@ -2,7 +2,7 @@
 
 import pytest
 
-from deepserve.control.suspects import SuspectBook
+from deepserve.control.je.suspects import SuspectBook
 
 
 class Clock:
@@ -45,7 +45,7 @@ def test_bad_bounds_are_refused():
 
 
 def test_held_suspects_wait_longer_for_a_spare_that_once_existed():
-    from deepserve.control.suspects import SPARE_WAIT_S, HeldSuspects
+    from deepserve.control.je.suspects import SPARE_WAIT_S, HeldSuspects
     from types import SimpleNamespace
     clock = Clock()
     held = HeldSuspects(hold_s=15.0, max_held=2, max_wait_s=300.0, clock=clock)

@@ -3,9 +3,9 @@ turn it continues; with no earlier turn the ids are the plain tokenization."""
 
 import pytest
 
-from deepserve.control.admission import PromptTokens
-from deepserve.control.contexts import Context
-from deepserve.control.turns import MAX_TURNS, TurnBook, prompt_ids
+from deepserve.control.je.admission import PromptTokens
+from deepserve.control.je.contexts import Context
+from deepserve.control.je.turns import MAX_TURNS, TurnBook, prompt_ids
 from deepserve.errors import InvalidRequestError
 from deepserve.messages.engine import SubmitRequest
 from deepserve.messages.sampling import SamplingParams

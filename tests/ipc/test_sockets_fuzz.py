@@ -17,7 +17,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepserve.control.job_executor import _IN as ToJobExecutor
+from deepserve.control.je.job_executor import _IN as ToJobExecutor
 from deepserve.ipc import sockets
 from deepserve.ipc.sockets import PubSocket, PullSocket, ipc_address
 from deepserve.messages.control import (FromClusterManager, TEInfo, TEList, TEUp,
@@ -156,7 +156,7 @@ def test_get_and_drain_skip_garbage(short_dir, caplog):
 
 
 def test_cluster_manager_survives_garbage(short_dir):
-    from deepserve.control.cluster_manager import ClusterManager
+    from deepserve.control.cm.cluster_manager import ClusterManager
     ctx = zmq.Context()
     inbox, pub = ipc_address(short_dir, "cm"), ipc_address(short_dir, "cm_pub")
     cm = ClusterManager(ctx, inbox, pub, te_timeout_s=30.0)
@@ -181,12 +181,12 @@ def test_cluster_manager_survives_garbage(short_dir):
 
 
 def test_job_executor_survives_garbage(short_dir, tiny_model):
-    from deepserve.control.job_executor import JobExecutor
-    from deepserve.control.router import Router
+    from deepserve.control.je.job_executor import JobExecutor
+    from tests.control.je_rig import je_settings
     ctx = zmq.Context()
     inbox, cm_pub = ipc_address(short_dir, "je"), ipc_address(short_dir, "cm_pub")
     pub = PubSocket(ctx, cm_pub, bind=True)
-    je = JobExecutor(ctx, inbox, cm_pub, str(tiny_model), Router("combined"))
+    je = JobExecutor(ctx, je_settings(inbox, cm_pub, tiny_model))
     raw = ctx.socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(inbox)

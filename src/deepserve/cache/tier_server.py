@@ -40,10 +40,9 @@ import msgspec
 import numpy as np
 import zmq
 
-from deepserve.actor import ActorLife
+from deepserve.actor import ActorLife, run_main
 from deepserve.cache import block_file
 from deepserve.cache.tier_index import TierIndex
-from deepserve.config.child import parse_child_args, print_config
 from deepserve.config.loading import read_run_config
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
@@ -295,20 +294,9 @@ def _dir_name(key: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_child_args(argv, "kv-cache", "DeepServe KV tier service (host + disk)")
-    settings = load_settings(args)
-    if args.print_config:
-        return print_config(settings)
-    life = ActorLife("kv-cache", parent_pid=args.parent_pid)
-    ctx = zmq.Context()
-    server = TierServer(settings, ctx, life)
-    try:
-        life.ready()
-        life.run(server.step, lambda: {"messages": server.num_handled})
-    finally:
-        server.close()
-        ctx.term()
-        life.close()
+    run_main("kv-cache", "DeepServe KV tier service (host + disk)", argv, load_settings,
+             lambda ctx, s, life: TierServer(s, ctx, life),
+             lambda server: {"messages": server.num_handled})
 
 
 if __name__ == "__main__":

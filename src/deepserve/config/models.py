@@ -6,7 +6,7 @@
                                 queue of a model with no TE, the autoscaler's knobs
     (resolved)  ModelSpec       one model as every process sees it
 
-A model's TEs are not written in TOML: the autoscaler (control/autoscaler.py,
+A model's TEs are not written in TOML: the autoscaler (control/cm/autoscaler.py,
 in the cluster manager) keeps between `min_tes` and `max_tes` of them while
 the model is active, and none once no request came for `idle_s` seconds; a
 request for a model at zero is held (at most `queue_timeout_s`) while one

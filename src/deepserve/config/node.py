@@ -110,7 +110,7 @@ class GatewaySection(Section):
 
 
 class PDOptions(Section):
-    """Thresholds of the "threshold" PD policy (control/pd_policy.py)."""
+    """Thresholds of the "threshold" PD policy (control/routing/pd_policy.py)."""
 
     margin: float = 1.0
     """Heatmap value (summed over the map's rates) a cell must exceed to go
@@ -124,7 +124,7 @@ class PDOptions(Section):
 
 
 class DualPathOptions(Section):
-    """DualPath's scheduler (control/dualpath.py), an inline table:
+    """DualPath's scheduler (control/routing/dualpath.py), an inline table:
     { alpha_tokens = 8192, beta_tokens = 65536, z_factor = 1.05 }."""
 
     alpha_tokens: Annotated[int, Meta(ge=0)] = 8192
@@ -140,7 +140,7 @@ class DualPathOptions(Section):
 
 class RouterSection(Section):
     policy: Literal["combined", "locality", "load", "round_robin"] = "combined"
-    """Which TE of a type serves a request (control/router.py)."""
+    """Which TE of a type serves a request (control/routing/router.py)."""
     balance_threshold: NonNegative | None = None
     """Load difference (tokens) under which cache locality decides; None: the router's default."""
     pd_policy: Literal["heatmap", "threshold", "colocated", "disaggregated"] | None = None
@@ -157,9 +157,9 @@ class RouterSection(Section):
     with the shorter storage read queue reads its cached KV; unset: the router."""
     token_continuity: bool = True
     """Tokenize a chat turn that continues an earlier one (same tenant) as that
-    turn's exact prompt + reply ids and the rest (control/turns.py), so its KV hits."""
+    turn's exact prompt + reply ids and the rest (control/je/turns.py), so its KV hits."""
     isolate_suspects: bool = False
-    """Resume a request whose TE crashed only in isolation (control/suspects.py): never
+    """Resume a request whose TE crashed only in isolation (control/je/suspects.py): never
     beside another suspect, only while another TE stays free of suspects, back on the TE
     it crashed once that is up. A request of death then restarts one TE (twice) and never
     the node, but every request of a crashed TE waits for its restart (seconds). False:

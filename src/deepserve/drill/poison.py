@@ -5,7 +5,7 @@
             sees the marker among a step's new tokens exits 13, as on a segfault)
     POISON_DELAY_S later: one request whose prompt is given as token ids and
             ends with the marker (PoisonRequest, its own thread)
-    the JE (control/suspects.py): the first TE crash makes it a suspect and
+    the JE (control/je/suspects.py): the first TE crash makes it a suspect and
             the gateway resumes it; the second crash quarantines it:
             500 request_crashed_engine + a `request_quarantined` event
 

@@ -39,12 +39,11 @@ from deepserve.config.loading import read_run_config
 from deepserve.engine.launcher import TELauncher
 from deepserve.engine.prewarmed import wait_for_assignment
 from deepserve.ipc.sockets import PullSocket, PushSocket, ipc_address
-from deepserve.messages.control import TEDown, TEInfo, TEUp
+from deepserve.messages.control import TEUP_INTERVAL_S, TEDown, TEInfo, TEUp
 from deepserve.messages.engine import RequestDelta, RequestFailed, SubmitRequest, ToClient
 from deepserve.messages.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-TEUP_INTERVAL_S = 2.0
 
 
 class TESettings(msgspec.Struct, frozen=True, kw_only=True):

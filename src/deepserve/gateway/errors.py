@@ -49,7 +49,7 @@ _FAILURES = {
                             "later."),
     "context_failed": (503, "service_unavailable", "context_failed",
                        "The context could not be stored; retry."),
-    # the request crashed two TEs (control/job_executor.py): final, never resumed
+    # the request crashed two TEs (control/je/job_executor.py): final, never resumed
     "request_crashed_engine": (500, "server_error", "request_crashed_engine",
                                "The request crashed the engine serving it more than once; "
                                "it will not be retried."),

@@ -341,7 +341,7 @@ class JobClient:
 
     def _note_latency(self, model: str, timing) -> None:
         """TTFT / TPOT per model, to the JE at most every LATENCY_INTERVAL_S: the
-        autoscaler's SLO samples (control/scaling.py)."""
+        autoscaler's SLO samples (control/cm/scaling.py)."""
         if timing.first_token_at is None:
             return
         ttft = (timing.first_token_at - timing.submitted_at) * 1e3

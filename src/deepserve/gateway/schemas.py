@@ -27,7 +27,7 @@ MAX_NUM_MESSAGES = 1024
 
 MAX_CONTEXT_ID_CHARS = 64
 MIN_TTL_S, MAX_TTL_S, DEFAULT_TTL_S = 1.0, 7 * 24 * 3600.0, 3600.0
-"""A context's lifetime (seconds), as control/contexts.py bounds it."""
+"""A context's lifetime (seconds), as control/je/contexts.py bounds it."""
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 

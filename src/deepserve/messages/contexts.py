@@ -4,7 +4,7 @@
     JE ──SubmitRequest(pin_context, reply_to = the JE)──> a TE: prefill, pin in the tiers
     TE ──RequestDelta (finished) / RequestFailed──> JE ──ContextInfo / RequestFailed──> gateway
     JE ──ContextUnpin──> kv-cache (deleted or expired: free its blocks on every tier)
-    gateway ──TurnDone(request id, output ids)──> JE   (token-id continuity, control/turns.py)
+    gateway ──TurnDone(request id, output ids)──> JE   (token-id continuity, control/je/turns.py)
 
 A context belongs to the tenant (salt) that created it: for any other
 tenant its id does not exist (context_not_found).

@@ -2,7 +2,7 @@
 and gateways.
 
     TE master ──TEReport (PUSH, every report_interval_s)──> CM
-    TE host   ──TEUp / TEDown (PUSH)──────────────────────> CM
+    TE host   ──TEUp / TEDown (PUSH)──────────────────────> CM   (TEUp every TEUP_INTERVAL_S)
     CM ──TEList (on every change) / TEReport (relayed) (PUB)──> JEs, gateways
     gateway ──SubmitRequest / AbortRequest (PUSH)──> JE ──(chosen TE)──> TE tokenizer
     TE tokenizer ──RequestDelta (PUSH to reply_to)──> gateway   (streaming shortcut)
@@ -41,6 +41,11 @@ class TEInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class TEUp(msgspec.Struct, tag="te_up", **_STRUCT):
     info: TEInfo
+
+
+TEUP_INTERVAL_S = 2.0
+"""A TE host repeats its TEUp this often, so a restarted CM relearns its TEs
+(the CM's first TE list waits 1.5 intervals for them: cm/cluster_manager.py)."""
 
 
 class TEDown(msgspec.Struct, tag="te_down", **_STRUCT):

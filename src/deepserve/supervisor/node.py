@@ -2,8 +2,8 @@
 together (`bin/deepserve-node --conf conf/node.toml`).
 
     node (this process; its supervisor thread: supervisor/supervisor.py)
-    ├─ cluster manager   python -m deepserve.control.cluster_manager
-    ├─ job executor      python -m deepserve.control.job_executor
+    ├─ cluster manager   python -m deepserve.control.cm.cluster_manager
+    ├─ job executor      python -m deepserve.control.je.job_executor
     ├─ kv-cache          python -m deepserve.cache.tier_server   (host + disk KV tiers)
     ├─ TE te0 … teN      python -m deepserve.engine.te_server  (each: tokenizer, master, workers)
     ├─ TE tiny-0 …       the same, for a [[model]] (--model NAME): scaled by the autoscaler
@@ -113,9 +113,9 @@ class Node:
             self.supervisor = self._supervisor()  # its inbox first: no early heartbeat is lost
             conf = self._write_run_config()  # each child reads its part: --conf PATH --role NAME
             if not self.joins:  # the head's (or the only node's) control processes
-                self._spawn("cluster-manager", "deepserve.control.cluster_manager",
+                self._spawn("cluster-manager", "deepserve.control.cm.cluster_manager",
                             *child_argv(conf, "cluster-manager"))
-                self._spawn("job-executor", "deepserve.control.job_executor",
+                self._spawn("job-executor", "deepserve.control.je.job_executor",
                             *child_argv(conf, "job-executor"))
             if self.run.kv_cache:  # before the TEs: their first lookups find it
                 self._spawn(KV_CACHE, "deepserve.cache.tier_server",

@@ -17,7 +17,7 @@ which, so the rule counts crashes per request id:
                            RETRYABLE_ERRORS), logs `request_quarantined`, and
                            refuses the id at once if it comes back
 
-A resumed suspect runs *isolated* (JobExecutor._hold / _release_held):
+A resumed suspect runs *isolated* (isolation.py: Isolation.hold / release):
 
   - solo: never on a TE (prefill or decode) that already runs a suspect, so
     when a poison request crashes its second TE, the suspects that merely

@@ -10,7 +10,7 @@ drops PUB messages sent before a SUB connects) catches up.
 
 First publish of an incarnation: a CM that starts (or restarts under load)
 knows no TE yet; the TEs re-announce themselves every TEUP_INTERVAL_S
-(engine/te_server.py). Publishing at once would hand the JE an empty or
+(messages/control.py). Publishing at once would hand the JE an empty or
 partial list, and the JE fails every task of a TE that is not listed. So an
 incarnation publishes nothing until every TE of the node's config has
 announced itself, or FIRST_PUBLISH_GRACE_S (1.5 TEUp intervals) after its
@@ -26,7 +26,7 @@ back into the list and the JE route resumed requests to a dead TE. A TEUp
 naming another incarnation (TEInfo.incarnation: a pre-warmed process can
 replace a TE in well under REUP_FENCE_S) is the new TE, and passes.
 
-`python -m deepserve.control.cluster_manager --conf RUN_DIR/node.json --role
+`python -m deepserve.control.cm.cluster_manager --conf RUN_DIR/node.json --role
 cluster-manager`: its sockets are the run's (cm, cm_pub), te_timeout_s is [node]'s.
 
 Scaling (scaling.py): with scalable models the CM runs the autoscaler each
@@ -46,20 +46,19 @@ import msgspec.structs
 import msgspec
 import zmq
 
-from deepserve.actor import ActorLife
-from deepserve.config.child import ChildArgs, parse_child_args, print_config
+from deepserve.actor import ActorLife, run_main
+from deepserve.config.child import ChildArgs
 from deepserve.config.loading import read_run_config
-from deepserve.control.scaling import ScalingControl, options_of, policies_of
+from deepserve.control.cm.scaling import ScalingControl, options_of, policies_of
 from deepserve.config.models import ModelSpec, ScalingSection
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.cache import TierReport
-from deepserve.messages.control import TEDown, TEInfo, TEList, TEReport, TEUp, ToClusterManager
+from deepserve.messages.control import (TEUP_INTERVAL_S, TEDown, TEInfo, TEList, TEReport, TEUp,
+                                        ToClusterManager)
 from deepserve.messages.scaling import ModelDemand, ScaleEvent
 
 log = logging.getLogger(__name__)
 REPUBLISH_S = 1.0
-TEUP_INTERVAL_S = 2.0
-"""engine/te_server.py's TEUP_INTERVAL_S (a test checks they agree)."""
 FIRST_PUBLISH_GRACE_S = 1.5 * TEUP_INTERVAL_S
 """An incarnation's longest silence before its first TE list."""
 REUP_FENCE_S = 2.0
@@ -88,9 +87,15 @@ class ClusterManager:
         self.last_published: float | None = None
         self.conflicts: set[tuple[str, str]] = set()  # (te id, address) refused (logged once)
         self.scaling: ScalingControl | None = None  # enable_scaling
+        self.to_supervisor: PushSocket | None = None  # the scaling's outbox, closed here
+        self._handlers = {TEUp: self._on_te_up, TEDown: self._on_te_down,
+                          TEReport: self._on_report, ModelDemand: self._on_demand,
+                          ScaleEvent: self._on_scale_event,
+                          TierReport: self.pub.put}  # the KV tiers' state, for /metrics
 
-    def enable_scaling(self, control: ScalingControl) -> None:
-        self.scaling = control
+    def enable_scaling(self, control: ScalingControl, outbox: PushSocket | None = None) -> None:
+        """Run the autoscaler; outbox: the socket its orders leave by (closed by close())."""
+        self.scaling, self.to_supervisor = control, outbox
 
     @property
     def is_listing(self) -> bool:
@@ -117,48 +122,59 @@ class ClusterManager:
             self.publish()
 
     def handle(self, msg) -> None:
-        now = self.clock()
-        if isinstance(msg, TEUp):  # TEs repeat it, so a restarted CM relearns them
-            te_id = msg.info.te_id
-            gone = self.down_incarnation.get(te_id, "")
-            is_new = bool(msg.info.incarnation) and bool(gone) and msg.info.incarnation != gone
-            if not is_new and now - self.down_at.get(te_id, -REUP_FENCE_S) < REUP_FENCE_S:
-                log.info("TE %s: TEUp %.3f s after its TEDown ignored (stale)", te_id,
-                         now - self.down_at[te_id])
-                return
-            if self._conflicts(msg.info, now):
-                return
-            self.last_seen[te_id] = now
+        handler = self._handlers.get(type(msg))
+        if handler is not None:
+            handler(msg)
+
+    def _on_te_up(self, msg: TEUp) -> None:
+        """TEs repeat it, so a restarted CM relearns them."""
+        now, te_id = self.clock(), msg.info.te_id
+        gone = self.down_incarnation.get(te_id, "")
+        is_new = bool(msg.info.incarnation) and bool(gone) and msg.info.incarnation != gone
+        if not is_new and now - self.down_at.get(te_id, -REUP_FENCE_S) < REUP_FENCE_S:
+            log.info("TE %s: TEUp %.3f s after its TEDown ignored (stale)", te_id,
+                     now - self.down_at[te_id])
+            return
+        if self._conflicts(msg.info, now):
+            return
+        self.last_seen[te_id] = now
+        if self.scaling is not None:
+            if self.scaling.is_held(te_id) and te_id in self.tes:
+                return  # draining: it stays marked so
+            self.scaling.on_te_up(msg.info, now)
+        if self.tes.get(te_id) != msg.info:
+            self.tes[te_id] = msg.info
+            log.warning("TE %s up at %s", te_id, msg.info.address)
+            self.publish()
+
+    def _on_te_down(self, msg: TEDown) -> None:
+        listed = self.tes.get(msg.te_id)
+        if msg.address and listed is not None and listed.address != msg.address:
+            log.error("TE %s: TEDown from %s ignored: the listed TE of that id is at %s",
+                      msg.te_id, msg.address, listed.address)
+            return
+        self.down_at[msg.te_id] = self.clock()
+        self._remove(msg.te_id, msg.reason)
+
+    def _on_report(self, msg: TEReport) -> None:
+        """Relayed from a listed TE, or from any while no TE list is out yet."""
+        if msg.te_id in self.tes:
+            now = self.clock()
+            self.last_seen[msg.te_id] = now
             if self.scaling is not None:
-                if self.scaling.is_held(te_id) and te_id in self.tes:
-                    return  # draining: it stays marked so
-                self.scaling.on_te_up(msg.info, now)
-            if self.tes.get(te_id) != msg.info:
-                self.tes[te_id] = msg.info
-                log.warning("TE %s up at %s", te_id, msg.info.address)
-                self.publish()
-        elif isinstance(msg, TEDown):
-            listed = self.tes.get(msg.te_id)
-            if msg.address and listed is not None and listed.address != msg.address:
-                log.error("TE %s: TEDown from %s ignored: the listed TE of that id is at %s",
-                          msg.te_id, msg.address, listed.address)
-                return
-            self.down_at[msg.te_id] = now
-            self._remove(msg.te_id, msg.reason)
-        elif isinstance(msg, TEReport) and (msg.te_id in self.tes or not self.is_listing):
-            if msg.te_id in self.tes:
-                self.last_seen[msg.te_id] = now
-                if self.scaling is not None:
-                    self.scaling.on_report(msg, self.tes[msg.te_id].model, now)
-            self.pub.put(msg)
-        elif isinstance(msg, ModelDemand) and self.scaling is not None:
-            self.scaling.on_demand(msg, now)
-        elif isinstance(msg, ScaleEvent):
-            if self.scaling is not None:
-                self.scaling.on_scale_event(msg)
-            self.pub.put(msg)  # gateways count it (/metrics)
-        elif isinstance(msg, TierReport):
-            self.pub.put(msg)  # the KV tiers' state, for the gateways' /metrics
+                self.scaling.on_report(msg, self.tes[msg.te_id].model, now)
+        elif self.is_listing:
+            return
+        self.pub.put(msg)
+
+    def _on_demand(self, msg: ModelDemand) -> None:
+        if self.scaling is not None:
+            self.scaling.on_demand(msg, self.clock())
+
+    def _on_scale_event(self, msg: ScaleEvent) -> None:
+        if self.scaling is not None:
+            self.scaling.on_scale_event(msg)
+        self.pub.put(msg)  # gateways count it (/metrics)
 
     def _conflicts(self, info: TEInfo, now: float) -> bool:
         """A second TE claims a listed TE's id from another address (two nodes
@@ -213,6 +229,8 @@ class ClusterManager:
     def close(self) -> None:
         self.inbox.close()
         self.pub.close()
+        if self.to_supervisor is not None:
+            self.to_supervisor.close()
 
 
 class CMSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -244,17 +262,14 @@ def load_settings(args: ChildArgs) -> CMSettings:
                       startup_timeout_s=config.node.startup_timeout_s)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_child_args(argv, "cluster-manager", "DeepServe cluster manager")
-    settings = load_settings(args)
-    if args.print_config:
-        return print_config(settings)
-    life = ActorLife("cluster-manager", parent_pid=args.parent_pid)
-    ctx = zmq.Context()
+def build(ctx: zmq.Context, settings: CMSettings, life: ActorLife) -> ClusterManager:
+    """The CM of a node; with scalable models its autoscaler, whose orders go
+    to the supervisor through a PUSH socket the CM closes."""
     cm = ClusterManager(ctx, settings.inbox, settings.pub, settings.te_timeout_s,
                         expected_tes=settings.te_ids, events=life.event)
-    to_supervisor = PushSocket(ctx, settings.supervisor, bind=False) if settings.models else None
-    if to_supervisor is not None:
+    if settings.models:
+        to_supervisor = PushSocket(ctx, settings.supervisor, bind=False)
+
         def send(msg) -> None:
             try:
                 to_supervisor.put(msg, timeout=0.5)
@@ -262,16 +277,13 @@ def main(argv: list[str] | None = None) -> None:
                 log.error("%s not sent: the supervisor does not listen", type(msg).__name__)
         cm.enable_scaling(ScalingControl(
             policies_of(settings.models), options_of(settings.scaling), send, life.event,
-            time.monotonic(), settings.startup_timeout_s, settings.initial))
-    try:
-        life.ready()
-        life.run(cm.step, lambda: {"tes": len(cm.tes)})
-    finally:
-        cm.close()
-        if to_supervisor is not None:
-            to_supervisor.close()
-        ctx.term()
-        life.close()
+            time.monotonic(), settings.startup_timeout_s, settings.initial), to_supervisor)
+    return cm
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_main("cluster-manager", "DeepServe cluster manager", argv, load_settings, build,
+             lambda cm: {"tes": len(cm.tes)})
 
 
 if __name__ == "__main__":

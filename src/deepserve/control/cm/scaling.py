@@ -26,7 +26,7 @@ import logging
 import time
 from typing import Callable, Iterable
 
-from deepserve.control.autoscaler import Autoscaler, Decision, ModelPolicy, ScalingOptions
+from deepserve.control.cm.autoscaler import Autoscaler, Decision, ModelPolicy, ScalingOptions
 from deepserve.messages.control import TEInfo, TEReport
 from deepserve.messages.scaling import ModelDemand, ScaleEvent, ScaleIn, ScaleOut
 

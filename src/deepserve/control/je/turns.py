@@ -21,8 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from deepserve.control.admission import PromptTokens
-from deepserve.control.contexts import Context
+from deepserve.control.je.admission import PromptTokens
+from deepserve.control.je.contexts import Context
 from deepserve.errors import ContextNotFoundError, InvalidRequestError
 
 MAX_TURNS, MAX_TENANTS, MAX_PENDING = 32, 1024, 4096

@@ -1,14 +1,14 @@
 """Job executor: request -> job -> task(s), routed to a TE, tracked to its end.
 
     gateways ──SubmitRequest/AbortRequest──> [inbox PULL]
-                                                 │ tokenize (admission.py), route (router.py)
+                                                 │ tokenize (admission.py), route (routing/router.py)
                                                  ▼
                               TE tokenizer inboxes (te_links.py: a timeout per put)
     CM ──TEList / TEReport (SUB)──> router: TE set, loads, cached blocks, finished tasks
     JE ──RequestFailed──> the request's reply_to (no TE, bad input, its TE went down)
 
 A chat or completion request is a job of one `colocated` task, or, when the
-PD policy (control/pd_policy.py: DeepServe Algorithm 1, step 1) says the
+PD policy (control/routing/pd_policy.py: DeepServe Algorithm 1, step 1) says the
 request's shape is served better disaggregated, of a `prefill` and a
 `decode` task: the decode TE gets the request with prefill_from = the chosen
 prefill TE and orders the KV from it itself (messages/pd.py). Either way the
@@ -26,13 +26,13 @@ manager what arrived and what is held (ModelDemand, model_book.py).
 Many models (model_book.py): a request is routed only to its model's TEs;
 a TE draining for scale-in gets nothing new and finishes what it has.
 
-Requests of death (control/suspects.py has the rules and the trade-off):
+Requests of death (control/je/suspects.py has the rules and the trade-off):
 a request in flight on a TE that leaves the list is a suspect; its first
 crash is te_lost (resumed by the gateway; with [router] isolate_suspects run
-isolated: `_hold`), the second request_crashed_engine (final;
+isolated: isolation.py), the second request_crashed_engine (final;
 `request_quarantined` logged; the id refused from then on).
 
-`python -m deepserve.control.job_executor --conf RUN_DIR/node.json --role
+`python -m deepserve.control.je.job_executor --conf RUN_DIR/node.json --role
 job-executor`: its sockets are the run's, [router] and [node] model /
 max_attempts come from the resolved config (load_settings).
 """
@@ -42,23 +42,23 @@ from __future__ import annotations
 import logging
 import time
 
-import msgspec
+import msgspec.structs
 import zmq
 
-from deepserve.actor import ActorLife
-from deepserve.config.child import parse_child_args, print_config
-from deepserve.control.context_jobs import ContextJobs
-from deepserve.control.contexts import ContextBook
-from deepserve.control.dualpath import DualPathScheduler, engine_loads
-from deepserve.control.je_settings import PARK_S, JESettings, load_settings
-from deepserve.control.model_book import ModelBook
-from deepserve.control.pd_policy import PDPolicy
-from deepserve.control.router import NoTEAvailable, PromptHashes, Router
-from deepserve.control.isolation import IsolationSide
-from deepserve.control.suspects import HeldSuspects, SuspectBook
-from deepserve.control.tasks import CRASHED, EventSink, Task, crashed_text, no_event
-from deepserve.control.te_links import TELinks
-from deepserve.control.turns import TurnBook, request_ids
+from deepserve.actor import run_main
+from deepserve.config.node import RouterSection
+from deepserve.control.je.context_jobs import ContextJobs
+from deepserve.control.je.contexts import ContextBook
+from deepserve.control.je.isolation import Isolation
+from deepserve.control.je.je_settings import PARK_S, JESettings, load_settings
+from deepserve.control.je.model_book import ModelBook
+from deepserve.control.je.suspects import SuspectBook
+from deepserve.control.je.tasks import CRASHED, EventSink, Task, crashed_text, no_event
+from deepserve.control.je.te_links import TELinks
+from deepserve.control.je.turns import TurnBook, request_ids
+from deepserve.control.routing.dualpath import DualPathScheduler, engine_loads
+from deepserve.control.routing.pd_policy import PDPolicy
+from deepserve.control.routing.router import NoTEAvailable, PromptHashes, Router
 from deepserve.errors import InvalidRequestError
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, SubSocket
@@ -72,38 +72,42 @@ log = logging.getLogger(__name__)
 _IN = (SubmitRequest | AbortRequest | RequestLatencies | CreateContext | GetContext
        | DeleteContext | TurnDone | RequestDelta | RequestFailed)
 PARK_MAX = 4096
-class JobExecutor(IsolationSide):
-    """models: served name -> directory (or one directory); cm: the CM's inbox
-    (ModelDemand; None: not sent); scalable: models started on demand, whose
-    requests wait up to queue_timeout_s for a TE."""
 
-    def __init__(self, ctx: zmq.Context, inbox: str, cm_pub: str, models, router: Router,
-                 pd_policy=None, max_attempts: int = 3, events: EventSink = no_event,
-                 isolate_suspects: bool = False, cm: str | None = None, scalable=(),
-                 queue_timeout_s: float = PARK_S, kv_cache: str = "",
-                 contexts_path: str | None = None, continuity: bool = True,
-                 dualpath: DualPathScheduler | None = None):
+
+class JobExecutor:
+    """settings: the JE's part of the node's config (je_settings.py); events:
+    health events (request_migrated, ...) to the supervisor. Its router, PD
+    policy and DualPath scheduler are built from settings.router; a test may
+    hand in a PD policy of its own (pd_policy)."""
+
+    def __init__(self, ctx: zmq.Context, settings: JESettings, events: EventSink = no_event,
+                 *, pd_policy: PDPolicy | None = None):
+        s, r = settings, settings.router
+        # the policies first: a bad [router] file fails before a socket is bound
+        self.router = Router(r.policy, **({} if r.balance_threshold is None
+                                          else {"balance_threshold": r.balance_threshold}))
+        self.pd_policy = pd_policy if pd_policy is not None else pd_policy_of(r)
+        self.dualpath = (None if r.dualpath is None  # pairs and read paths (routing/dualpath.py)
+                         else DualPathScheduler(**msgspec.structs.asdict(r.dualpath)))
         self.ctx = ctx
-        self.inbox = PullSocket(ctx, inbox, bind=True, type=_IN)
-        self.cm = SubSocket(ctx, cm_pub, bind=False, type=FromClusterManager)
-        self.book = ModelBook(models, scalable)  # tokenizers, TEs and demand per model
-        self.cm_inbox, self.queue_timeout_s = cm, queue_timeout_s
-        self.router = router
-        self.pd_policy = pd_policy  # None: colocated unless only PD pairs exist
-        self.max_attempts = max_attempts  # a request runs on at most this many TEs
+        self.inbox = PullSocket(ctx, s.inbox, bind=True, type=_IN)
+        self.cm = SubSocket(ctx, s.cm_pub, bind=False, type=FromClusterManager)
+        self.book = ModelBook(s.models, s.scalable)  # tokenizers, TEs and demand per model
+        self.cm_inbox, self.queue_timeout_s = s.cm or None, s.queue_timeout_s  # ModelDemand
+        self.max_attempts = s.max_attempts  # a request runs on at most this many TEs
         self.events = events  # health events (request_migrated) to the supervisor
         self.num_migrated = 0
         self.links = TELinks(ctx)  # the listed TEs and sends to them
         self.replies = Outboxes(ctx)  # to reply_to addresses: never blocks for long
         self.tasks: dict[str, Task] = {}
         self.suspects = SuspectBook()
-        self.isolate_suspects = isolate_suspects  # [router] isolate_suspects: _hold
-        self.held = HeldSuspects()  # resumed suspects waiting to run isolated
+        self.isolate_suspects = r.isolate_suspects  # [router] isolate_suspects: isolation
+        self.isolation = Isolation(self.suspects, lambda: self.router.tes, self._job_layout,
+                                   self._route, self._send_task, self._note_migrated, self._fail)
         self.parked: list[tuple[float, SubmitRequest, list[int]]] = []  # _dispatch
-        self.kv_cache = kv_cache  # the tier service: ContextUnpin
-        self.dualpath = dualpath  # [router] dualpath: pairs and read paths (dualpath.py)
-        self.turns = TurnBook(continuity)  # token-id continuity (turns.py)
-        self.contexts = ContextJobs(ContextBook(contexts_path), self.book, inbox,
+        self.kv_cache = s.kv_cache  # the tier service: ContextUnpin
+        self.turns = TurnBook(s.continuity)  # token-id continuity (turns.py)
+        self.contexts = ContextJobs(ContextBook(s.contexts_path or None), self.book, s.inbox,
                                     lambda m, ids: self._dispatch(m, ids, time.monotonic() + PARK_S),
                                     self._reply, self._unpin)
         self.poller = zmq.Poller()
@@ -126,8 +130,8 @@ class JobExecutor(IsolationSide):
         self.contexts.step()
         if self.parked:
             self._unpark()
-        if self.held:
-            self._release_held()
+        if self.isolation:
+            self.isolation.release(self.tasks.values())
         if self.cm_inbox is not None:
             demand = self.book.demand(self.book.name_of(p[1].model) for p in self.parked)
             if demand is not None:
@@ -167,7 +171,7 @@ class JobExecutor(IsolationSide):
         if msg.attempt == 0:
             self.book.note_arrival(model)
         if self.isolate_suspects and self.suspects.is_suspect(msg.request_id):
-            return self._hold(msg, ids)
+            return self.isolation.hold(msg, ids, self.tasks.values())
         waits = self.book.waits_for_scaling(model) or self.dualpath is not None  # for room
         wait_s = self.queue_timeout_s if waits else PARK_S
         self._dispatch(msg, ids, time.monotonic() + wait_s)
@@ -259,7 +263,7 @@ class JobExecutor(IsolationSide):
         return self.pd_policy.choose(ids, max_tokens=max_tokens)
 
     def _abort(self, msg: AbortRequest) -> None:
-        self.held.drop(msg.request_id)
+        self.isolation.drop(msg.request_id)
         self.parked = [p for p in self.parked if p[1].request_id != msg.request_id]
         task = self.tasks.get(msg.request_id)
         if task is not None:
@@ -295,7 +299,7 @@ class JobExecutor(IsolationSide):
         live, left = update
         # first: nothing routes to a TE that left, or that drains for scale-in
         self.router.update_tes([te for te in live if not te.draining])
-        self.held.note_listed([te.te_type for te in live])
+        self.isolation.note_listed([te.te_type for te in live])
         for te_id in left:
             self._fail_tasks_of(te_id)
 
@@ -327,36 +331,19 @@ class JobExecutor(IsolationSide):
             sock.close()
 
 
-def build(ctx: zmq.Context, s: JESettings, events: EventSink = no_event) -> JobExecutor:
-    r = s.router
-    options = {} if r.balance_threshold is None else {"balance_threshold": r.balance_threshold}
-    pd_policy = None
-    if r.pd_policy is not None:
-        pd_policy = PDPolicy.from_files(r.pd_policy, r.pd_heatmap, r.pd_predictor,
-                                        **msgspec.structs.asdict(r.pd_options))
-    return JobExecutor(ctx, s.inbox, s.cm_pub, s.models, Router(r.policy, **options), pd_policy,
-                       s.max_attempts, events, r.isolate_suspects, cm=s.cm or None,
-                       scalable=s.scalable, queue_timeout_s=s.queue_timeout_s,
-                       kv_cache=s.kv_cache, contexts_path=s.contexts_path or None,
-                       continuity=s.continuity, dualpath=DualPathScheduler(
-                           **msgspec.structs.asdict(r.dualpath)) if r.dualpath else None)
+def pd_policy_of(r: RouterSection) -> PDPolicy | None:
+    """[router]'s PD policy, its files read; None: none set (colocated while a
+    colocated TE exists, else disaggregated: _job_layout)."""
+    if r.pd_policy is None:
+        return None
+    return PDPolicy.from_files(r.pd_policy, r.pd_heatmap, r.pd_predictor,
+                               **msgspec.structs.asdict(r.pd_options))
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_child_args(argv, "job-executor", "DeepServe job executor")
-    settings = load_settings(args)
-    if args.print_config:
-        return print_config(settings)
-    life = ActorLife("job-executor", parent_pid=args.parent_pid)
-    ctx = zmq.Context()
-    je = build(ctx, settings, life.event)
-    try:
-        life.ready()
-        life.run(je.step, lambda: {"tasks": len(je.tasks), "migrated": je.num_migrated})
-    finally:
-        je.close()
-        ctx.term()
-        life.close()
+    run_main("job-executor", "DeepServe job executor", argv, load_settings,
+             lambda ctx, s, life: JobExecutor(ctx, s, life.event),
+             lambda je: {"tasks": len(je.tasks), "migrated": je.num_migrated})
 
 
 if __name__ == "__main__":

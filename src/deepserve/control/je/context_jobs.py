@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from deepserve.control.contexts import MAX_TTL_S, MIN_TTL_S, Context, ContextBook
+from deepserve.control.je.contexts import MAX_TTL_S, MIN_TTL_S, Context, ContextBook
 from deepserve.errors import InvalidRequestError
 from deepserve.messages.cache import ContextPin
 from deepserve.messages.contexts import ContextInfo, CreateContext, DeleteContext, GetContext

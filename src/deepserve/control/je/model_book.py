@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from deepserve.control.admission import PromptTokens
+from deepserve.control.je.admission import PromptTokens
 from deepserve.errors import InvalidRequestError
 from deepserve.messages.scaling import ModelDemand
 from deepserve.tokenizer import Tokenizer
