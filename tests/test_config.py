@@ -23,11 +23,11 @@ from deepserve.config.models import ModelSection, ModelSpec, ScalingSection, SLO
 from deepserve.config.node import (ENGINE_OPTIONS, DualPathOptions, FLAT_SECTIONS, GatewaySection, NodeConfig,
                                    NodeSection, PDOptions, RouterSection, RunAddresses,
                                    SupervisorConfig, TESection, TESpec, ClusterSection)
-from deepserve.cache import tier_server
 from deepserve.control import cluster_manager, job_executor
 from deepserve.engine import te_server
 from deepserve.gateway import __main__ as gateway_main
 from deepserve.supervisor.node_config import with_cluster, with_models, with_port
+from deepserve.tiers import tier_server
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"cluster-manager": cluster_manager, "job-executor": job_executor,

@@ -20,7 +20,7 @@ from typing import NamedTuple
 FLOORS = {
     "ipc": 0, "messages": 0, "actor": 0, "faults": 0, "config": 0, "errors": 0, "tokenizer": 0,
     "model": 1, "cache": 1, "transfer": 1,
-    "worker": 2,
+    "worker": 2, "tiers": 2,
     "engine": 3,
     "gateway": 4, "control": 4, "supervisor": 4,
     "drill": 5, "demo": 5,
@@ -38,7 +38,7 @@ FORBIDDEN = {
 FLOOR_NAMES = {
     0: "plumbing and vocabulary",
     1: "model, cache, transfer",
-    2: "one device",
+    2: "one device; the node's KV tiers",
     3: "one TE (engine)",
     4: "what callers and operators touch",
     5: "driving the system from outside",

@@ -5,7 +5,6 @@ import itertools
 import pytest
 
 from deepserve.cache.block_hash import prompt_block_hashes
-from deepserve.cache.cost_model import CostModel
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.tiers import TierCoordinator
@@ -14,6 +13,7 @@ from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, NO_SLOT, ON_DISK, ST
                                       TierCommitted, TierDrop, TierHits, TierLookup, TierRelease,
                                       TierReserve, TierReserved)
 from deepserve.messages.sampling import SamplingParams
+from deepserve.tiers.cost_model import CostModel
 
 BS = 4
 GEOM = BlockGeometry(1, 1, BS, 2, "float32")

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import zmq
 
-from deepserve.cache.cost_model import CostModel
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.tiers import TierCoordinator, TierEffects
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.cache import (BlockGeometry, CacheOp, FromTier, TierCommitted,
                                       TierHits, TierReserved)
+from deepserve.tiers.cost_model import CostModel
 
 log = logging.getLogger(__name__)
 PUT_TIMEOUT_S = 0.05  # a tier service that does not take a message: it is dropped (a miss)

@@ -5,7 +5,7 @@ event returns TierEffects for the master to carry out. Three pipelines:
 
   admit (the sched-enqueue stage; the request waits, the batch does not):
       device match -> TierLookup of the hashes past it -> TierHits
-      -> cost model (cache/cost_model.py): fetch the first k hits or none
+      -> cost model (tiers/cost_model.py): fetch the first k hits or none
       -> a holder pseudo-sequence gets blocks for them -> CacheOps load_host /
          load_disk -> every rank's CacheOpsDone -> commit the blocks that came
          up into the prefix tree -> the request is queued (the holder keeps
@@ -38,7 +38,6 @@ import logging
 from dataclasses import dataclass, field
 
 from deepserve.cache.block_hash import chain_hash, root_hash
-from deepserve.cache.cost_model import DISK, HOST, CostModel
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.tier_stage import PREFILL_PATH, StageSide
@@ -46,6 +45,7 @@ from deepserve.engine.tier_stores import StoreSide, TierEffects
 from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, ON_DISK, BlockGeometry, CacheOp,
                                       CacheOpsDone, TierDrop, TierHits, TierLookup, TierRelease,
                                       TierReserved)
+from deepserve.tiers.cost_model import DISK, HOST, CostModel
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ together (`bin/deepserve-node --conf conf/node.toml`).
     node (this process; its supervisor thread: supervisor/supervisor.py)
     ├─ cluster manager   python -m deepserve.control.cluster_manager
     ├─ job executor      python -m deepserve.control.job_executor
-    ├─ kv-cache          python -m deepserve.cache.tier_server   (host + disk KV tiers)
+    ├─ kv-cache          python -m deepserve.tiers.tier_server   (host + disk KV tiers)
     ├─ TE te0 … teN      python -m deepserve.engine.te_server  (each: tokenizer, master, workers)
     ├─ TE tiny-0 …       the same, for a [[model]] (--model NAME): scaled by the autoscaler
     ├─ pool0 …           the same with --pool: pre-warmed, waiting to be told its TE
@@ -53,10 +53,10 @@ from deepserve.config.child import child_argv
 from deepserve.config.loading import write_run_config
 from deepserve.config.node import RunAddresses
 from deepserve.faults import ENV_VAR as DRILL_ENV
-from deepserve.supervisor.health_log import HealthLog
 from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
 from deepserve.ipc.sockets import SubSocket
 from deepserve.messages.control import FromClusterManager, TEList
+from deepserve.supervisor.health_log import HealthLog
 from deepserve.supervisor.node_config import NodeConfig, TESpec
 from deepserve.supervisor.placement import Gang, place
 from deepserve.supervisor.process_table import ProcessTable, sweep_scratch
@@ -118,7 +118,7 @@ class Node:
                 self._spawn("job-executor", "deepserve.control.job_executor",
                             *child_argv(conf, "job-executor"))
             if self.run.kv_cache:  # before the TEs: their first lookups find it
-                self._spawn(KV_CACHE, "deepserve.cache.tier_server",
+                self._spawn(KV_CACHE, "deepserve.tiers.tier_server",
                             *child_argv(conf, KV_CACHE, run_id=self.te_run_id(KV_CACHE)))
             for te in self.config.tes:
                 if self._place(te):

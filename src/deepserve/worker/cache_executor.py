@@ -31,12 +31,12 @@ import time
 import torch
 import zmq
 
-from deepserve.cache import block_file
-from deepserve.cache.token_bucket import TokenBucket
 from deepserve.ipc.segments import attach_segment
 from deepserve.ipc.sockets import PushSocket
 from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, STAGE_DISK, STORE_HOST,
                                       BlockGeometry, CacheOp, CacheOpsDone)
+from deepserve.tiers import block_file
+from deepserve.tiers.token_bucket import TokenBucket
 
 log = logging.getLogger(__name__)
 
