@@ -1,4 +1,4 @@
-"""The master's tier policy (engine/tiers.py) with exact blocks: no processes."""
+"""The master's tier policy (engine/tiers/coordinator.py) with exact blocks: no processes."""
 
 import itertools
 
@@ -7,7 +7,7 @@ import pytest
 from deepserve.cache.block_hash import prompt_block_hashes
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import Sequence
-from deepserve.engine.tiers import TierCoordinator
+from deepserve.engine.tiers.coordinator import TierCoordinator
 from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, NO_SLOT, ON_DISK, STORE_HOST,
                                       BlockGeometry, CacheOpsDone, ContextPin, TierCommit,
                                       TierCommitted, TierDrop, TierHits, TierLookup, TierRelease,

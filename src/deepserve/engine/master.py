@@ -10,7 +10,7 @@
     master ──StepTokens/FailRequest──> tokenizer (detokenizes, streams to the client)
     master ──PD messages──> peers' [pd PULL];  TEReport ──> cluster manager
     master ──RequestFailed──> client (on the way out)
-    master <──ToTier / FromTier──> the node's KV tier service (tier_link.py, tiers.py)
+    master <──ToTier / FromTier──> the node's KV tier service (tiers/link.py, tiers/coordinator.py)
 
 Pipeline: with async scheduling up to two steps are in flight, so while the
 workers run step N the master has already built and sent N+1; synchronous
@@ -36,8 +36,8 @@ from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.step_core import StepCore, check_request
 from deepserve.engine.te_report import answers, build_report, new_tokens
-from deepserve.engine.tier_link import TierLink
-from deepserve.engine.tier_stage import DECODE_PATH
+from deepserve.engine.tiers.link import TierLink
+from deepserve.engine.tiers.staging import DECODE_PATH
 from deepserve.errors import InvalidRequestError
 from deepserve.ipc.shm_ring import BroadcastRing
 from deepserve.ipc.timeline import Timeline

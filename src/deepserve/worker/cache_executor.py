@@ -9,7 +9,7 @@ slot and a disk file hold a full block, (2, L, H, bs, D), whatever the tp of
 the TEs that write or read it. The forward never waits for these copies:
 
   load_host / load_disk write device blocks that only a populate holder
-      owns (engine/tiers.py), which no step reads before this op is done;
+      owns (engine/tiers/coordinator.py), which no step reads before this op is done;
   store_host reads committed blocks (immutable; the master pins them until
       this op is done), written by steps that finished before this op was
       taken off the ring (the worker takes batches in order).

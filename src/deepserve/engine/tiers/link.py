@@ -20,7 +20,7 @@ import zmq
 
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import Sequence
-from deepserve.engine.tiers import TierCoordinator, TierEffects
+from deepserve.engine.tiers.coordinator import TierCoordinator, TierEffects
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.cache import (BlockGeometry, CacheOp, FromTier, TierCommitted,
                                       TierHits, TierReserved)

@@ -1,4 +1,4 @@
-"""The tiers' write pipeline (engine/tiers.py's StoreSide): write-through and contexts.
+"""The tiers' write pipeline (engine/tiers/coordinator.py's StoreSide): write-through and contexts.
 
     new tree nodes, pinned with their ancestors ──TierReserve──> slots ──CacheOp
     store_host──> every rank's CacheOpsDone ──TierCommit──> unpinned

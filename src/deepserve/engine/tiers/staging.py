@@ -1,4 +1,4 @@
-"""DualPath's decode-engine read path (engine/tiers.py's StageSide).
+"""DualPath's decode-engine read path (engine/tiers/coordinator.py's StageSide).
 
 A decode task told to read the prompt's cached KV itself (read_path
 "decode": the job executor's DualPath scheduler saw this TE's storage read
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepserve.engine.sequence import Sequence
-from deepserve.engine.tier_stores import TierEffects
+from deepserve.engine.tiers.writes import TierEffects
 from deepserve.messages.cache import (NO_SLOT, ON_DISK, STAGE_DISK, CacheOp, CacheOpsDone,
                                       TierCommit, TierDrop, TierHits, TierReserve, TierReserved)
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from deepserve.cache.block_hash import chain_hash, root_hash
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import Sequence
-from deepserve.engine.tier_stage import PREFILL_PATH, StageSide
-from deepserve.engine.tier_stores import StoreSide, TierEffects
+from deepserve.engine.tiers.staging import PREFILL_PATH, StageSide
+from deepserve.engine.tiers.writes import StoreSide, TierEffects
 from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, ON_DISK, BlockGeometry, CacheOp,
                                       CacheOpsDone, TierDrop, TierHits, TierLookup, TierRelease,
                                       TierReserved)
