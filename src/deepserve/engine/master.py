@@ -36,8 +36,8 @@ from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.step_core import StepCore, check_request
 from deepserve.engine.te_report import answers, build_report, new_tokens
+from deepserve.engine.tiers.channel import DECODE_PATH
 from deepserve.engine.tiers.link import TierLink
-from deepserve.engine.tiers.staging import DECODE_PATH
 from deepserve.errors import InvalidRequestError
 from deepserve.ipc.shm_ring import BroadcastRing
 from deepserve.ipc.timeline import Timeline
