@@ -24,7 +24,7 @@ from deepserve.config.node import (ENGINE_OPTIONS, DualPathOptions, FLAT_SECTION
                                    NodeSection, PDOptions, RouterSection, RunAddresses,
                                    SupervisorConfig, TESection, TESpec, ClusterSection)
 from deepserve.control import cluster_manager, job_executor
-from deepserve.engine import te_server
+from deepserve.engine.te import te_server
 from deepserve.gateway import __main__ as gateway_main
 from deepserve.supervisor.node_config import with_cluster, with_models, with_port
 from deepserve.tiers import tier_server
@@ -257,7 +257,7 @@ def test_real_children_print_their_effective_config(tmp_path):
     printed = {}
     for role, module in (("cluster-manager", "deepserve.control.cluster_manager"),
                          ("job-executor", "deepserve.control.job_executor"),
-                         ("gateway", "deepserve.gateway"), ("te", "deepserve.engine.te_server")):
+                         ("gateway", "deepserve.gateway"), ("te", "deepserve.engine.te.te_server")):
         extra = ["--te-id", "te0"] if role == "te" else []
         out = subprocess.run([sys.executable, "-m", module, "--conf", str(resolved), "--role",
                               role, *extra, "--print-config"], capture_output=True, text=True,

@@ -91,7 +91,7 @@ def test_grace_rule_with_a_fake_clock(ctx, tmp_path):
 
 
 def test_incarnations_differ_and_the_grace_covers_te_reannouncements(ctx, tmp_path):
-    from deepserve.engine import te_server
+    from deepserve.engine.te import te_server
 
     assert cluster_manager.TEUP_INTERVAL_S == te_server.TEUP_INTERVAL_S
     assert cluster_manager.FIRST_PUBLISH_GRACE_S >= 1.5 * te_server.TEUP_INTERVAL_S

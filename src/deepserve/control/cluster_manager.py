@@ -10,7 +10,7 @@ drops PUB messages sent before a SUB connects) catches up.
 
 First publish of an incarnation: a CM that starts (or restarts under load)
 knows no TE yet; the TEs re-announce themselves every TEUP_INTERVAL_S
-(engine/te_server.py). Publishing at once would hand the JE an empty or
+(engine/te/te_server.py). Publishing at once would hand the JE an empty or
 partial list, and the JE fails every task of a TE that is not listed. So an
 incarnation publishes nothing until every TE of the node's config has
 announced itself, or FIRST_PUBLISH_GRACE_S (1.5 TEUp intervals) after its
@@ -49,8 +49,8 @@ import zmq
 from deepserve.actor import ActorLife
 from deepserve.config.child import ChildArgs, parse_child_args, print_config
 from deepserve.config.loading import read_run_config
-from deepserve.control.scaling import ScalingControl, options_of, policies_of
 from deepserve.config.models import ModelSpec, ScalingSection
+from deepserve.control.scaling import ScalingControl, options_of, policies_of
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.cache import TierReport
 from deepserve.messages.control import TEDown, TEInfo, TEList, TEReport, TEUp, ToClusterManager
@@ -59,7 +59,7 @@ from deepserve.messages.scaling import ModelDemand, ScaleEvent
 log = logging.getLogger(__name__)
 REPUBLISH_S = 1.0
 TEUP_INTERVAL_S = 2.0
-"""engine/te_server.py's TEUP_INTERVAL_S (a test checks they agree)."""
+"""engine/te/te_server.py's TEUP_INTERVAL_S (a test checks they agree)."""
 FIRST_PUBLISH_GRACE_S = 1.5 * TEUP_INTERVAL_S
 """An incarnation's longest silence before its first TE list."""
 REUP_FENCE_S = 2.0

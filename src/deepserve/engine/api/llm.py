@@ -17,9 +17,9 @@ import uuid
 from typing import Iterator, Sequence
 
 from deepserve.config import EngineConfig
-from deepserve.engine.client import EngineClient
-from deepserve.engine.llm_engine import LLMEngine
-from deepserve.engine.outputs import RequestOutput, TokenLogprob
+from deepserve.engine.api.llm_engine import LLMEngine
+from deepserve.engine.api.outputs import RequestOutput, TokenLogprob
+from deepserve.engine.te.client import EngineClient
 from deepserve.errors import (EngineDeadError, InvalidRequestError, PromptTooLongError)
 from deepserve.messages.engine import RequestDelta, RequestFailed, SubmitRequest
 from deepserve.messages.sampling import SamplingParams
