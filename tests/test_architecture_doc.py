@@ -148,9 +148,9 @@ def test_a_summary_is_one_line():
 
 
 def test_which_backticked_words_are_paths():
-    text = ("`engine/master.py` `actor.py` `RUN_DIR/node.json` `/v1/models` `python -m x` "
+    text = ("`engine/te/master.py` `actor.py` `RUN_DIR/node.json` `/v1/models` `python -m x` "
             "`../shared/DESIGN.md` `{id}.je{epoch}` `conf/*.toml` `config.json` `StepBatch`")
-    assert _named_paths(text) == ["engine/master.py", "actor.py", "conf/*.toml"]
+    assert _named_paths(text) == ["engine/te/master.py", "actor.py", "conf/*.toml"]
     doc = ROOT / "docs" / "architecture.md"
-    assert _exists("engine/master.py", doc) and _exists("conf/*.toml", doc)
+    assert _exists("engine/te/master.py", doc) and _exists("conf/*.toml", doc)
     assert not _exists("engine/peers.py", doc)

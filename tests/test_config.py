@@ -23,12 +23,13 @@ from deepserve.config.models import ModelSection, ModelSpec, ScalingSection, SLO
 from deepserve.config.node import (ENGINE_OPTIONS, DualPathOptions, FLAT_SECTIONS, GatewaySection, NodeConfig,
                                    NodeSection, PDOptions, RouterSection, RunAddresses,
                                    SupervisorConfig, TESection, TESpec, ClusterSection)
-from deepserve.cache import tier_server
+from deepserve.tiers import tier_server
 from deepserve.control.cm import cluster_manager
 from deepserve.control.je import job_executor
-from deepserve.engine import te_server
+from deepserve.engine.te import te_server
 from deepserve.gateway import __main__ as gateway_main
 from deepserve.supervisor.node_config import with_cluster, with_models, with_port
+from deepserve.tiers import tier_server
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"cluster-manager": cluster_manager, "job-executor": job_executor,
@@ -258,7 +259,7 @@ def test_real_children_print_their_effective_config(tmp_path):
     printed = {}
     for role, module in (("cluster-manager", "deepserve.control.cm.cluster_manager"),
                          ("job-executor", "deepserve.control.je.job_executor"),
-                         ("gateway", "deepserve.gateway"), ("te", "deepserve.engine.te_server")):
+                         ("gateway", "deepserve.gateway"), ("te", "deepserve.engine.te.te_server")):
         extra = ["--te-id", "te0"] if role == "te" else []
         out = subprocess.run([sys.executable, "-m", module, "--conf", str(resolved), "--role",
                               role, *extra, "--print-config"], capture_output=True, text=True,

@@ -91,7 +91,7 @@ def test_no_source_file_passes_the_line_limit():
 
 
 @pytest.mark.parametrize("source, expected", [
-    ("from deepserve.engine.master import Master\n", "must not import"),
+    ("from deepserve.engine.te.master import Master\n", "must not import"),
     ("import deepserve.drill.load\n", "floor 5"),
     ("def f():\n    from deepserve.worker import sampler\n", "floor 2"),
 ])
@@ -110,7 +110,7 @@ def test_one_host_needs_no_ray():
     """Ray is the optional `cluster` extra: a node, its children and the drills
     import without it; only supervisor/ray_fabric.py asks for it, when run."""
     code = ("import sys; import deepserve.supervisor.__main__, deepserve.supervisor.node, "
-            "deepserve.engine.te_server, deepserve.control.je.job_executor, "
+            "deepserve.engine.te.te_server, deepserve.control.je.job_executor, "
             "deepserve.control.cm.cluster_manager, deepserve.gateway.__main__, "
             "deepserve.drill.__main__, deepserve.supervisor.ray_fabric; "
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")

@@ -11,7 +11,7 @@ hold about one agent's context and a small host tier (--host-mib: a couple of
 contexts, far below the agents' working set), so almost every turn's context
 comes back from storage (Table 2's shape scaled to this machine: long
 contexts, short appends, many turns, a high hit rate). On one node the host
-tier is also the decode engines' staging buffer (engine/tier_stage.py): it
+tier is also the decode engines' staging buffer (engine/tiers/staging.py): it
 must hold the contexts being staged at once, or a staged block is evicted
 before its prefill engine reads it and the read is paid twice.
 

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepserve import SamplingParams
 from deepserve.config import EngineConfig
-from deepserve.engine.llm_engine import LLMEngine
+from deepserve.engine.api.llm_engine import LLMEngine
 
 
 class EngineThread:

@@ -59,7 +59,7 @@ from sim_cm import TYPES, SimClusterManager  # noqa: E402
 from sim_model import Job, Profile, SimTE, Workload  # noqa: E402
 from sim_stats import Stats, probe, table  # noqa: E402
 
-REPORT_INTERVAL_S = 0.5  # engine/master.py's report_interval_s default
+REPORT_INTERVAL_S = 0.5  # engine/te/master.py's report_interval_s default
 IDLE_STOP_S = 600.0  # simulated seconds with no arrival or finish: give up (lost jobs)
 
 

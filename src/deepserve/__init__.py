@@ -7,8 +7,8 @@ plumbing (ipc, messages) does not pay for importing torch.
 from importlib import import_module
 
 _EXPORTS = {
-    "LLM": "deepserve.engine.llm",
-    "RequestOutput": "deepserve.engine.outputs",
+    "LLM": "deepserve.engine.api.llm",
+    "RequestOutput": "deepserve.engine.api.outputs",
     "SamplingParams": "deepserve.messages.sampling",
     "DeepServeError": "deepserve.errors",
     "EngineDeadError": "deepserve.errors",

@@ -12,9 +12,9 @@ import zmq
 
 from deepserve.actor import ActorLife
 from deepserve.config import EngineConfig
-from deepserve.engine.master import Master, MasterSpec
-from deepserve.engine.pd import PDCoordinator
-from deepserve.engine.tokenizer_actor import TokenizerActor, TokenizerSpec
+from deepserve.engine.pd.coordinator import PDCoordinator
+from deepserve.engine.te.master import Master, MasterSpec
+from deepserve.engine.te.tokenizer_actor import TokenizerActor, TokenizerSpec
 from deepserve.ipc.segments import segment_name
 from deepserve.ipc.sockets import PullSocket, PushSocket, ipc_address
 from deepserve.messages.engine import ToClient, ToMaster, ToTokenizer

@@ -13,10 +13,10 @@ import torch
 import zmq
 
 from deepserve import LLM, SamplingParams
-from deepserve.engine.launcher import TELauncher
 from deepserve.config import EngineConfig
-from deepserve.ipc.sockets import PullSocket, PushSocket, ipc_address
+from deepserve.engine.te.launcher import TELauncher
 from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
+from deepserve.ipc.sockets import PullSocket, PushSocket, ipc_address
 from deepserve.messages.control import TEReport, ToClusterManager
 from deepserve.messages.engine import RequestDelta, RequestFailed, SubmitRequest, ToClient
 from deepserve.messages.pd import KVAck, KVEndpoint, KVReady, PrefillOrder

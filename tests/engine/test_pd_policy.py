@@ -1,4 +1,4 @@
-"""engine/pd.py as a pure policy object: real KVCacheManager and Scheduler,
+"""engine/pd/coordinator.py as a pure policy object: real KVCacheManager and Scheduler,
 a fake clock, no processes. Every test ends with the cache's integrity check."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from deepserve.cache.kv_manager import KVCacheManager
-from deepserve.engine.pd import PDCoordinator
+from deepserve.engine.pd.coordinator import PDCoordinator
 from deepserve.engine.scheduler import Scheduler
 from deepserve.engine.sequence import Sequence, SequenceStatus
 from deepserve.messages.pd import (CancelOrder, KVAck, KVEndpoint, KVReady, KVSent,

@@ -1,19 +1,19 @@
-"""The master's tier policy (engine/tiers.py) with exact blocks: no processes."""
+"""The master's tier policy (engine/tiers/) with exact blocks: no processes."""
 
 import itertools
 
 import pytest
 
 from deepserve.cache.block_hash import prompt_block_hashes
-from deepserve.cache.cost_model import CostModel
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import Sequence
-from deepserve.engine.tiers import TierCoordinator
-from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, NO_SLOT, ON_DISK, STORE_HOST,
-                                      BlockGeometry, CacheOpsDone, ContextPin, TierCommit,
-                                      TierCommitted, TierDrop, TierHits, TierLookup, TierRelease,
-                                      TierReserve, TierReserved)
+from deepserve.engine.tiers.coordinator import TierCoordinator
+from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, NO_SLOT, ON_DISK, STAGE_DISK,
+                                      STORE_HOST, BlockGeometry, CacheOpsDone, ContextPin,
+                                      TierCommit, TierCommitted, TierDrop, TierHits, TierLookup,
+                                      TierRelease, TierReserve, TierReserved)
 from deepserve.messages.sampling import SamplingParams
+from deepserve.tiers.cost_model import CostModel
 
 BS = 4
 GEOM = BlockGeometry(1, 1, BS, 2, "float32")
@@ -107,7 +107,7 @@ def test_new_tree_blocks_are_written_through_and_pinned_until_copied(env):
     effects = tiers.write_through(0.0)
     [reserve] = effects.sends
     assert isinstance(reserve, TierReserve) and len(reserve.hashes) == 2
-    store = next(iter(tiers.stores.values()))
+    store = next(iter(tiers.writes.stores.values()))
     kv.check_integrity(store.pinned)
     kv.free(s.seq_id)
     assert kv.num_free_blocks == 32 - 2  # pinned: not evictable while being copied
@@ -150,3 +150,41 @@ def test_a_context_over_budget_fails_with_its_code(env):
                                              error="over_budget"), 0.1)
     assert effects.failed[0][:2] == (s, "context_over_budget")
     kv.free(s.seq_id)
+
+
+def test_a_decode_task_stages_its_disk_blocks_up_then_orders_the_prefill(env):
+    kv, tiers = env
+    s = seq()  # 4 cacheable blocks, all looked up: the prefill TE needs them, not this one
+    effects = tiers.stage(s, 0.0)
+    [lookup] = effects.sends
+    assert lookup.hashes == prompt_block_hashes(s.token_ids, BS, "t")[:4] and not effects.staged
+    [reserve] = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=5,
+                                       slots=[3, ON_DISK, ON_DISK], disk_dir="/d"), 0.1).sends
+    assert isinstance(reserve, TierReserve) and reserve.hashes == lookup.hashes[1:3]
+    [op] = tiers.on_reserved(TierReserved(reserve_id=reserve.reserve_id, lease_id=6,
+                                          slots=[7, NO_SLOT], segment="seg"), 0.2).ops
+    assert (op.kind, op.block_ids, op.slots, op.hashes, op.disk_dir) == (
+        STAGE_DISK, [], [7], [lookup.hashes[1]], "/d")
+    assert tiers.storage.num_blocks == 1
+    assert not tiers.on_ops_done(CacheOpsDone(rank=1, op_id=op.op_id, num_ok=0), 0.3)
+    effects = tiers.on_ops_done(CacheOpsDone(rank=0, op_id=op.op_id, num_ok=1, nbytes=64), 0.3)
+    assert effects.staged == [s]
+    assert effects.sends == [TierCommit(lease_id=6, model_key="m", slots=[7]),
+                             TierRelease(lease_id=5, model_key="m")]
+    assert tiers.storage.num_blocks == 0 and not tiers.has_work
+    assert tiers.storage.bytes_read == {"prefill": 0, "decode": 64}
+    assert kv.num_free_blocks == 32  # staging takes no device blocks
+
+
+def test_a_stage_whose_copy_never_ends_orders_the_prefill_and_commits_nothing(env):
+    kv, tiers = env
+    s = seq()
+    lookup = tiers.stage(s, 0.0).sends[0]
+    [reserve] = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=5,
+                                       slots=[ON_DISK] * 4, disk_dir="/d"), 0.0).sends
+    [op] = tiers.on_reserved(TierReserved(reserve_id=reserve.reserve_id, lease_id=6,
+                                          slots=[1, 2, 3, 4], segment="seg"), 0.0).ops
+    assert tiers.storage.num_blocks == 4 and not tiers.poll(10.0).staged
+    effects = tiers.poll(10.1)  # op_timeout_s (10) past
+    assert effects.staged == [s] and effects.sends == [TierRelease(lease_id=5, model_key="m")]
+    assert tiers.storage.num_blocks == 0 and not tiers.has_work

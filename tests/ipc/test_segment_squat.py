@@ -64,7 +64,7 @@ def test_te_starts_past_a_squat_and_an_unlink_it_may_not_do(run_id, monkeypatch,
     """The names the next incarnation would use are taken (by us, but in the
     way), and the segment cleanup hits PermissionError: the TE still starts."""
     from deepserve.config.engine import EngineConfig
-    from deepserve.engine.launcher import TELauncher
+    from deepserve.engine.te.launcher import TELauncher
     squats = [create_segment(segment_name(run_id, purpose), 64)
               for purpose in ("steps", "kv-r0")]
     launcher = None

@@ -19,13 +19,13 @@ import pytest
 from openai import OpenAI
 
 from deepserve import LLM, SamplingParams
-from deepserve.ipc.sockets import free_port
-from deepserve.supervisor.node import Node
-from deepserve.cache.block_file import HEADER_BYTES, hash_name
 from deepserve.cache.block_hash import prompt_block_hashes
 from deepserve.config.node import SupervisorConfig
+from deepserve.ipc.sockets import free_port
 from deepserve.supervisor.health_log import read_events
+from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import NodeConfig, TESpec
+from deepserve.tiers.block_file import HEADER_BYTES, hash_name
 from tests.supervisor.test_node import _metrics, _shm
 
 pytestmark = pytest.mark.slow

@@ -54,7 +54,7 @@ def test_a_hop_is_seen_at_its_first_call_inside_the_request(tmp_path):
         "101.json": {"argv": ["x", "--role", "job-executor"], "calls": {
             je: [t0 - 5, t0 + 0.004, t0 + 0.009]}},  # before the request: not counted
         "102.json": {"argv": ["-c"], "name": "deepserve-master", "calls": {
-            master: [t0 + 0.012], "deepserve/engine/master.py:Master.step": [t0 - 1, t0 + 0.01]}},
+            master: [t0 + 0.012], "deepserve/engine/te/master.py:Master.step": [t0 - 1, t0 + 0.01]}},
     }
     for name, data in dumps.items():
         (tmp_path / name).write_text(json.dumps(data))

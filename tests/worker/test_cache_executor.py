@@ -6,9 +6,9 @@ import pytest
 import torch
 import zmq
 
-from deepserve.cache import block_file
 from deepserve.ipc.segments import create_segment, unlink_segment
 from deepserve.messages.cache import LOAD_DISK, LOAD_HOST, STAGE_DISK, STORE_HOST, CacheOp
+from deepserve.tiers import block_file
 from deepserve.worker.cache_executor import CacheExecutor
 
 L, H, NB, BS, D = 2, 2, 8, 4, 8  # pool (2, L, H, NB, BS, D), float32

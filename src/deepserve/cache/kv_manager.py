@@ -12,7 +12,7 @@ its own. commit() moves newly completed blocks into the tree; when an equal
 block is already there, the sequence adopts the tree's block and gives its
 own copy back (the KV is the same tokens' KV).
 
-Lower tiers (engine/tiers.py): with collect_new_nodes, every node commit()
+Lower tiers (engine/tiers/coordinator.py): with collect_new_nodes, every node commit()
 inserts is kept until pop_new_nodes() (the master writes those blocks
 through to the host tier); pin() holds a set of nodes and all their
 ancestors (so ref_count(parent) >= ref_count(child) still holds) until

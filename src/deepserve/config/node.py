@@ -67,7 +67,7 @@ class NodeSection(Section):
     disk_cache_bytes: Annotated[int, Meta(ge=0)] = 0
     """Bytes of block files the disk tier keeps (LRU), split evenly among the models."""
     disk_fsync: Literal["never", "always"] = "never"
-    """fsync block files before they are renamed into place (cache/block_file.py)."""
+    """fsync block files before they are renamed into place (tiers/block_file.py)."""
     context_cache_bytes: Annotated[int, Meta(ge=0)] = 0
     """Bytes of KV blocks that contexts (POST /v1/contexts) may pin, split among the
     models; 0: half of the lowest tier (disk if on, else host)."""

@@ -8,7 +8,7 @@ Each step:
   2. if nothing was preempted, waiting sequences are admitted in arrival
      order while the budget, max_num_seqs and free blocks allow, each reusing
      its cached prefix.
-A sequence may arrive with a holder (engine/tiers.py): a pseudo-sequence
+A sequence may arrive with a holder (engine/tiers/coordinator.py): a pseudo-sequence
 holding the blocks a lower tier (host, disk) filled for its prefix, so they
 are prefix-cache hits when it is admitted; the holder is freed then (or
 when the sequence ends before that, or when the head of the queue cannot

@@ -92,7 +92,7 @@ class StepCore:
 
     def track(self, request_id: str, seq: Sequence, is_request: bool = True) -> None:
         """Bookkeeping for a sequence. is_request=False (a prefill task made by
-        engine/pd_prefill.py for another TE's request): by seq id only, so it
+        engine/pd/prefill.py for another TE's request): by seq id only, so it
         never takes the request-id slot of a request this TE serves."""
         if is_request:
             self.seqs[request_id] = seq

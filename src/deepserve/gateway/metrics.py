@@ -96,7 +96,7 @@ class GatewayMetrics:
         self.pinned_bytes = Gauge("deepserve_contexts_pinned_bytes", "Bytes of KV blocks the "
                                   "live contexts pin in the host / disk tiers", registry=r)
         self.te_cost_model = Gauge(
-            "deepserve_te_cost_model", "A TE's fetch-or-recompute cost model (cache/cost_model.py): "
+            "deepserve_te_cost_model", "A TE's fetch-or-recompute cost model (tiers/cost_model.py): "
             "prefill_tokens_per_s, {host,disk}_bandwidth (bytes/s), {host,disk}_latency_ms",
             ["te_id", "param"], registry=r)
         self.storage_read_bytes = Counter(

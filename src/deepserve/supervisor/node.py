@@ -4,8 +4,8 @@ together (`bin/deepserve-node --conf conf/node.toml`).
     node (this process; its supervisor thread: supervisor/supervisor.py)
     ├─ cluster manager   python -m deepserve.control.cm.cluster_manager
     ├─ job executor      python -m deepserve.control.je.job_executor
-    ├─ kv-cache          python -m deepserve.cache.tier_server   (host + disk KV tiers)
-    ├─ TE te0 … teN      python -m deepserve.engine.te_server  (each: tokenizer, master, workers)
+    ├─ kv-cache          python -m deepserve.tiers.tier_server   (host + disk KV tiers)
+    ├─ TE te0 … teN      python -m deepserve.engine.te.te_server (each: tokenizer, master, workers)
     ├─ TE tiny-0 …       the same, for a [[model]] (--model NAME): scaled by the autoscaler
     ├─ pool0 …           the same with --pool: pre-warmed, waiting to be told its TE
     └─ gateway           python -m deepserve.gateway            (HTTP on host:port)
@@ -53,10 +53,10 @@ from deepserve.config.child import child_argv
 from deepserve.config.loading import write_run_config
 from deepserve.config.node import RunAddresses
 from deepserve.faults import ENV_VAR as DRILL_ENV
-from deepserve.supervisor.health_log import HealthLog
 from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
 from deepserve.ipc.sockets import SubSocket
 from deepserve.messages.control import FromClusterManager, TEList
+from deepserve.supervisor.health_log import HealthLog
 from deepserve.supervisor.node_config import NodeConfig, TESpec
 from deepserve.supervisor.placement import Gang, place
 from deepserve.supervisor.process_table import ProcessTable, sweep_scratch
@@ -118,11 +118,11 @@ class Node:
                 self._spawn("job-executor", "deepserve.control.je.job_executor",
                             *child_argv(conf, "job-executor"))
             if self.run.kv_cache:  # before the TEs: their first lookups find it
-                self._spawn(KV_CACHE, "deepserve.cache.tier_server",
+                self._spawn(KV_CACHE, "deepserve.tiers.tier_server",
                             *child_argv(conf, KV_CACHE, run_id=self.te_run_id(KV_CACHE)))
             for te in self.config.tes:
                 if self._place(te):
-                    self._spawn(te.te_id, "deepserve.engine.te_server",
+                    self._spawn(te.te_id, "deepserve.engine.te.te_server",
                                 *child_argv(conf, "te", te.te_id, self.te_run_id(te.te_id)))
             for te_id, model in self.config.initial_scaled_tes().items():
                 self.scaler.start_te(te_id, model, "min_tes", time.monotonic())
@@ -176,13 +176,13 @@ class Node:
             self.table.respawn(te_id)
             return
         self.ever.add(te_id)
-        self._spawn(te_id, "deepserve.engine.te_server",
+        self._spawn(te_id, "deepserve.engine.te.te_server",
                     *child_argv(self.run_dir / RUN_CONFIG, "te", te_id, self.te_run_id(te_id),
                                 model=self._model_arg(te_id, model)))
 
     def spawn_pod(self, name: str) -> None:
         """A pre-warmed TE process (prewarmed.py): no run id until assigned."""
-        self._spawn(name, "deepserve.engine.te_server", "--conf", str(self.run_dir / RUN_CONFIG),
+        self._spawn(name, "deepserve.engine.te.te_server", "--conf", str(self.run_dir / RUN_CONFIG),
                     "--role", "te", "--te-id", name, "--pool")
 
     def adopt_pod(self, pod: str, te_id: str, model: str) -> None:
@@ -190,7 +190,7 @@ class Node:
         self.ever.add(te_id)
         args = child_argv(self.run_dir / RUN_CONFIG, "te", te_id, te_id,
                           model=self._model_arg(te_id, model))
-        command, env = self._te_command(te_id, "deepserve.engine.te_server", args)
+        command, env = self._te_command(te_id, "deepserve.engine.te.te_server", args)
         popen = self.table.adopt(pod, te_id, command, env, scratch=self._scratch(te_id))
         self.health.write(te_id, "started", popen.pid, prewarmed=pod)
 

@@ -9,7 +9,7 @@ slot and a disk file hold a full block, (2, L, H, bs, D), whatever the tp of
 the TEs that write or read it. The forward never waits for these copies:
 
   load_host / load_disk write device blocks that only a populate holder
-      owns (engine/tiers.py), which no step reads before this op is done;
+      owns (engine/tiers/coordinator.py), which no step reads before this op is done;
   store_host reads committed blocks (immutable; the master pins them until
       this op is done), written by steps that finished before this op was
       taken off the ring (the worker takes batches in order).
@@ -31,12 +31,12 @@ import time
 import torch
 import zmq
 
-from deepserve.cache import block_file
-from deepserve.cache.token_bucket import TokenBucket
 from deepserve.ipc.segments import attach_segment
 from deepserve.ipc.sockets import PushSocket
 from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, STAGE_DISK, STORE_HOST,
                                       BlockGeometry, CacheOp, CacheOpsDone)
+from deepserve.tiers import block_file
+from deepserve.tiers.token_bucket import TokenBucket
 
 log = logging.getLogger(__name__)
 

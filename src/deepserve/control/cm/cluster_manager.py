@@ -49,8 +49,8 @@ import zmq
 from deepserve.actor import ActorLife, run_main
 from deepserve.config.child import ChildArgs
 from deepserve.config.loading import read_run_config
-from deepserve.control.cm.scaling import ScalingControl, options_of, policies_of
 from deepserve.config.models import ModelSpec, ScalingSection
+from deepserve.control.cm.scaling import ScalingControl, options_of, policies_of
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.cache import TierReport
 from deepserve.messages.control import (TEUP_INTERVAL_S, TEDown, TEInfo, TEList, TEReport, TEUp,

@@ -49,8 +49,8 @@ def build_report(te_id: str, core, pd, tier, block_bytes: int = 0) -> TEReport:
         tier_fetch_seconds={t: s for t, s in fetch_seconds.items() if s},
         kv_cached_bytes=kv.tree.num_nodes * block_bytes,
         cost_model=tier.tiers.cost.snapshot() if tier is not None else {},
-        storage_queue_tokens=tier.tiers.disk_queue_blocks * kv.block_size if tier else 0,
-        storage_read_bytes=dict(tier.tiers.storage_bytes) if tier else {},
+        storage_queue_tokens=tier.tiers.storage.num_blocks * kv.block_size if tier else 0,
+        storage_read_bytes=dict(tier.tiers.storage.bytes_read) if tier else {},
         num_free_tokens=kv.num_free_blocks * kv.block_size)
 
 

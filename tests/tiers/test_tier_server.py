@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import zmq
 
-from deepserve.cache import block_file
 from deepserve.ipc.sockets import PullSocket, PushSocket, ipc_address
 from deepserve.messages.cache import (NO_SLOT, ON_DISK, BlockGeometry, ContextUnpin, FromTier,
                                       TierCommit, TierCommitted, TierLookup, TierReserve)
+from deepserve.tiers import block_file
 
 GEOM = BlockGeometry(num_layers=2, num_kv_heads=2, block_size=4, head_dim=8, dtype="float32")
 NBYTES = block_file.block_nbytes(GEOM)

@@ -10,12 +10,12 @@
     master ──StepTokens/FailRequest──> tokenizer (detokenizes, streams to the client)
     master ──PD messages──> peers' [pd PULL];  TEReport ──> cluster manager
     master ──RequestFailed──> client (on the way out)
-    master <──ToTier / FromTier──> the node's KV tier service (tier_link.py, tiers.py)
+    master <──ToTier / FromTier──> the node's KV tier service (engine/tiers/)
 
 Pipeline: with async scheduling up to two steps are in flight, so while the
 workers run step N the master has already built and sent N+1; synchronous
-mode keeps one. PD policy lives in engine/pd.py; this loop only carries out
-the effects it returns (sends, streams, failures, releases).
+mode keeps one. PD policy lives in engine/pd/coordinator.py; this loop only
+carries out the effects it returns (sends, streams, failures, releases).
 """
 
 from __future__ import annotations
@@ -31,24 +31,24 @@ import zmq
 
 from deepserve.actor import ActorLife
 from deepserve.config import EngineConfig
-from deepserve.engine.pd import Effects, PDCoordinator
+from deepserve.engine.pd.coordinator import Effects, PDCoordinator
 from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.step_core import StepCore, check_request
-from deepserve.engine.te_report import answers, build_report, new_tokens
-from deepserve.engine.tier_link import TierLink
-from deepserve.engine.tier_stage import DECODE_PATH
+from deepserve.engine.te.te_report import answers, build_report, new_tokens
+from deepserve.engine.tiers.channel import DECODE_PATH
+from deepserve.engine.tiers.link import TierLink
 from deepserve.errors import InvalidRequestError
-from deepserve.ipc.shm_ring import BroadcastRing
-from deepserve.ipc.timeline import Timeline
 from deepserve.ipc.outboxes import Outboxes
+from deepserve.ipc.shm_ring import BroadcastRing
 from deepserve.ipc.sockets import PullSocket, PushSocket
+from deepserve.ipc.timeline import Timeline
+from deepserve.messages.cache import CacheOpsDone
 from deepserve.messages.engine import (AddRequest, EngineStats, FinishRequest, FromWorker,
                                        GetStats, NewTokens, RequestFailed, StepDone,
                                        StepTokens, ToMaster, WorkerFailed, WorkerReady)
 from deepserve.messages.pd import (CancelOrder, FailRequest, KVAck, KVReady, KVSent,
                                    PrefillOrder, ToPeer, pd_address)
-from deepserve.messages.cache import CacheOpsDone
 from deepserve.messages.step import CACHE_ONLY_STEP_ID, SHUTDOWN_STEP_ID, StepBatch
 from deepserve.model.config import load_model_config
 

@@ -15,7 +15,7 @@ import time
 import zmq
 
 from deepserve.config import EngineConfig
-from deepserve.engine.launcher import TELauncher
+from deepserve.engine.te.launcher import TELauncher
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.engine import (AbortRequest, EngineStats, GetStats, RequestDelta,
                                        RequestFailed, SubmitRequest, ToClient)

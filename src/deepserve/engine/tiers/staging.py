@@ -1,12 +1,12 @@
-"""DualPath's decode-engine read path (engine/tiers.py's StageSide).
+"""TierStaging: DualPath's decode-engine read path.
 
 A decode task told to read the prompt's cached KV itself (read_path
 "decode": the job executor's DualPath scheduler saw this TE's storage read
 queue shorter than its prefill TE's) first brings the blocks that only the
 disk tier holds up into the node's host tier, through this TE's own storage
 bucket ([[te]] storage_read_gbps), and only then orders the prefill. The
-prefill TE then finds them in host memory (its lookup, tiers.py) instead of
-reading storage through its own bucket:
+prefill TE then finds them in host memory (its lookup, coordinator.py)
+instead of reading storage through its own bucket:
 
     TierLookup (every cacheable block: the prefill TE needs them, whatever this TE
     holds) ──TierHits──> the ON_DISK ones
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import Sequence
-from deepserve.engine.tier_stores import TierEffects
+from deepserve.engine.tiers.channel import (DECODE_PATH, StorageQueue, TierChannel,
+                                            TierEffects, lookup_below)
 from deepserve.messages.cache import (NO_SLOT, ON_DISK, STAGE_DISK, CacheOp, CacheOpsDone,
                                       TierCommit, TierDrop, TierHits, TierReserve, TierReserved)
-
-PREFILL_PATH, DECODE_PATH = "prefill", "decode"
 
 
 @dataclass
@@ -46,93 +46,95 @@ class _Stage:
     done: dict[int, CacheOpsDone] = field(default_factory=dict)
 
 
-class StageSide:
-    """Subclass state it relies on: key, geometry, address, tp, _ids, num_events,
-    lookup_timeout_s, op_deadline_s(), _lookup_hashes(seq), _release(lease, effects)."""
-
-    def _init_stages(self) -> None:
+class TierStaging:
+    def __init__(self, kv: KVCacheManager, channel: TierChannel, storage: StorageQueue):
+        self.kv, self.channel, self.storage = kv, channel, storage
         self.stages: dict[int, _Stage] = {}  # by lookup id, then reserve id, then op id
-        self.storage_bytes = {PREFILL_PATH: 0, DECODE_PATH: 0}  # cumulative disk reads
-        self.disk_queue_blocks = 0  # disk-read blocks dispatched and not done
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.stages)
 
     def stage(self, seq: Sequence, now: float) -> TierEffects:
         effects = TierEffects()
-        found = self._lookup_hashes(seq, whole=True)  # what the prefill TE needs, not we
+        found = lookup_below(self.kv, self.channel, seq, whole=True)  # the prefill TE's need
         if found is None:
             effects.staged.append(seq)
             return effects
         lookup = found[0]
-        self.stages[lookup.lookup_id] = _Stage(seq, lookup.hashes, now + self.lookup_timeout_s)
+        self.stages[lookup.lookup_id] = _Stage(seq, lookup.hashes,
+                                               now + self.channel.lookup_timeout_s)
         effects.sends.append(lookup)
         return effects
 
-    def _stage_hits(self, msg: TierHits, now: float, effects: TierEffects) -> bool:
+    def on_hits(self, msg: TierHits, now: float, effects: TierEffects) -> bool:
+        """False: not a lookup of this pipeline."""
         st = self.stages.pop(msg.lookup_id, None)
         if st is None:
             return False
         st.lookup_lease, st.disk_dir = msg.lease_id, msg.disk_dir
         disk = [h for h, s in zip(st.hashes, msg.slots) if s == ON_DISK]
         if not disk or st.seq.is_finished:
-            self._end_stage(st, effects)
+            self._end(st, effects)
             return True
-        rid = next(self._ids)
-        st.deadline = now + self.lookup_timeout_s
+        ch = self.channel
+        rid = ch.next_id()
+        st.deadline = now + ch.lookup_timeout_s
         self.stages[rid] = st
-        effects.sends.append(TierReserve(reserve_id=rid, model_key=self.key,
-                                         geometry=self.geometry, hashes=disk,
-                                         reply_to=self.address))
+        effects.sends.append(TierReserve(reserve_id=rid, model_key=ch.key, geometry=ch.geometry,
+                                         hashes=disk, reply_to=ch.address))
         st.hashes = disk
         return True
 
-    def _stage_reserved(self, msg: TierReserved, now: float, effects: TierEffects) -> bool:
+    def on_reserved(self, msg: TierReserved, now: float, effects: TierEffects) -> bool:
         st = self.stages.pop(msg.reserve_id, None)
         if st is None:
             return False
         pairs = [(h, s) for h, s in zip(st.hashes, msg.slots) if s != NO_SLOT]
         st.lease_id = msg.lease_id
         if not pairs or msg.error is not None:
-            self._end_stage(st, effects)
+            self._end(st, effects)
             return True
         st.staged, st.slots = [h for h, _ in pairs], [s for _, s in pairs]
-        st.op_id = next(self._ids)
-        self.disk_queue_blocks += len(pairs)
-        st.deadline = now + self.op_deadline_s()
+        st.op_id = self.channel.next_id()
+        self.storage.num_blocks += len(pairs)
+        st.deadline = now + self.storage.op_deadline_s()
         self.stages[st.op_id] = st
         effects.ops.append(CacheOp(st.op_id, STAGE_DISK, [], slots=st.slots, hashes=st.staged,
                                    segment=msg.segment, disk_dir=st.disk_dir))
         return True
 
-    def _stage_done(self, msg: CacheOpsDone, now: float, effects: TierEffects) -> bool:
+    def on_done(self, msg: CacheOpsDone, now: float, effects: TierEffects) -> bool:
         st = self.stages.get(msg.op_id)
         if st is None or st.op_id != msg.op_id:
             return False
         st.done[msg.rank] = msg
-        if len(st.done) < self.tp:
+        if len(st.done) < self.channel.tp:
             return True
         del self.stages[msg.op_id]
-        self.disk_queue_blocks -= len(st.slots)
+        self.storage.num_blocks -= len(st.slots)
         first = st.done[0]  # rank 0 reads and writes whole blocks
-        self.storage_bytes[DECODE_PATH] += first.nbytes
+        self.storage.bytes_read[DECODE_PATH] += first.nbytes
         if first.corrupt:
-            effects.sends.append(TierDrop(model_key=self.key, hashes=first.corrupt))
+            effects.sends.append(TierDrop(model_key=self.channel.key, hashes=first.corrupt))
             effects.events += [("cache_block_corrupt", {"tier": "disk", "block": h})
                                for h in first.corrupt]
-        self._end_stage(st, effects, st.slots[:first.num_ok])
+        self._end(st, effects, st.slots[:first.num_ok])
         return True
 
-    def _end_stage(self, st: _Stage, effects: TierEffects, written=()) -> None:
+    def _end(self, st: _Stage, effects: TierEffects, written=()) -> None:
         if st.lease_id:
-            effects.sends.append(TierCommit(lease_id=st.lease_id, model_key=self.key,
+            effects.sends.append(TierCommit(lease_id=st.lease_id, model_key=self.channel.key,
                                             slots=list(written)))
-        self._release(st.lookup_lease, effects)
+        self.channel.release(st.lookup_lease, effects)
         if not st.seq.is_finished:
             effects.staged.append(st.seq)
 
-    def _poll_stages(self, now: float, effects: TierEffects) -> None:
+    def poll(self, now: float, effects: TierEffects) -> None:
         for key, st in list(self.stages.items()):
             if now > st.deadline:  # no answer: order the prefill as it is
                 del self.stages[key]
                 if key == st.op_id:  # the copy may still run: never commit it
-                    self.disk_queue_blocks -= len(st.slots)
+                    self.storage.num_blocks -= len(st.slots)
                     st.lease_id = 0
-                self._end_stage(st, effects)
+                self._end(st, effects)

@@ -1,4 +1,4 @@
-"""A TE serving a node: `python -m deepserve.engine.te_server --conf RUN_DIR/node.json
+"""A TE serving a node: `python -m deepserve.engine.te.te_server --conf RUN_DIR/node.json
 --role te --te-id te0 --run-id ID`.
 
     JE ──SubmitRequest──> [inbox: this TE's tokenizer] ... (a TELauncher's processes)
@@ -36,8 +36,8 @@ from deepserve.actor import ActorLife
 from deepserve.config.child import ChildArgs, parse_child_args, print_config
 from deepserve.config.engine import EngineConfig
 from deepserve.config.loading import read_run_config
-from deepserve.engine.launcher import TELauncher
-from deepserve.engine.prewarmed import wait_for_assignment
+from deepserve.engine.te.launcher import TELauncher
+from deepserve.engine.te.prewarmed import wait_for_assignment
 from deepserve.ipc.sockets import PullSocket, PushSocket, ipc_address
 from deepserve.messages.control import TEUP_INTERVAL_S, TEDown, TEInfo, TEUp
 from deepserve.messages.engine import RequestDelta, RequestFailed, SubmitRequest, ToClient

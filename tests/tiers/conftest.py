@@ -1,4 +1,4 @@
-"""A real tier service (cache/tier_server.py) on a thread, with real sockets."""
+"""A real tier service (tiers/tier_server.py) on a thread, with real sockets."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import threading
 import pytest
 import zmq
 
-from deepserve.cache.tier_server import TierServer, TierSettings
 from deepserve.ipc.segments import list_segments, segment_name
 from deepserve.ipc.sockets import ipc_address
+from deepserve.tiers.tier_server import TierServer, TierSettings
 
 
 class TierService:

@@ -1,28 +1,29 @@
-"""The master's side of the KV tiers below the device: a pure policy object.
+"""TierCoordinator: the master's side of the KV tiers below the device, a pure policy object.
 
 Like PDCoordinator it opens no socket and reads time only from `now`; every
-event returns TierEffects for the master to carry out. Three pipelines:
+event returns TierEffects for the master to carry out. Three pipelines, each
+a small object given what it needs (channel.py: the service's address and
+ids, the storage queue):
 
-  admit (the sched-enqueue stage; the request waits, the batch does not):
+  admit (here; the sched-enqueue stage: the request waits, the batch does not):
       device match -> TierLookup of the hashes past it -> TierHits
-      -> cost model (cache/cost_model.py): fetch the first k hits or none
+      -> cost model (tiers/cost_model.py): fetch the first k hits or none
       -> a holder pseudo-sequence gets blocks for them -> CacheOps load_host /
          load_disk -> every rank's CacheOpsDone -> commit the blocks that came
          up into the prefix tree -> the request is queued (the holder keeps
          them until the scheduler admits it) -> TierRelease
-  write-through (every block the prefix tree takes, as soon as it is computed):
-      new tree nodes, pinned with their ancestors -> TierReserve -> CacheOp
-      store_host of the slots given -> CacheOpsDone -> TierCommit, unpin.
-      So evicting from the device never has to wait for a copy, and a TE that
-      crashes has already handed its blocks to the node.
-  contexts (a request that creates a context, SubmitRequest.pin_context):
+  write-through (writes.py, TierWrites: every block the prefix tree takes, as
+      soon as it is computed): new tree nodes, pinned with their ancestors ->
+      TierReserve -> CacheOp store_host of the slots given -> CacheOpsDone ->
+      TierCommit, unpin. So evicting from the device never has to wait for a
+      copy, and a TE that crashes has already handed its blocks to the node.
+  contexts (writes.py too: a request that creates a context, SubmitRequest.pin_context):
       when it ends, every full block of its prompt -> TierReserve with the
       context id (pins them all) -> store the absent ones -> TierCommit with
       a reply -> TierCommitted -> only then its last token is streamed.
-      (Write-through and contexts: tier_stores.py.)
-  stage (DualPath's decode read path, tier_stage.py): a decode task brings
-      the disk-only blocks of its prompt up to the host tier through its own
-      storage bucket before it orders the prefill.
+  stage (staging.py, TierStaging: DualPath's decode read path): a decode task
+      brings the disk-only blocks of its prompt up to the host tier through
+      its own storage bucket before it orders the prefill.
 
 Every wait has a deadline: a tier service that does not answer is a miss
 (lookups, reserves) and a context that cannot be pinned fails its request.
@@ -33,19 +34,20 @@ op_timeout_s more have passed (the workers of a TE die together).
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass, field
 
-from deepserve.cache.block_hash import chain_hash, root_hash
-from deepserve.cache.cost_model import DISK, HOST, CostModel
 from deepserve.cache.kv_manager import KVCacheManager
+from deepserve.cache.radix_tree import RadixNode
 from deepserve.engine.sequence import Sequence
-from deepserve.engine.tier_stage import PREFILL_PATH, StageSide
-from deepserve.engine.tier_stores import StoreSide, TierEffects
+from deepserve.engine.tiers.channel import (PREFILL_PATH, StorageQueue, TierChannel,
+                                            TierEffects, lookup_below)
+from deepserve.engine.tiers.staging import TierStaging
+from deepserve.engine.tiers.writes import TierWrites
 from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, ON_DISK, BlockGeometry, CacheOp,
-                                      CacheOpsDone, TierDrop, TierHits, TierLookup, TierRelease,
+                                      CacheOpsDone, TierCommitted, TierDrop, TierHits,
                                       TierReserved)
+from deepserve.tiers.cost_model import DISK, HOST, CostModel
 
 log = logging.getLogger(__name__)
 
@@ -70,20 +72,19 @@ class _Load:
     done: dict[int, dict[int, CacheOpsDone]] = field(default_factory=dict)
 
 
-class TierCoordinator(StoreSide, StageSide):
+class TierCoordinator:
     def __init__(self, kv: KVCacheManager, *, model_key: str, geometry: BlockGeometry,
                  address: str, cost: CostModel, tp: int, new_seq_id, lookup_timeout_s=1.0,
                  op_timeout_s: float = 10.0):
-        self.kv, self.key, self.geometry, self.address = kv, model_key, geometry, address
-        self.cost, self.tp, self.new_seq_id = cost, tp, new_seq_id
-        self.lookup_timeout_s, self.op_timeout_s = lookup_timeout_s, op_timeout_s
+        self.kv, self.cost, self.new_seq_id = kv, cost, new_seq_id
+        self.channel = TierChannel(model_key, geometry, address, tp, lookup_timeout_s,
+                                   op_timeout_s)
+        self.storage = StorageQueue(cost.block_bytes, tp, op_timeout_s)
+        self.writes = TierWrites(kv, self.channel)
+        self.staging = TierStaging(kv, self.channel, self.storage)
         self.block_size = kv.block_size
-        self.storage_rate: float | None = None  # bytes/s of disk reads (its bucket), if limited
-        self._ids = itertools.count(1)
         self.lookups: dict[int, _Lookup] = {}
         self.loads: dict[int, _Load] = {}  # by op id of each of its ops
-        self._init_stores()
-        self._init_stages()
         self.stalled: list[tuple[int, float]] = []  # (holder seq id, free after)
         self.hit_tokens = {HOST: 0, DISK: 0}
         self.fetch_seconds: dict[str, list[float]] = {HOST: [], DISK: []}
@@ -91,55 +92,50 @@ class TierCoordinator(StoreSide, StageSide):
 
     @property
     def has_work(self) -> bool:
-        return bool(self.lookups or self.loads or self.stores or self.stages)
+        return bool(self.lookups or self.loads or self.writes.has_work
+                    or self.staging.has_work)
+
+    # -- the other pipelines' entries --------------------------------------------------
+    def write_through(self, now: float, context: Sequence | None = None,
+                      nodes: list[RadixNode] | None = None) -> TierEffects:
+        return self.writes.write_through(now, context, nodes)
+
+    def stage(self, seq: Sequence, now: float) -> TierEffects:
+        return self.staging.stage(seq, now)
+
+    def on_committed(self, msg: TierCommitted, now: float) -> TierEffects:
+        self.num_events += 1
+        return self.writes.on_committed(msg, now)
+
+    def on_reserved(self, msg: TierReserved, now: float) -> TierEffects:
+        self.num_events += 1
+        effects = TierEffects()
+        if self.staging.on_reserved(msg, now, effects):
+            return effects
+        return self.writes.on_reserved(msg, now)
 
     # -- admit ---------------------------------------------------------------------------
     def admit(self, seq: Sequence, now: float) -> TierEffects:
         """A new request: look below the device for its prefix, or queue it now."""
         effects = TierEffects()
-        found = self._lookup_hashes(seq)
+        found = lookup_below(self.kv, self.channel, seq)
         if found is None:
             effects.ready.append(seq)
             return effects
         lookup, num_device = found
         self.lookups[lookup.lookup_id] = _Lookup(seq, num_device, lookup.hashes,
-                                                 now + self.lookup_timeout_s)
+                                                 now + self.channel.lookup_timeout_s)
         effects.sends.append(lookup)
         return effects
-
-    def _lookup_hashes(self, seq: Sequence, whole: bool = False
-                       ) -> tuple[TierLookup, int] | None:
-        """A TierLookup of the cacheable blocks past the device's match (and
-        how many the device holds; whole: of every cacheable block, for
-        another TE); None when there are none to look for."""
-        ids, bs = seq.token_ids, self.block_size
-        nodes = [] if whole else self.kv.match(ids, seq.salt)
-        limit = (len(ids) - 1) // bs
-        if not self.kv.enable_prefix_caching or len(nodes) >= limit:
-            return None
-        h = nodes[-1].block_hash if nodes else root_hash(seq.salt)
-        hashes = []
-        for i in range(len(nodes), limit):
-            h = chain_hash(h, ids[i * bs:(i + 1) * bs])
-            hashes.append(h)
-        return TierLookup(lookup_id=next(self._ids), model_key=self.key, geometry=self.geometry,
-                          hashes=hashes, reply_to=self.address), len(nodes)
-
-    def on_reserved(self, msg: TierReserved, now: float) -> TierEffects:
-        effects = TierEffects()
-        if self._stage_reserved(msg, now, effects):
-            self.num_events += 1
-            return effects
-        return self._store_reserved(msg, now)
 
     def on_hits(self, msg: TierHits, now: float) -> TierEffects:
         effects = TierEffects()
         self.num_events += 1
-        if self._stage_hits(msg, now, effects):
+        if self.staging.on_hits(msg, now, effects):
             return effects
         lookup = self.lookups.pop(msg.lookup_id, None)
         if lookup is None or lookup.seq.is_finished:
-            self._release(msg.lease_id, effects)
+            self.channel.release(msg.lease_id, effects)
             return effects
         seq = lookup.seq
         tiers = [DISK if s == ON_DISK else HOST for s in msg.slots[:len(lookup.hashes)]]
@@ -148,7 +144,7 @@ class TierCoordinator(StoreSide, StageSide):
                   tiers, plan, self.cost.snapshot())
         if plan.num_blocks == 0 or not self._start_load(lookup, msg, plan.num_blocks, now,
                                                         effects):
-            self._release(msg.lease_id, effects)
+            self.channel.release(msg.lease_id, effects)
             effects.ready.append(seq)
         return effects
 
@@ -169,16 +165,16 @@ class TierCoordinator(StoreSide, StageSide):
             slot, block = msg.slots[i], table[lookup.num_device + i]
             kind = LOAD_DISK if slot == ON_DISK else LOAD_HOST
             if not ops or ops[-1].kind != kind:
-                ops.append(CacheOp(next(self._ids), kind, [], segment=msg.segment,
+                ops.append(CacheOp(self.channel.next_id(), kind, [], segment=msg.segment,
                                    disk_dir=msg.disk_dir))
             ops[-1].block_ids.append(block)
             if kind == LOAD_DISK:
                 ops[-1].hashes.append(lookup.hashes[i])
             else:
                 ops[-1].slots.append(slot)
-        self.disk_queue_blocks += sum(len(op.block_ids) for op in ops if op.kind == LOAD_DISK)
+        self.storage.num_blocks += sum(len(op.block_ids) for op in ops if op.kind == LOAD_DISK)
         load = _Load(seq, holder, first, [(op.op_id, op.kind, len(op.block_ids)) for op in ops],
-                     msg.lease_id, now, now + self.op_deadline_s())
+                     msg.lease_id, now, now + self.storage.op_deadline_s())
         for op in ops:
             self.loads[op.op_id] = load
         effects.ops.extend(ops)
@@ -190,8 +186,9 @@ class TierCoordinator(StoreSide, StageSide):
         num_ok, corrupt = 0, []
         for op_id, kind, n in load.ops:  # what this TE read from storage: the prefill path
             if kind == LOAD_DISK:
-                self.disk_queue_blocks -= n
-                self.storage_bytes[PREFILL_PATH] += sum(d.nbytes for d in load.done[op_id].values())
+                self.storage.num_blocks -= n
+                self.storage.bytes_read[PREFILL_PATH] += sum(
+                    d.nbytes for d in load.done[op_id].values())
         for op_id, kind, n in load.ops:
             ranks = load.done[op_id].values()
             ok = min(d.num_ok for d in ranks)
@@ -207,13 +204,13 @@ class TierCoordinator(StoreSide, StageSide):
             if ok < n:
                 break
         if corrupt:
-            effects.sends.append(TierDrop(model_key=self.key, hashes=corrupt))
+            effects.sends.append(TierDrop(model_key=self.channel.key, hashes=corrupt))
             for h in corrupt:
                 effects.events.append(("cache_block_corrupt", {"tier": "disk", "block": h}))
         seq = load.seq
         self.kv.commit(load.holder, seq.token_ids, (load.first_block + num_ok) * self.block_size)
         self.kv.truncate(load.holder, load.first_block + num_ok)
-        self._release(load.lease_id, effects)
+        self.channel.release(load.lease_id, effects)
         if seq.is_finished:
             self.kv.free(load.holder)
             return
@@ -227,11 +224,11 @@ class TierCoordinator(StoreSide, StageSide):
         load = self.loads.get(msg.op_id)
         if load is not None:
             load.done.setdefault(msg.op_id, {})[msg.rank] = msg
-            if all(len(load.done.get(op_id, {})) == self.tp for op_id, _, _ in load.ops):
+            if all(len(load.done.get(op_id, {})) == self.channel.tp for op_id, _, _ in load.ops):
                 self._finish_load(load, now, effects)
             return effects
-        if not self._stage_done(msg, now, effects):
-            self._store_done(msg, now, effects)
+        if not self.staging.on_done(msg, now, effects):
+            self.writes.on_done(msg, now, effects)
         return effects
 
     # -- deadlines ---------------------------------------------------------------------
@@ -245,30 +242,20 @@ class TierCoordinator(StoreSide, StageSide):
         for load in {id(v): v for v in self.loads.values()}.values():
             if now > load.deadline:
                 log.warning("cache ops of seq %d not done in %g s", load.seq.seq_id,
-                            self.op_timeout_s)
+                            self.channel.op_timeout_s)
                 for op_id, kind, n in load.ops:
                     self.loads.pop(op_id, None)
-                    self.disk_queue_blocks -= n if kind == LOAD_DISK else 0
-                self.stalled.append((load.holder, now + self.op_timeout_s))
+                    self.storage.num_blocks -= n if kind == LOAD_DISK else 0
+                self.stalled.append((load.holder, now + self.channel.op_timeout_s))
                 if not load.seq.is_finished:
                     effects.ready.append(load.seq)
-        self._poll_stores(now, effects)
-        self._poll_stages(now, effects)
+        self.writes.poll(now, effects)
+        self.staging.poll(now, effects)
         for holder, after in [s for s in self.stalled if now > s[1]]:
             self.stalled.remove((holder, after))
             if self.kv.has_seq(holder):
                 self.kv.free(holder)
         return effects
-
-    def op_deadline_s(self) -> float:
-        """How long an op may take: op_timeout_s past what the storage queue
-        ahead of it takes at the TE's storage rate."""
-        queue_bytes = self.disk_queue_blocks * self.cost.block_bytes * self.tp
-        return self.op_timeout_s + (queue_bytes / self.storage_rate if self.storage_rate else 0)
-
-    def _release(self, lease_id: int, effects: TierEffects) -> None:
-        if lease_id:
-            effects.sends.append(TierRelease(lease_id=lease_id, model_key=self.key))
 
     def pop_stats(self) -> tuple[dict[str, int], dict[str, list[float]]]:
         """Cumulative hit tokens per tier; fetch seconds since the last call."""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from deepserve.cache.token_bucket import TokenBucket
+from deepserve.tiers.token_bucket import TokenBucket
 
 
 class Clock:

@@ -46,7 +46,7 @@ class _Order:  # prefill side: one PrefillOrder being served
 
 
 class PrefillSide:
-    """The prefill half; PDCoordinator (engine/pd.py) adds the decode half.
+    """The prefill half; PDCoordinator (engine/pd/coordinator.py) adds the decode half.
     Subclass state it relies on: kv, scheduler, tp, max_model_len, timeout_s,
     address, layerwise, and the Effects type."""
 

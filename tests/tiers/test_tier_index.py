@@ -2,8 +2,8 @@
 
 import pytest
 
-from deepserve.cache.tier_index import VALID, WRITING, TierIndex
 from deepserve.messages.cache import NO_SLOT, ON_DISK
+from deepserve.tiers.tier_index import VALID, WRITING, TierIndex
 
 B = 100  # bytes per block
 

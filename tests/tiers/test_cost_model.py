@@ -1,6 +1,6 @@
 """Fetch or recompute: the plan at both ends, and learning from observations."""
 
-from deepserve.cache.cost_model import DISK, HOST, CostModel, TierSpeed
+from deepserve.tiers.cost_model import DISK, HOST, CostModel, TierSpeed
 
 
 def model(**kw):

@@ -10,7 +10,7 @@ either side per request, whatever its type in the TE list:
                 is ordered), send a PrefillOrder, wait for KVReady, then
                 adopt the sequence (its full blocks enter the prefix tree)
                 and decode it like any other.
-  prefill side  (engine/pd_prefill.py) a PrefillOrder: prefill with
+  prefill side  (engine/pd/prefill.py) a PrefillOrder: prefill with
                 max_tokens 1, transfer, KVReady; blocks held until KVAck.
 
 Every wait has a deadline: KV that does not arrive fails the decode task
@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from deepserve.cache.kv_manager import KVCacheManager
-from deepserve.engine.pd_prefill import PrefillSide
+from deepserve.engine.pd.prefill import PrefillSide
 from deepserve.engine.scheduler import Scheduler
 from deepserve.engine.sequence import Sequence, SequenceStatus
 from deepserve.messages.pd import (CancelOrder, FailRequest, KVAck, KVEndpoint, KVReady,

@@ -28,7 +28,6 @@ from deepserve.actor import ActorLife
 from deepserve.config import EngineConfig
 from deepserve.engine.output_processor import RequestState
 from deepserve.engine.step_core import check_request
-from deepserve.tokenizer import Tokenizer
 from deepserve.errors import InvalidRequestError, PromptTooLongError
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, PushSocket
@@ -38,6 +37,7 @@ from deepserve.messages.engine import (AbortRequest, AddRequest, FinishRequest, 
                                        SubmitRequest, ToTokenizer)
 from deepserve.messages.pd import FailRequest
 from deepserve.model.config import load_model_config
+from deepserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

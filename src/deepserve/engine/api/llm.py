@@ -17,13 +17,13 @@ import uuid
 from typing import Iterator, Sequence
 
 from deepserve.config import EngineConfig
-from deepserve.engine.client import EngineClient
-from deepserve.engine.llm_engine import LLMEngine
-from deepserve.engine.outputs import RequestOutput, TokenLogprob
-from deepserve.tokenizer import Tokenizer
+from deepserve.engine.api.llm_engine import LLMEngine
+from deepserve.engine.api.outputs import RequestOutput, TokenLogprob
+from deepserve.engine.te.client import EngineClient
 from deepserve.errors import (EngineDeadError, InvalidRequestError, PromptTooLongError)
 from deepserve.messages.engine import RequestDelta, RequestFailed, SubmitRequest
 from deepserve.messages.sampling import SamplingParams
+from deepserve.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 _ERRORS = {"invalid_request": InvalidRequestError, "prompt_too_long": PromptTooLongError}
@@ -32,7 +32,7 @@ _ERRORS = {"invalid_request": InvalidRequestError, "prompt_too_long": PromptTooL
 class LLM:
     def __init__(self, model: str, **options):
         """options: EngineConfig's; with processes=True also tier_address (a
-        node KV tier service, cache/tier_server.py) and cache_cost_model."""
+        node KV tier service, tiers/tier_server.py) and cache_cost_model."""
         tiers = {k: options.pop(k) for k in ("tier_address", "cache_cost_model") if k in options}
         config = EngineConfig.from_options(model, **options)
         self.engine = self.client = None

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import zmq
 
-from deepserve.cache.cost_model import CostModel
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import Sequence
-from deepserve.engine.tiers import TierCoordinator, TierEffects
+from deepserve.engine.tiers.channel import TierEffects
+from deepserve.engine.tiers.coordinator import TierCoordinator
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.cache import (BlockGeometry, CacheOp, FromTier, TierCommitted,
                                       TierHits, TierReserved)
+from deepserve.tiers.cost_model import CostModel
 
 log = logging.getLogger(__name__)
 PUT_TIMEOUT_S = 0.05  # a tier service that does not take a message: it is dropped (a miss)
@@ -74,7 +75,7 @@ class TierLink:
                                  str(m.dtype).removeprefix("torch."))
         link = cls(ctx, spec.tier_address, tier_reply_address(spec.pd_address), kv, cfg.model,
                    geometry, cfg.tp, block_bytes, new_seq_id, spec.cache_cost_model, events)
-        link.tiers.storage_rate = (cfg.storage_read_gbps or 0) * 1e9 or None  # its bucket
+        link.tiers.storage.rate = (cfg.storage_read_gbps or 0) * 1e9 or None  # its bucket
         return link
 
     @property

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from deepserve.cache import block_file as bf
 from deepserve.messages.cache import BlockGeometry
+from deepserve.tiers import block_file as bf
 
 GEOM = BlockGeometry(num_layers=2, num_kv_heads=2, block_size=4, head_dim=8, dtype="float32")
 

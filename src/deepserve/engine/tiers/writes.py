@@ -1,4 +1,4 @@
-"""The tiers' write pipeline (engine/tiers.py's StoreSide): write-through and contexts.
+"""TierWrites: the tiers' write pipeline, write-through and contexts.
 
     new tree nodes, pinned with their ancestors ──TierReserve──> slots ──CacheOp
     store_host──> every rank's CacheOpsDone ──TierCommit──> unpinned
@@ -11,30 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.cache.radix_tree import RadixNode
 from deepserve.engine.sequence import Sequence
+from deepserve.engine.tiers.channel import TierChannel, TierEffects
 from deepserve.messages.cache import (NO_SLOT, STORE_HOST, CacheOp, CacheOpsDone, TierCommit,
                                       TierCommitted, TierReserve, TierReserved)
-
-
-@dataclass
-class TierEffects:
-    """In this order: send `sends` to the tier service; attach `ops` to the
-    next StepBatch; queue `ready` (scheduler.add); order the prefill of the
-    `staged` decode tasks; stream `ended` contexts' last tokens (or fail them:
-    `failed`, with why); log `events`."""
-
-    sends: list = field(default_factory=list)
-    ops: list[CacheOp] = field(default_factory=list)
-    ready: list[Sequence] = field(default_factory=list)
-    staged: list[Sequence] = field(default_factory=list)  # decode tasks: storage read for the PE
-    ended: list[Sequence] = field(default_factory=list)
-    failed: list[tuple[Sequence, str, str]] = field(default_factory=list)  # seq, error, why
-    events: list[tuple[str, dict]] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.sends or self.ops or self.ready or self.staged or self.ended
-                    or self.failed or self.events)
 
 
 @dataclass
@@ -50,55 +32,55 @@ class _Store:
     reserve_id: int = 0
 
 
-class StoreSide:
-    """Subclass state it relies on: kv, key, geometry, address, tp, _ids,
-    lookup_timeout_s, op_timeout_s, num_events."""
+class TierWrites:
+    def __init__(self, kv: KVCacheManager, channel: TierChannel):
+        self.kv, self.channel = kv, channel
+        self.stores: dict[int, _Store] = {}  # by reserve id, then by op id (-reserve id: commit)
 
-    def _init_stores(self) -> None:
-        self.stores: dict[int, _Store] = {}  # by reserve id, then also by op id
+    @property
+    def has_work(self) -> bool:
+        return bool(self.stores)
 
-    # -- write-through -------------------------------------------------------------------
     def write_through(self, now: float, context: Sequence | None = None,
                       nodes: list[RadixNode] | None = None) -> TierEffects:
         """Reserve host slots for the tree's new blocks (or, for a context,
         all of its prompt's full blocks, which it pins)."""
-        effects = TierEffects()
+        effects, ch = TierEffects(), self.channel
         nodes = self.kv.pop_new_nodes() if nodes is None else nodes
         if not nodes and context is None:
             return effects
-        store = _Store(nodes, self.kv.pin(nodes), now + self.lookup_timeout_s, context=context)
-        rid = store.reserve_id = next(self._ids)
+        store = _Store(nodes, self.kv.pin(nodes), now + ch.lookup_timeout_s, context=context)
+        rid = store.reserve_id = ch.next_id()
         self.stores[rid] = store
         pin = context.pin_context if context is not None else None
         effects.sends.append(TierReserve(
-            reserve_id=rid, model_key=self.key, geometry=self.geometry,
-            hashes=[n.block_hash for n in nodes], reply_to=self.address,
+            reserve_id=rid, model_key=ch.key, geometry=ch.geometry,
+            hashes=[n.block_hash for n in nodes], reply_to=ch.address,
             context_id=pin.context_id if pin else None,
             expires_at=pin.expires_at if pin else 0.0))
         return effects
 
-    def _store_reserved(self, msg: TierReserved, now: float) -> TierEffects:
+    def on_reserved(self, msg: TierReserved, now: float) -> TierEffects:
         effects = TierEffects()
-        self.num_events += 1
         store = self.stores.pop(msg.reserve_id, None)
         if store is None:
             if msg.lease_id:  # too late: let its slots go
-                effects.sends.append(TierCommit(lease_id=msg.lease_id, model_key=self.key,
-                                                slots=[]))
+                effects.sends.append(TierCommit(lease_id=msg.lease_id,
+                                                model_key=self.channel.key, slots=[]))
             return effects
         if msg.error is not None:
-            self._end_store(store, effects, f"the KV tier refused: {msg.error}",
-                            "context_over_budget" if msg.error == "over_budget" else None)
+            self._end(store, effects, f"the KV tier refused: {msg.error}",
+                      "context_over_budget" if msg.error == "over_budget" else None)
             return effects
         pairs = [(n.block_id, s) for n, s in zip(store.nodes, msg.slots) if s != NO_SLOT]
         store.lease_id, store.slots = msg.lease_id, [s for _, s in pairs]
         if not pairs:
             if store.context is not None:  # every block is in the tier already: pinned
                 return self._commit(store, effects, now)
-            self._end_store(store, effects)
+            self._end(store, effects)
             return effects
-        store.op_id = next(self._ids)
-        store.deadline = now + self.op_timeout_s
+        store.op_id = self.channel.next_id()
+        store.deadline = now + self.channel.op_timeout_s
         self.stores[store.op_id] = store
         effects.ops.append(CacheOp(store.op_id, STORE_HOST, [b for b, _ in pairs],
                                    slots=store.slots, segment=msg.segment))
@@ -106,12 +88,12 @@ class StoreSide:
 
     def _commit(self, store: _Store, effects: TierEffects, now: float,
                 written=()) -> TierEffects:
-        needs_reply = store.context is not None
-        effects.sends.append(TierCommit(lease_id=store.lease_id, model_key=self.key,
+        needs_reply, ch = store.context is not None, self.channel
+        effects.sends.append(TierCommit(lease_id=store.lease_id, model_key=ch.key,
                                         slots=list(written), reserve_id=store.reserve_id,
-                                        reply_to=self.address if needs_reply else ""))
+                                        reply_to=ch.address if needs_reply else ""))
         if needs_reply:  # the context's request ends on TierCommitted
-            store.deadline = now + self.lookup_timeout_s
+            store.deadline = now + ch.lookup_timeout_s
             self.stores[-store.reserve_id] = store
         else:
             self.kv.unpin(store.pinned)
@@ -119,14 +101,13 @@ class StoreSide:
 
     def on_committed(self, msg: TierCommitted, now: float) -> TierEffects:
         effects = TierEffects()
-        self.num_events += 1
         store = self.stores.pop(-msg.reserve_id, None)
         if store is not None:
-            self._end_store(store, effects, None if msg.ok else "the KV tier lost the blocks")
+            self._end(store, effects, None if msg.ok else "the KV tier lost the blocks")
         return effects
 
-    def _end_store(self, store: _Store, effects: TierEffects, error: str | None = None,
-                   code: str | None = None) -> None:
+    def _end(self, store: _Store, effects: TierEffects, error: str | None = None,
+             code: str | None = None) -> None:
         self.kv.unpin(store.pinned)
         if store.context is not None:
             if error is None:
@@ -134,24 +115,24 @@ class StoreSide:
             else:
                 effects.failed.append((store.context, code or "context_failed", error))
 
-    def _store_done(self, msg: CacheOpsDone, now: float, effects: TierEffects) -> None:
+    def on_done(self, msg: CacheOpsDone, now: float, effects: TierEffects) -> None:
         store = self.stores.get(msg.op_id)
         if store is None or store.op_id != msg.op_id:
             return
         store.done[msg.rank] = msg
-        if len(store.done) < self.tp:
+        if len(store.done) < self.channel.tp:
             return
         del self.stores[msg.op_id]
         ok = min(d.num_ok for d in store.done.values())
         if ok < len(store.slots) and store.context is not None:
-            effects.sends.append(TierCommit(lease_id=store.lease_id, model_key=self.key,
+            effects.sends.append(TierCommit(lease_id=store.lease_id, model_key=self.channel.key,
                                             slots=store.slots[:ok]))
-            self._end_store(store, effects, "a copy to the KV tier failed")
+            self._end(store, effects, "a copy to the KV tier failed")
         else:
             self._commit(store, effects, now, store.slots[:ok])
 
-    def _poll_stores(self, now: float, effects: TierEffects) -> None:
+    def poll(self, now: float, effects: TierEffects) -> None:
         for key, store in list(self.stores.items()):
             if now > store.deadline:  # an unwritten slot is never committed: it lapses
                 del self.stores[key]
-                self._end_store(store, effects, "the KV tier did not answer in time")
+                self._end(store, effects, "the KV tier did not answer in time")

@@ -22,7 +22,7 @@ A restarted service starts with empty host pools (a miss, never a wrong
 block: the segments of its predecessor are gone) and finds the disk tier's
 files again (scan_blocks). Only this process creates and unlinks its pools.
 
-`python -m deepserve.cache.tier_server --conf RUN_DIR/node.json --role kv-cache
+`python -m deepserve.tiers.tier_server --conf RUN_DIR/node.json --role kv-cache
 --run-id ID`.
 """
 
@@ -41,8 +41,6 @@ import numpy as np
 import zmq
 
 from deepserve.actor import ActorLife, run_main
-from deepserve.cache import block_file
-from deepserve.cache.tier_index import TierIndex
 from deepserve.config.loading import read_run_config
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
@@ -50,6 +48,8 @@ from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.cache import (BlockGeometry, ContextUnpin, TierCommit, TierCommitted,
                                       TierDrop, TierHits, TierLookup, TierRelease, TierReport,
                                       TierReserve, TierReserved, ToTier)
+from deepserve.tiers import block_file
+from deepserve.tiers.tier_index import TierIndex
 
 log = logging.getLogger(__name__)
 REPORT_S = 1.0

@@ -13,14 +13,14 @@ from __future__ import annotations
 import itertools
 
 from deepserve.config import EngineConfig
+from deepserve.engine.api.outputs import RequestOutput, TokenLogprob
 from deepserve.engine.output_processor import RequestState
-from deepserve.engine.outputs import RequestOutput, TokenLogprob
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.step_core import StepCore
-from deepserve.tokenizer import Tokenizer
 from deepserve.messages.sampling import SamplingParams
 from deepserve.model import kernels
 from deepserve.model.loader import load_model
+from deepserve.tokenizer import Tokenizer
 from deepserve.worker.model_runner import ModelRunner
 
 

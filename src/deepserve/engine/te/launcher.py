@@ -29,8 +29,8 @@ from pathlib import Path
 
 from deepserve.cache.weight_cache import ENV_VAR as WEIGHT_CACHE_ENV
 from deepserve.config import EngineConfig
-from deepserve.engine.master import MasterSpec, master_main
-from deepserve.engine.tokenizer_actor import TokenizerSpec, tokenizer_main
+from deepserve.engine.te.master import MasterSpec, master_main
+from deepserve.engine.te.tokenizer_actor import TokenizerSpec, tokenizer_main
 from deepserve.errors import EngineDeadError
 from deepserve.ipc.segments import free_run_id, list_segments, segment_name, unlink_segment
 from deepserve.ipc.sockets import free_port, ipc_address
@@ -40,7 +40,7 @@ from deepserve.worker.worker_actor import WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
 PRELOAD = ["torch", "torch._dynamo", "deepserve.worker.worker_actor",
-            "deepserve.engine.master", "deepserve.engine.tokenizer_actor"]
+            "deepserve.engine.te.master", "deepserve.engine.te.tokenizer_actor"]
 """torch._dynamo: the first module init on the meta device imports it (~2.5 s
 per worker on 2 cores, in its weight load) unless the forkserver has."""
 

@@ -1,6 +1,6 @@
 """A pre-warmed TE process: everything a TE needs before it knows its model.
 
-    node ──python -m deepserve.engine.te_server --te-id pool3 --pool──> this process:
+    node ──python -m deepserve.engine.te.te_server --te-id pool3 --pool──> this process:
         imports torch and the TE's modules, starts the forkserver that forks
         the TE's tokenizer, master and workers (it preloads the same modules),
         binds its inbox, says Ready(component=pool3) to the supervisor, waits
@@ -25,7 +25,7 @@ from multiprocessing import forkserver
 
 import zmq
 
-from deepserve.engine.launcher import PRELOAD
+from deepserve.engine.te.launcher import PRELOAD
 from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.messages.health import Ready
