@@ -106,7 +106,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
 
     colors = dict(zip([p for _, p in PARTS], plt.get_cmap("tab20").colors))
     lanes = ["tokenizer", "master", "worker"]
-    fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.2 * len(results)), squeeze=False)
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 2.4 * len(results)), squeeze=False)
     for ax, r in zip(axes[:, 0], results):
         ex = r["example"]
         if not ex:
@@ -121,7 +121,8 @@ def plot(results: list[dict], path: Path, title: str) -> None:
         ax.set_xlabel("ms")
         handles, labels = ax.get_legend_handles_labels()
         uniq = dict(zip(labels, handles))
-        ax.legend(uniq.values(), uniq.keys(), fontsize=6, ncol=6, loc="upper right")
+        ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="upper left",
+                  bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
