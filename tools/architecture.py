@@ -62,9 +62,9 @@ class Hop(NamedTuple):
 
 HOPS = [
     Hop("client", None, "POST /v1/chat/completions", "HTTP", "gateway",
-        "gateway/app.py", "gateway/app.py:chat_completions",
+        "gateway/http/app.py", "gateway/http/app.py:chat_completions",
         "OpenAI JSON body, stream=true"),
-    Hop("gateway", "gateway/job_client.py", "SubmitRequest",
+    Hop("gateway", "gateway/link/job_client.py", "SubmitRequest",
         "ZeroMQ PUSH -> JE inbox PULL", "job executor", "control/je/job_executor.py",
         "control/je/job_executor.py:JobExecutor._submit",
         "prompt as messages, reply_to = the gateway's reply PULL"),
@@ -89,10 +89,10 @@ HOPS = [
         "NewTokens per request; detokenized here, stop strings found here"),
     Hop("TE tokenizer", "engine/te/tokenizer_actor.py", "RequestDelta",
         "ZeroMQ PUSH (Outboxes) -> gateway reply PULL", "gateway",
-        "gateway/job_client.py", "gateway/job_client.py:JobClient._route_reply",
+        "gateway/link/job_client.py", "gateway/link/job_client.py:JobClient._route_reply",
         "the streaming shortcut: text goes straight back, not through the JE"),
-    Hop("gateway", "gateway/generation.py", "SSE chunk",
-        "HTTP text/event-stream", "client", None, "gateway/generation.py:_sse",
+    Hop("gateway", "gateway/http/generation.py", "SSE chunk",
+        "HTTP text/event-stream", "client", None, "gateway/http/generation.py:_sse",
         "chat.completion.chunk per delta, then data: [DONE]"),
 ]
 

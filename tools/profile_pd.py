@@ -24,7 +24,7 @@ the per-rate maps are summed element-wise (Heatmap.combine, as the paper does).
 Cells with p + d over the model's context (max_position_embeddings) are null
 (unmeasured), as is a cell where every request of a layout failed.
 
-Output length: the gateway has no ignore_eos (gateway/schemas.py ignores the
+Output length: the gateway has no ignore_eos (gateway/http/schemas.py ignores the
 field), so a greedy output may end early at EOS. Both layouts get the same
 prompts and greedy decoding, so they produce the same outputs (up to numeric
 noise); the mean completion tokens of both are printed and kept in the raw

@@ -10,7 +10,7 @@ process lives in the root namespace, which reaches no host's address).
         prints {"event": "streaming"} once every stream has its first token,
         then one JSON line: [{"ids": [...], "finish_reason": ..., "error": ...}]
 
-Token ids come from `logprobs` ("token_id:<id>", gateway/responses.py), so a
+Token ids come from `logprobs` ("token_id:<id>", gateway/http/responses.py), so a
 test compares them with a local greedy run and sees a repeated token.
 """
 

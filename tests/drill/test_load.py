@@ -21,7 +21,7 @@ from deepserve.drill.load import LoadDriver, run_load
 from deepserve.drill.report import KEYS, build_report
 from deepserve.drill.stream import COMPLETED, FAILED, LOST, first_success_after
 from deepserve.gateway.errors import APIError
-from deepserve.gateway.responses import CompletionRenderer, Usage
+from deepserve.gateway.http.responses import CompletionRenderer, Usage
 from deepserve.messages.engine import RequestDelta
 
 MODEL = "tiny-drill"

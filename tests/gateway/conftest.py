@@ -18,7 +18,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from openai import OpenAI
 
 from deepserve.gateway import GatewayConfig, create_app
-from deepserve.gateway.server import server_config
+from deepserve.gateway.http.server import server_config
 from deepserve.ipc.sockets import ipc_address
 from tests.gateway.fake_backend import FakeBackend
 

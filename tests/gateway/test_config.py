@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from deepserve.errors import InvalidRequestError
 from deepserve.gateway.config import GatewayConfig, parse_api_keys
 from deepserve.gateway.errors import APIError
-from deepserve.gateway.schemas import INT64_MAX, ChatCompletionRequest, CompletionRequest
+from deepserve.gateway.http.schemas import INT64_MAX, ChatCompletionRequest, CompletionRequest
 
 ADDRS = dict(je_address="ipc:///tmp/je", cm_address="ipc:///tmp/cm",
              reply_address="ipc:///tmp/reply")

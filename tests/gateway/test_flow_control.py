@@ -1,5 +1,5 @@
 """Bounded resources on the gateway's data path, over real sockets against
-the real uvicorn server as gateway/server.py configures it (the connection
+the real uvicorn server as gateway/http/server.py configures it (the connection
 guard): silent and trickling connections are closed, a connection flood gets
 503 with an OpenAI body, a client that stops reading is cut off and its
 sub-requests aborted, and until then its stream counts toward max_open_requests.

@@ -149,7 +149,7 @@ def test_a_resumed_stream_has_the_text_an_uninterrupted_one_has(stack):
 def test_je_link_epochs_follow_connects_and_disconnects():
     import zmq
 
-    from deepserve.gateway.je_link import JELink
+    from deepserve.gateway.link.je_link import JELink
 
     calls: list[int] = []
     link = JELink(calls.append)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from deepserve.gateway.schemas import MAX_NUM_MESSAGES, MAX_STOP_CHARS
+from deepserve.gateway.http.schemas import MAX_NUM_MESSAGES, MAX_STOP_CHARS
 from tests.gateway.conftest import MODEL
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from deepserve.gateway.errors import APIError
-from deepserve.gateway.openapi import ROUTE_ERRORS
+from deepserve.gateway.http.openapi import ROUTE_ERRORS
 from tests.gateway.conftest import MODEL
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -57,7 +57,7 @@ def test_every_route_is_documented(stack):
 
 
 def test_served_responses_match_the_declared_models(stack):
-    from deepserve.gateway import openapi as models
+    from deepserve.gateway.http import openapi as models
     with stack.http() as http:
         chat = http.post(CHAT, json={"model": MODEL, "max_tokens": 3, "logprobs": True,
                                      "top_logprobs": 2,
@@ -160,7 +160,7 @@ def test_integral_floats_are_integers_and_any_integer_is_a_seed(stack):
 def test_logprobs_are_always_finite_json_numbers(renderer_type):
     import json
 
-    from deepserve.gateway.responses import (LOGPROB_FLOOR, ChatRenderer, Choice,
+    from deepserve.gateway.http.responses import (LOGPROB_FLOOR, ChatRenderer, Choice,
                                              CompletionRenderer, Usage)
     from deepserve.messages.engine import RequestDelta
     inf, nan = float("inf"), float("nan")

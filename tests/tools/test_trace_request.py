@@ -62,7 +62,7 @@ def test_a_hop_is_seen_at_its_first_call_inside_the_request(tmp_path):
     assert len(lines) == len(HOPS)
     assert "4.0 ms  job-executor[101]" in lines[1] and "SubmitRequest" in lines[1]
     assert "12.0 ms  master[102]" in lines[3] and "AddRequest" in lines[3]
-    assert lines[0].lstrip().startswith("not seen") and "gateway/app.py" in lines[0]
+    assert lines[0].lstrip().startswith("not seen") and "gateway/http/app.py" in lines[0]
 
 
 def test_the_report_prints_hops_then_files(tmp_path, capsys):
@@ -72,4 +72,4 @@ def test_the_report_prints_hops_then_files(tmp_path, capsys):
     trace._report(tmp_path, (t0 - 3, t0 - 0.1), (t0, t0 + 0.05))
     out = capsys.readouterr().out
     assert out.index("hops (docs/architecture.md)") < out.index("files in first-call order")
-    assert "1.0 ms  gateway[7]" in out and "deepserve/gateway/app.py" in out
+    assert "1.0 ms  gateway[7]" in out and "deepserve/gateway/http/app.py" in out

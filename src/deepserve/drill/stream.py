@@ -7,7 +7,7 @@
                                           └─ finish_reason, usage, text
 
 Token ids come from the logprob token strings, which the gateway renders as
-"token_id:<id>" (gateway/responses.py), so a stream can be compared token by
+"token_id:<id>" (gateway/http/responses.py), so a stream can be compared token by
 token with its prompt's greedy reference (drill/report.py). Anything that is
 not what the gateway sends (not JSON, not "token_id:N") is a protocol_error.
 

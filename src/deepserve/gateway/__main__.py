@@ -25,9 +25,9 @@ import uvicorn
 from deepserve.actor import ActorLife
 from deepserve.config.child import ChildArgs, parse_child_args, print_config
 from deepserve.config.loading import read_run_config
-from deepserve.gateway.server import serve
+from deepserve.gateway.http.server import serve
 from deepserve.gateway.config import GatewayConfig
-from deepserve.gateway.generation import GatewayState
+from deepserve.gateway.http.generation import GatewayState
 
 BEAT_S = 0.25
 """Seconds between the loop's checks (the heartbeat itself is rate-limited by ActorLife)."""

@@ -56,10 +56,10 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     """Bytes of an HTTP request body at most; past it: 413 with an OpenAI error
     body, answered before the body is read or parsed and before authentication
-    (gateway/body_limit.py)."""
+    (gateway/http/body_limit.py)."""
     max_connections: int = 1024
     """HTTP connections open at once at most; one past it is answered 503 with
-    an OpenAI error body and closed (gateway/connection_guard.py)."""
+    an OpenAI error body and closed (gateway/http/connection_guard.py)."""
     read_timeout_s: float = 15.0
     """Seconds a connection has to send a whole request (head and body) from
     when it opened or its previous response ended; past it the connection is
@@ -71,7 +71,7 @@ class GatewayConfig:
     max_queued_replies: int = 1024
     """Replies (token deltas) one request may have waiting for its HTTP writer;
     past it the client counts as not reading: its sub-requests are aborted and
-    its stream ends with an error (gateway/reply_stream.py)."""
+    its stream ends with an error (gateway/link/reply_stream.py)."""
 
     def __post_init__(self):
         for name in ("je_address", "cm_address", "reply_address", "served_model", "host"):

@@ -32,7 +32,7 @@ pipe's high-water mark): they are not refused.
 
 Admission counts open *streams* (ReplyStream not yet closed), not routes: a
 stream whose TE has finished but whose client has not read it still holds a
-place until its writer closes it (gateway/connection_guard.py cuts such a
+place until its writer closes it (gateway/http/connection_guard.py cuts such a
 client off after write_timeout_s).
 """
 
@@ -48,13 +48,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from deepserve.gateway.cluster_view import ClusterView
+from deepserve.gateway.link.cluster_view import ClusterView
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.errors import APIError
-from deepserve.gateway.je_link import JELink
+from deepserve.gateway.link.je_link import JELink
 from deepserve.gateway.metrics import GatewayMetrics
-from deepserve.gateway.reply_stream import SHUTDOWN, IsDisconnected, ReplyStream
-from deepserve.gateway.routes import Route, RouteTable, next_attempt
+from deepserve.gateway.link.reply_stream import SHUTDOWN, IsDisconnected, ReplyStream
+from deepserve.gateway.link.routes import Route, RouteTable, next_attempt
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.messages.control import FromClusterManager, TEReport
 from deepserve.messages.contexts import TurnDone
@@ -298,7 +298,7 @@ class JobClient:
 
     def _on_reply(self, msg) -> None:
         call = self._calls.pop(getattr(msg, "request_id", None), None)
-        if call is not None:  # a context call's answer (gateway/contexts.py)
+        if call is not None:  # a context call's answer (gateway/http/contexts.py)
             if not call[0].done():
                 call[0].set_result(msg)
         elif isinstance(msg, (RequestDelta, RequestFailed)):

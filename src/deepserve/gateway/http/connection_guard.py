@@ -16,7 +16,7 @@ which for such a client is never.
 Aborting runs uvicorn's connection_lost: the request's cycle is marked
 disconnected and its blocked send returns, Starlette's disconnect listener
 cancels the streaming response, and ClosingStreamingResponse closes the reply
-stream, which aborts the sub-requests at the JE (gateway/generation.py).
+stream, which aborts the sub-requests at the JE (gateway/http/generation.py).
 
 The send buffer's high-water mark is 0: writing pauses as soon as the kernel
 does not take a whole write and resumes when our buffer is empty, so "paused"

@@ -1,9 +1,9 @@
 """The gateway's OpenAPI document and its pages: /openapi.json, /docs, /redoc.
 
-FastAPI derives the request bodies from gateway/schemas.py; this module adds
+FastAPI derives the request bodies from gateway/http/schemas.py; this module adds
 what it cannot see, so a schema-driven client or fuzzer knows every answer:
 
-    200 models          the shapes gateway/responses.py builds (documentation
+    200 models          the shapes gateway/http/responses.py builds (documentation
                         only: handlers return Responses, nothing is re-validated)
     error statuses      ROUTE_ERRORS: every status each route can answer, each
                         with the OpenAI error body; no 422 (validation is a 400)
@@ -57,7 +57,7 @@ _DESCRIPTIONS = {400: "Invalid request", 401: "Missing or unknown API key",
                  507: "No room for the context's KV"}
 
 
-# -- response models: documentation of gateway/responses.py -----------------------
+# -- response models: documentation of gateway/http/responses.py -----------------------
 class ErrorDetail(BaseModel):
     message: str
     type: str

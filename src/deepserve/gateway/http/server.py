@@ -1,5 +1,5 @@
 """The gateway's uvicorn server: runs create_app() until SIGTERM / SIGINT, its
-connections behind the guard of gateway/connection_guard.py."""
+connections behind the guard of gateway/http/connection_guard.py."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Awaitable, Callable
 
 import uvicorn
 
-from deepserve.gateway.app import create_app
+from deepserve.gateway.http.app import create_app
 from deepserve.gateway.config import GatewayConfig
-from deepserve.gateway.connection_guard import guarded_protocol
-from deepserve.gateway.generation import GatewayState
+from deepserve.gateway.http.connection_guard import guarded_protocol
+from deepserve.gateway.http.generation import GatewayState
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def serve(config: GatewayConfig, log_level: str = "info",
 
 def server_config(config: GatewayConfig, app, **kwargs) -> uvicorn.Config:
     """uvicorn's config for the gateway: HTTP/1.1 through the connection guard
-    (connection cap, read and write deadlines: gateway/connection_guard.py)."""
+    (connection cap, read and write deadlines: gateway/http/connection_guard.py)."""
     kwargs.setdefault("timeout_graceful_shutdown", GRACEFUL_SHUTDOWN_S)
     return uvicorn.Config(app, host=config.host, port=config.port,
                           http=guarded_protocol(config), **kwargs)

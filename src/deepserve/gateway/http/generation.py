@@ -22,11 +22,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.errors import APIError, from_exception
-from deepserve.gateway.job_client import JobClient
-from deepserve.gateway.reply_stream import ReplyStream
+from deepserve.gateway.link.job_client import JobClient
+from deepserve.gateway.link.reply_stream import ReplyStream
 from deepserve.gateway.metrics import GatewayMetrics
-from deepserve.gateway.responses import ChatRenderer, Choice, CompletionRenderer, Renderer, Usage
-from deepserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from deepserve.gateway.http.responses import ChatRenderer, Choice, CompletionRenderer, Renderer, Usage
+from deepserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
 

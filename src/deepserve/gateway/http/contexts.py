@@ -20,9 +20,9 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 
-from deepserve.gateway.auth import state_of, tenant_of
+from deepserve.gateway.http.auth import state_of, tenant_of
 from deepserve.gateway.errors import APIError
-from deepserve.gateway.schemas import ContextCreateRequest
+from deepserve.gateway.http.schemas import ContextCreateRequest
 from deepserve.messages.contexts import ContextInfo, CreateContext, DeleteContext, GetContext
 from deepserve.messages.engine import RequestFailed
 

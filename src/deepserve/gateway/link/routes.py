@@ -26,7 +26,7 @@ from typing import Iterator
 import msgspec
 
 from deepserve.gateway.metrics import RequestTiming
-from deepserve.gateway.reply_stream import ReplyStream
+from deepserve.gateway.link.reply_stream import ReplyStream
 from deepserve.messages.engine import SubmitRequest
 
 

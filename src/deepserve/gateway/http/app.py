@@ -1,11 +1,11 @@
-"""The gateway's HTTP app (OpenAI API); gateway/server.py runs it under uvicorn.
+"""The gateway's HTTP app (OpenAI API); gateway/http/server.py runs it under uvicorn.
 
     POST /v1/chat/completions, /v1/completions   auth -> validate -> generation.generate
     GET  /v1/models, /v1/models/{model}           the served models
-    POST /v1/contexts, GET|DELETE /v1/contexts/{id}  contexts by id (gateway/contexts.py)
+    POST /v1/contexts, GET|DELETE /v1/contexts/{id}  contexts by id (gateway/http/contexts.py)
     GET  /health                                  200 while the CM lists >= 1 TE, else 503
     GET  /metrics                                 Prometheus text of the gateway's registry
-    GET  /openapi.json, /docs, /redoc             the API's description (gateway/openapi.py)
+    GET  /openapi.json, /docs, /redoc             the API's description (gateway/http/openapi.py)
 
 With api_keys set, everything but /health needs a valid key: /metrics and the
 API description are not served to anonymous callers.
@@ -25,17 +25,17 @@ from typing import Awaitable, Callable
 from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.responses import Response
 
-from deepserve.gateway import contexts
-from deepserve.gateway.auth import state_of as _state
-from deepserve.gateway.auth import tenant_of
-from deepserve.gateway.body_limit import BodyLimit
+from deepserve.gateway.http import contexts
+from deepserve.gateway.http.auth import state_of as _state
+from deepserve.gateway.http.auth import tenant_of
+from deepserve.gateway.http.body_limit import BodyLimit
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.errors import APIError, error_response, install_error_handlers
-from deepserve.gateway.generation import GatewayState, generate
-from deepserve.gateway.job_client import JobClient
+from deepserve.gateway.http.generation import GatewayState, generate
+from deepserve.gateway.link.job_client import JobClient
 from deepserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics, RequestCounter
-from deepserve.gateway.openapi import install_openapi
-from deepserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from deepserve.gateway.http.openapi import install_openapi
+from deepserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import hmac
 from fastapi import Request
 
 from deepserve.gateway.errors import APIError
-from deepserve.gateway.generation import GatewayState
+from deepserve.gateway.http.generation import GatewayState
 
 DEFAULT_TENANT = "default"
 
