@@ -250,11 +250,11 @@ def test_a_request_before_the_first_te_list_waits_for_it(rig):
     """A JE that just (re)started has no TE list: the request is parked, not
     refused, and routed as soon as the list arrives (issue 11)."""
     _submit(rig, "early", "hello")
-    _pump(rig, lambda: rig["je"].parked or None)
+    _pump(rig, lambda: rig["je"].parking or None)
     assert _recv(rig["gw"]) is None
     _pump(rig, lambda: _publish(rig, ["te0"]) or (rig["je"].te_sockets or None))
     task = _pump(rig, lambda: _recv(rig["te"]["te0"]))
-    assert task.request_id == "early" and not rig["je"].parked
+    assert task.request_id == "early" and not rig["je"].parking
     assert _recv(rig["gw"]) is None  # no failure was sent
 
 

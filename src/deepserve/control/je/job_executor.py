@@ -16,12 +16,12 @@ output streams from one TE straight to the gateway; the JE only learns that
 the job ended (TEReport.finished of that TE), or that one of its TEs left
 the list, which fails it (and aborts the other task).
 
-Parked: a request that finds no TE to take it (no complete TE list yet: the
-JE or the CM just restarted; or every TE of its kind is restarting) waits up
-to PARK_S, routed as soon as a TE list allows, instead of being refused. A
-request for a scalable model with no TE waits up to [scaling]
-queue_timeout_s while the autoscaler starts one: the JE tells the cluster
-manager what arrived and what is held (ModelDemand, model_book.py).
+Parked (parking.py): a request that finds no TE to take it (no complete TE
+list yet: the JE or the CM just restarted; or every TE of its kind is
+restarting) waits up to PARK_S, routed as soon as a TE list allows, instead
+of being refused. A request for a scalable model with no TE waits up to
+[scaling] queue_timeout_s while the autoscaler starts one: the JE tells the
+cluster manager what arrived and what is held (ModelDemand, model_book.py).
 
 Many models (model_book.py): a request is routed only to its model's TEs;
 a TE draining for scale-in gets nothing new and finishes what it has.
@@ -52,6 +52,7 @@ from deepserve.control.je.contexts import ContextBook
 from deepserve.control.je.isolation import Isolation
 from deepserve.control.je.je_settings import PARK_S, JESettings, load_settings
 from deepserve.control.je.model_book import ModelBook
+from deepserve.control.je.parking import ParkingLot
 from deepserve.control.je.suspects import SuspectBook
 from deepserve.control.je.tasks import CRASHED, EventSink, Task, crashed_text, no_event
 from deepserve.control.je.te_links import TELinks
@@ -71,7 +72,6 @@ from deepserve.messages.scaling import RequestLatencies
 log = logging.getLogger(__name__)
 _IN = (SubmitRequest | AbortRequest | RequestLatencies | CreateContext | GetContext
        | DeleteContext | TurnDone | RequestDelta | RequestFailed)
-PARK_MAX = 4096
 
 
 class JobExecutor:
@@ -104,7 +104,7 @@ class JobExecutor:
         self.isolate_suspects = r.isolate_suspects  # [router] isolate_suspects: isolation
         self.isolation = Isolation(self.suspects, lambda: self.router.tes, self._job_layout,
                                    self._route, self._send_task, self._note_migrated, self._fail)
-        self.parked: list[tuple[float, SubmitRequest, list[int]]] = []  # _dispatch
+        self.parking = ParkingLot(self.book, self._dispatch)  # _dispatch parks here
         self.kv_cache = s.kv_cache  # the tier service: ContextUnpin
         self.turns = TurnBook(s.continuity)  # token-id continuity (turns.py)
         self.contexts = ContextJobs(ContextBook(s.contexts_path or None), self.book, s.inbox,
@@ -128,12 +128,12 @@ class JobExecutor:
             for msg in self.inbox.drain():
                 self._on_inbox(msg)
         self.contexts.step()
-        if self.parked:
-            self._unpark()
+        if self.parking:
+            self.parking.unpark()
         if self.isolation:
             self.isolation.release(self.tasks.values())
         if self.cm_inbox is not None:
-            demand = self.book.demand(self.book.name_of(p[1].model) for p in self.parked)
+            demand = self.parking.demand()
             if demand is not None:
                 self.replies.put(self.cm_inbox, demand)
 
@@ -184,8 +184,7 @@ class JobExecutor:
             te_id, prefill_te, path = self._route(ids, msg.salt, msg.model,
                                                   max_tokens=msg.sampling.max_tokens)
         except NoTEAvailable as e:
-            if time.monotonic() < park_until and len(self.parked) < PARK_MAX:
-                self.parked.append((park_until, msg, ids))
+            if self.parking.park(msg, ids, park_until, time.monotonic()):
                 return False
             model = self.book.name_of(msg.model)
             why = (f"no engine of model {model!r} came up within {self.queue_timeout_s:g} s"
@@ -241,13 +240,6 @@ class JobExecutor:
         self.events("request_migrated", request_id=msg.request_id, te_id=te_id,
                     attempt=msg.attempt, prompt_tokens=num_tokens)
 
-    def _unpark(self) -> None:
-        """Route parked requests, oldest first, once a TE can take them; a
-        request past its park deadline fails (in _dispatch)."""
-        parked, self.parked = self.parked, []
-        for park_until, msg, ids in parked:
-            self._dispatch(msg, ids, park_until)
-
     def _job_layout(self, ids: list[int], exclude: frozenset[str] = frozenset(),
                     max_tokens: int | None = None, te_model: str | None = None) -> str:
         """colocated or disaggregated: the policy's choice among the TEs of
@@ -264,7 +256,7 @@ class JobExecutor:
 
     def _abort(self, msg: AbortRequest) -> None:
         self.isolation.drop(msg.request_id)
-        self.parked = [p for p in self.parked if p[1].request_id != msg.request_id]
+        self.parking.drop(msg.request_id)
         task = self.tasks.get(msg.request_id)
         if task is not None:
             self.links.put(task.te_id, msg)

@@ -10,8 +10,9 @@ either side per request, whatever its type in the TE list:
                 is ordered), send a PrefillOrder, wait for KVReady, then
                 adopt the sequence (its full blocks enter the prefix tree)
                 and decode it like any other.
-  prefill side  (engine/pd/prefill.py) a PrefillOrder: prefill with
-                max_tokens 1, transfer, KVReady; blocks held until KVAck.
+  prefill side  (engine/pd/prefill.py, a PrefillSide this object holds and
+                delegates to) a PrefillOrder: prefill with max_tokens 1,
+                transfer, KVReady; blocks held until KVAck.
 
 Every wait has a deadline: KV that does not arrive fails the decode task
 (retryable), KV nobody acknowledges is freed. Answers echo their order's
@@ -29,34 +30,19 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from deepserve.cache.kv_manager import KVCacheManager
+from deepserve.engine.pd.effects import Effects
 from deepserve.engine.pd.prefill import PrefillSide
 from deepserve.engine.scheduler import Scheduler
 from deepserve.engine.sequence import Sequence, SequenceStatus
 from deepserve.messages.pd import (CancelOrder, FailRequest, KVAck, KVEndpoint, KVReady,
-                                   PrefillOrder)
-from deepserve.messages.step import SampledToken
+                                   KVSent, PrefillOrder)
+from deepserve.messages.step import SampledToken, StepBatch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Effects:
-    """What the master does after a PD event, in this order: send each message
-    to its peer's PD address; track `started` (request id, seq: queued already);
-    stream a token of each `emit` seq; fail `failed`; release `released`."""
-
-    sends: list[tuple[str, PrefillOrder | KVReady | KVAck | CancelOrder]] = field(
-        default_factory=list)
-    started: list[tuple[str, Sequence]] = field(default_factory=list)
-    emit: list[Sequence] = field(default_factory=list)
-    failed: list[FailRequest] = field(default_factory=list)
-    released: list[Sequence] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.sends or self.started or self.emit or self.failed or self.released)
 
 
 @dataclass
@@ -69,15 +55,15 @@ class _Awaiting:  # decode side: KV ordered (or blocked), not yet here
     is_ordered: bool = False  # PrefillOrder sent: the prefill TE may write our blocks
 
 
-class PDCoordinator(PrefillSide):
+class PDCoordinator:
     """address: this master's PD address (peers reply there); endpoints: one
-    KVEndpoint per rank of this TE (where a prefill TE writes our KV)."""
-
-    _effects = Effects
+    KVEndpoint per rank of this TE (where a prefill TE writes our KV); enqueue:
+    how a prefill task is queued (default the scheduler's add)."""
 
     def __init__(self, kv: KVCacheManager, scheduler: Scheduler, *, te_id: str, tp: int,
                  max_model_len: int, kv_transfer_timeout_s: float, address: str,
-                 endpoints: list[KVEndpoint], layerwise: bool = False, first_order_id: int = 1):
+                 endpoints: list[KVEndpoint], layerwise: bool = False, first_order_id: int = 1,
+                 enqueue: Callable[[Sequence], None] | None = None):
         self.kv, self.scheduler = kv, scheduler
         self.te_id, self.tp, self.max_model_len = te_id, tp, max_model_len
         self.timeout_s = kv_transfer_timeout_s
@@ -87,12 +73,47 @@ class PDCoordinator(PrefillSide):
         self.fenced: dict[tuple[str, int], tuple[int, float]] = {}
         """(request id, order id) of a dropped order -> (seq id holding its blocks, deadline)"""
         self._order_ids = itertools.count(first_order_id)
-        self._init_prefill()
+        self.prefill = PrefillSide(kv, scheduler, tp=tp, max_model_len=max_model_len,
+                                   timeout_s=kv_transfer_timeout_s, address=address,
+                                   layerwise=layerwise, enqueue=enqueue)
 
     @property
     def has_work(self) -> bool:
         """Decode tasks wait for KV (the master holds work while they do)."""
         return bool(self.awaiting)
+
+    @property
+    def orders(self):
+        """The prefill side's orders being served: seq id -> its entry."""
+        return self.prefill.orders
+
+    # -- prefill side (engine/pd/prefill.py) -----------------------------------------
+    def add_prefill(self, order: PrefillOrder, seq_id: int) -> Effects:
+        return self.prefill.add_prefill(order, seq_id)
+
+    def attach_transfers(self, batch: StepBatch) -> None:
+        self.prefill.attach_transfers(batch)
+
+    def on_kv_sent(self, msg: KVSent, now: float) -> Effects:
+        return self.prefill.on_kv_sent(msg, now)
+
+    def is_prefill(self, seq: Sequence) -> bool:
+        return self.prefill.is_prefill(seq)
+
+    def on_first_token(self, seq: Sequence, now: float) -> Effects:
+        return self.prefill.on_first_token(seq, now)
+
+    def on_prefill_failed(self, seq: Sequence, message: str) -> Effects:
+        return self.prefill.on_prefill_failed(seq, message)
+
+    def on_cancel(self, msg: CancelOrder, now: float) -> Effects:
+        return self.prefill.on_cancel(msg, now)
+
+    def on_kv_ack(self, msg: KVAck) -> Effects:
+        return self.prefill.on_kv_ack(msg)
+
+    def pop_transfer_stats(self) -> tuple[int, list[float]]:
+        return self.prefill.pop_transfer_stats()
 
     # -- decode side -------------------------------------------------------------
     def add_decode(self, request_id: str, seq: Sequence, prefill_from: str,
@@ -205,7 +226,7 @@ class PDCoordinator(PrefillSide):
                 log.warning("no answer to CancelOrder %s/%d: freeing its blocks", *key)
                 del self.fenced[key]
                 self._free_blocks(seq_id)
-        self._poll_prefill(now, effects)
+        self.prefill.poll(now, effects)
         if self.blocked:
             self._order_blocked(effects)
         return effects

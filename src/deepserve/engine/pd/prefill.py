@@ -19,11 +19,13 @@ takes the request-id slot of a request this TE serves itself.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
 from deepserve.cache.kv_manager import KVCacheManager
+from deepserve.engine.pd.effects import Effects
 from deepserve.engine.scheduler import Scheduler
 from deepserve.engine.sequence import Sequence
 from deepserve.messages.pd import (CancelOrder, KVAck, KVReady, KVSent, KVTransferOrder,
@@ -46,16 +48,19 @@ class _Order:  # prefill side: one PrefillOrder being served
 
 
 class PrefillSide:
-    """The prefill half; PDCoordinator (engine/pd/coordinator.py) adds the decode half.
-    Subclass state it relies on: kv, scheduler, tp, max_model_len, timeout_s,
-    address, layerwise, and the Effects type."""
+    """The prefill half, held by PDCoordinator (engine/pd/coordinator.py).
+    address: this master's PD address (KVReady's reply_to); timeout_s: how long
+    answered blocks wait for their KVAck; enqueue: how a prefill task is queued
+    (the scheduler's add, or the master's tier admission when it has tiers)."""
 
-    kv: KVCacheManager
-    scheduler: Scheduler
-
-    def _init_prefill(self) -> None:
+    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, *, tp: int,
+                 max_model_len: int, timeout_s: float, address: str, layerwise: bool = False,
+                 enqueue: Callable[[Sequence], None] | None = None):
+        self.kv, self.scheduler = kv, scheduler
+        self.tp, self.max_model_len, self.timeout_s = tp, max_model_len, timeout_s
+        self.address, self.layerwise = address, layerwise
+        self.enqueue = enqueue or scheduler.add
         self.orders: dict[int, _Order] = {}  # seq id ->
-        self.enqueue = self.scheduler.add  # the master's tier admission, when it has tiers
         self.transfer_bytes, self.transfer_seconds = 0, []  # since the last report
 
     def _find(self, request_id: str, order_id: int) -> _Order | None:
@@ -64,10 +69,10 @@ class PrefillSide:
                 return entry
         return None
 
-    def add_prefill(self, order: PrefillOrder, seq_id: int):
+    def add_prefill(self, order: PrefillOrder, seq_id: int) -> Effects:
         """Queue a prefill task for the order (started), or answer it with an
         error; a duplicate of a live order is ignored."""
-        effects = self._effects()
+        effects = Effects()
         if self._find(order.request_id, order.order_id) is not None:
             log.warning("duplicate PrefillOrder %s/%d ignored", order.request_id, order.order_id)
             return effects
@@ -108,8 +113,8 @@ class PrefillSide:
                 self.layerwise))
             entry.dispatched = True
 
-    def on_kv_sent(self, msg: KVSent, now: float):
-        effects = self._effects()
+    def on_kv_sent(self, msg: KVSent, now: float) -> Effects:
+        effects = Effects()
         entry = self.orders.get(msg.seq_id)
         if entry is not None and entry.held_until is None and entry.dispatched:
             entry.results[msg.rank] = msg
@@ -120,9 +125,9 @@ class PrefillSide:
         """Its token is not streamed, nor its end reported: the decode TE does both."""
         return seq.seq_id in self.orders
 
-    def on_first_token(self, seq: Sequence, now: float):
+    def on_first_token(self, seq: Sequence, now: float) -> Effects:
         """A finished prefill task's token: KVReady carries it (once every rank is in)."""
-        effects = self._effects()
+        effects = Effects()
         entry = self.orders.get(seq.seq_id)
         if entry is not None and seq.is_finished and entry.token is None and seq.output_token_ids:
             lp = seq.logprobs[-1] if seq.logprobs else None
@@ -131,7 +136,7 @@ class PrefillSide:
             self._maybe_ready(entry, now, effects)
         return effects
 
-    def on_prefill_failed(self, seq: Sequence, message: str):
+    def on_prefill_failed(self, seq: Sequence, message: str) -> Effects:
         """A worker failed the task's own sampling: it ends now; the decode TE
         hears it in KVReady once no transfer of it can still be writing."""
         entry = self.orders.get(seq.seq_id)
@@ -139,22 +144,22 @@ class PrefillSide:
             entry.is_retryable = False
         return self._end(seq.seq_id, f"prefill failed: {message}")
 
-    def on_cancel(self, msg: CancelOrder, now: float):
+    def on_cancel(self, msg: CancelOrder, now: float) -> Effects:
         """The decode TE dropped the order: stop it (a copy already answered
         and held is simply freed, as on a KVAck)."""
         entry = self._find(msg.request_id, msg.order_id)
         if entry is None:
-            return self._effects()
+            return Effects()
         if entry.held_until is not None:
-            effects = self._effects()
+            effects = Effects()
             self._free_order(entry.seq.seq_id, effects)
             return effects
         return self._end(entry.seq.seq_id, "cancelled")
 
-    def _end(self, seq_id: int, error: str):
+    def _end(self, seq_id: int, error: str) -> Effects:
         """Stop the task with `error`; answer at once unless a dispatched
         transfer has ranks still to report."""
-        effects = self._effects()
+        effects = Effects()
         entry = self.orders.get(seq_id)
         if entry is None or entry.error is not None:
             return effects
@@ -165,7 +170,7 @@ class PrefillSide:
         self._maybe_ready(entry, 0.0, effects)
         return effects
 
-    def _maybe_ready(self, entry: _Order, now: float, effects) -> None:
+    def _maybe_ready(self, entry: _Order, now: float, effects: Effects) -> None:
         """Answer the order (KVReady) when nothing more can come for it."""
         if entry.dispatched and len(entry.results) < self.tp:
             return  # a rank may still be writing into the decode TE's blocks
@@ -192,14 +197,14 @@ class PrefillSide:
             nbytes=nbytes, seconds=seconds, reply_to=self.address)))
         entry.held_until = now + self.timeout_s
 
-    def on_kv_ack(self, msg: KVAck):
-        effects = self._effects()
+    def on_kv_ack(self, msg: KVAck) -> Effects:
+        effects = Effects()
         entry = self._find(msg.request_id, msg.order_id)
         if entry is not None and entry.held_until is not None:
             self._free_order(entry.seq.seq_id, effects)
         return effects
 
-    def _free_order(self, seq_id: int, effects) -> None:
+    def _free_order(self, seq_id: int, effects: Effects) -> None:
         entry = self.orders.pop(seq_id)
         if self.kv.has_seq(seq_id):
             self.kv.free(seq_id)
@@ -207,7 +212,8 @@ class PrefillSide:
             self.scheduler.finish(entry.seq, "abort")
             effects.released.append(entry.seq)
 
-    def _poll_prefill(self, now: float, effects) -> None:
+    def poll(self, now: float, effects: Effects) -> None:
+        """Free the blocks of answers nobody acknowledged in time."""
         for seq_id, entry in list(self.orders.items()):
             if entry.held_until is not None and now > entry.held_until:
                 log.warning("no KVAck for %s: freeing its blocks", entry.order.request_id)

@@ -31,7 +31,8 @@ import zmq
 
 from deepserve.actor import ActorLife
 from deepserve.config import EngineConfig
-from deepserve.engine.pd.coordinator import Effects, PDCoordinator
+from deepserve.engine.pd.coordinator import PDCoordinator
+from deepserve.engine.pd.effects import Effects
 from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.step_core import StepCore, check_request
@@ -161,9 +162,9 @@ class Master:
             self.kv, self.scheduler, te_id=self.spec.te_id, tp=cfg.tp,
             max_model_len=cfg.max_model_len, kv_transfer_timeout_s=cfg.kv_transfer_timeout_s,
             address=self.spec.pd_address, endpoints=[ready[r] for r in range(cfg.tp)],
-            layerwise=cfg.kv_transfer_layerwise, first_order_id=time.time_ns())
-        if self.tier is not None:  # a prefill task's prompt may be below the device too
-            self.pd.enqueue = self.tier.admit
+            layerwise=cfg.kv_transfer_layerwise, first_order_id=time.time_ns(),
+            # a prefill task's prompt may be below the device too
+            enqueue=self.tier.admit if self.tier is not None else None)
 
     # -- the loop ------------------------------------------------------------
     def progress(self) -> dict[str, int]:
