@@ -67,7 +67,6 @@ class MasterHarness:
         self.peer = PullSocket(self.ctx, a["peer"], bind=True, type=ToPeer)
         self.life = ActorLife("master", component="te-m/master", signals=False)
         self.master = Master(spec, self.life)
-        self.master.start()
         cfg = spec.config
         self.master.pd = PDCoordinator(
             self.master.kv, self.master.scheduler, te_id="te-m", tp=1,

@@ -10,7 +10,7 @@
     master ──StepTokens/FailRequest──> tokenizer (detokenizes, streams to the client)
     master ──PD messages──> peers' [pd PULL];  TEReport ──> cluster manager
     master ──RequestFailed──> client (on the way out)
-    master <──ToTier / FromTier──> the node's KV tier service (engine/tiers/)
+    master <──ToTier / FromTier──> the node's KV tier service (engine/tiers/; else a NoTierLink)
 
 Pipeline: with async scheduling up to two steps are in flight, so while the
 workers run step N the master has already built and sent N+1; synchronous
@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from contextlib import ExitStack
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -36,9 +37,10 @@ from deepserve.engine.pd.effects import Effects
 from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.step_core import StepCore, check_request
-from deepserve.engine.te.te_report import answers, build_report, new_tokens
+from deepserve.engine.te.te_report import (NoReportLink, ReportLink, answers, build_report,
+                                           new_tokens)
 from deepserve.engine.tiers.channel import DECODE_PATH
-from deepserve.engine.tiers.link import TierLink
+from deepserve.engine.tiers.link import NoTierLink, TierLink
 from deepserve.errors import InvalidRequestError
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.shm_ring import BroadcastRing
@@ -75,20 +77,19 @@ class MasterSpec:
 
 def master_main(spec: MasterSpec, death_pipe: Connection, ready_pipe: Connection) -> None:
     life = ActorLife("master", death_pipe, component=f"{spec.te_id}/master")
-    master = Master(spec, life)
-    try:
-        master.start()
-        ready_pipe.send(("ready", None))
-        master.wait_for_workers()
-        life.ready()
-        life.run(master.step, master.progress, master.holds_work)
-    except Exception as e:
-        log.exception("master failed")
-        ready_pipe.send(("error", f"{type(e).__name__}: {e}"))
-        raise SystemExit(1)
-    finally:
-        master.close()
-        life.close()
+    with ExitStack() as cleanup:  # on the way out: the master (if built), then life
+        cleanup.callback(life.close)
+        try:
+            master = Master(spec, life)  # binds its sockets: a failure is reported too
+            cleanup.callback(master.close)
+            ready_pipe.send(("ready", None))
+            master.wait_for_workers()
+            life.ready()
+            life.run(master.step, master.progress, master.holds_work)
+        except Exception as e:
+            log.exception("master failed")
+            ready_pipe.send(("error", f"{type(e).__name__}: {e}"))
+            raise SystemExit(1)
 
 
 class Master:
@@ -104,10 +105,7 @@ class Master:
         # (step id, what it scheduled, the seq ids it samples), oldest first
         self.in_flight: deque[tuple[int, SchedulerOutput, frozenset[int]]] = deque()
         self.forward_spans: deque[tuple[float, float]] = deque(maxlen=100_000)
-        self.last_report = 0.0
-        self.ctx = zmq.Context()
         self.encoder = msgspec.msgpack.Encoder()
-        self.ring = self.pd = self.to_cm = self.tier = None
         self.staging: dict[int, tuple[str, str]] = {}  # decode seq -> (request id, prefill TE)
         self.num_steps = self.num_tokens = 0
         self.timeline = Timeline(f"{spec.te_id}/master", spec.config.timeline_dir)
@@ -122,27 +120,49 @@ class Master:
             StepDone: self._on_step_done, WorkerFailed: self._worker_failed,
             WorkerReady: lambda m: None,  # a restarted worker's late hello: nothing to do
             KVSent: lambda m: self._apply(self.pd.on_kv_sent(m, now())),
-            CacheOpsDone: lambda m: self.tier is not None and self.tier.on_ops_done(m)}
+            CacheOpsDone: lambda m: self.tier.on_ops_done(m)}
+        with ExitStack() as opened:  # a failure halfway closes what was opened
+            self.ctx = zmq.Context()
+            opened.callback(self.ctx.term)  # last: every socket is closed by then
+            self._open(opened, cfg)
+            self._resources = opened.pop_all()  # close() releases them, in reverse order
 
-    def start(self) -> None:
-        s = self.spec
-        self.requests = PullSocket(self.ctx, s.requests_address, bind=True, type=ToMaster)
-        self.from_peers = PullSocket(self.ctx, s.pd_address, bind=True, type=ToPeer)
-        self.steps = PullSocket(self.ctx, s.steps_address, bind=True, type=FromWorker)
-        self.to_tokenizer = PushSocket(self.ctx, s.tokenizer_address, bind=False)
-        self.to_client = PushSocket(self.ctx, s.client_address, bind=False)
-        self.peers = Outboxes(self.ctx)
-        self.ring = BroadcastRing.create(s.ring_name, num_readers=s.config.tp,
-                                         overflow_address=s.ring_overflow)
-        if s.report_address is not None:
-            self.to_cm = PushSocket(self.ctx, s.report_address, bind=False)
+    def _open(self, opened: ExitStack, cfg: EngineConfig) -> None:
+        """Sockets, links (do-nothing ones when absent), the PD policy, the ring."""
+        s, ctx, keep = self.spec, self.ctx, opened.callback
+        self.requests = PullSocket(ctx, s.requests_address, bind=True, type=ToMaster)
+        keep(self.requests.close)
+        self.from_peers = PullSocket(ctx, s.pd_address, bind=True, type=ToPeer)
+        keep(self.from_peers.close)
+        self.steps = PullSocket(ctx, s.steps_address, bind=True, type=FromWorker)
+        keep(self.steps.close)
+        self.to_tokenizer = PushSocket(ctx, s.tokenizer_address, bind=False)
+        keep(self.to_tokenizer.close)
+        self.to_client = PushSocket(ctx, s.client_address, bind=False)
+        keep(self.to_client.close)
+        self.peers = Outboxes(ctx)
+        keep(self.peers.close)
+        self.to_cm = (NoReportLink() if s.report_address is None
+                      else ReportLink(ctx, s.report_address, s.report_interval_s))
+        keep(self.to_cm.close)
+        self.tier = (TierLink.of_master(ctx, s, self.kv, self.model_config, self.block_bytes,
+                                        self.core.new_seq_id, self.life.event)
+                     if s.tier_address and cfg.enable_prefix_caching
+                     else NoTierLink(self.scheduler.add))
+        keep(self.tier.close)
         self.poller = zmq.Poller()
         for sock in (self.requests, self.from_peers, self.steps):
             self.poller.register(sock.socket, zmq.POLLIN)
-        if s.tier_address and s.config.enable_prefix_caching:
-            self.tier = TierLink.of_master(self.ctx, s, self.kv, self.model_config,
-                                           self.block_bytes, self.core.new_seq_id, self.life.event)
-            self.poller.register(self.tier.socket, zmq.POLLIN)
+        self.tier.register(self.poller)
+        self.pd = PDCoordinator(  # its KV endpoints come with the workers (wait_for_workers)
+            self.kv, self.scheduler, te_id=s.te_id, tp=cfg.tp,
+            max_model_len=cfg.max_model_len, kv_transfer_timeout_s=cfg.kv_transfer_timeout_s,
+            address=s.pd_address, endpoints=[], layerwise=cfg.kv_transfer_layerwise,
+            first_order_id=time.time_ns(), enqueue=self.tier.admit)  # a prompt may be below
+        self.ring = BroadcastRing.create(s.ring_name, num_readers=cfg.tp,
+                                         overflow_address=s.ring_overflow)
+        keep(self.ring.unlink)  # after close: only the creator unlinks
+        keep(self.ring.close)
 
     def wait_for_workers(self) -> None:
         cfg = self.spec.config
@@ -158,18 +178,11 @@ class Master:
                 raise RuntimeError(f"worker {msg.rank} failed to start: {msg.message}")
             if isinstance(msg, WorkerReady):
                 ready[msg.rank] = msg.kv_endpoint
-        self.pd = PDCoordinator(
-            self.kv, self.scheduler, te_id=self.spec.te_id, tp=cfg.tp,
-            max_model_len=cfg.max_model_len, kv_transfer_timeout_s=cfg.kv_transfer_timeout_s,
-            address=self.spec.pd_address, endpoints=[ready[r] for r in range(cfg.tp)],
-            layerwise=cfg.kv_transfer_layerwise, first_order_id=time.time_ns(),
-            # a prefill task's prompt may be below the device too
-            enqueue=self.tier.admit if self.tier is not None else None)
+        self.pd.endpoints = [ready[r] for r in range(cfg.tp)]  # where peers write our KV
 
     # -- the loop ------------------------------------------------------------
     def progress(self) -> dict[str, int]:
-        tier_events = self.tier.tiers.num_events if self.tier is not None else 0
-        return {"steps": self.num_steps, "tokens": self.num_tokens, "tier": tier_events}
+        return {"steps": self.num_steps, "tokens": self.num_tokens, "tier": self.tier.num_events}
 
     def holds_work(self) -> bool:
         # Not work here: tier waits (own deadlines; a bucket may outlast the progress
@@ -187,11 +200,10 @@ class Master:
                 for msg in inbox.drain():  # each inbox decodes only its channel's types
                     self.handlers[type(msg)](msg)
         self._apply(self.pd.poll(time.monotonic()))
-        if self.tier is not None:
-            if self.tier.socket in events:
-                self.tier.recv()
-            self.tier.tick()
-            self._take_tiers()
+        if self.tier.socket in events:
+            self.tier.recv()
+        self.tier.tick()
+        self._take_tiers()
         self._maybe_report()
 
     def _fill_pipeline(self) -> None:
@@ -202,8 +214,7 @@ class Master:
                 break
             scheduled, batch = step
             self.pd.attach_transfers(batch)
-            if self.tier is not None:
-                batch.cache_ops = self.tier.take_ops()
+            batch.cache_ops = self.tier.take_ops()
             t1 = time.monotonic()
             self.ring.put(self.encoder.encode(batch), timeout=30)
             self.timeline.add("schedule", batch.step_id, t0, t1, len(batch.seqs))
@@ -211,7 +222,7 @@ class Master:
             self.scheduler.on_dispatched(scheduled)
             self.in_flight.append((batch.step_id, scheduled,
                                    frozenset(s.seq_id for s in batch.seqs if s.do_sample)))
-        if self.tier is not None and self.tier.pending_ops:  # nothing to run: ops alone
+        if self.tier.pending_ops:  # nothing to run: ops alone
             ops = StepBatch(CACHE_ONLY_STEP_ID, [], cache_ops=self.tier.take_ops())
             self.ring.put(self.encoder.encode(ops), timeout=30)
 
@@ -239,20 +250,20 @@ class Master:
             self.finish(msg.request_id, "abort")
         is_decode_task = msg.prefill_from is not None
         seq = self.core.add(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.salt,
-                            schedule=not is_decode_task and self.tier is None)
-        if msg.pin_context is not None and self.tier is not None:
+                            schedule=False)  # the tier link admits it (or the PD policy)
+        if msg.pin_context is not None and self.tier.can_pin_contexts:
             seq.pin_context, seq.keep_kv = msg.pin_context, True  # freed once pinned
         if is_decode_task:  # the JE names the prefill TE by its inbox
             prefill_from = pd_address(msg.prefill_from)
-            if msg.read_path == DECODE_PATH and self.tier is not None:  # DualPath: read here
+            if msg.read_path == DECODE_PATH:  # DualPath: read here (no tiers: staged at once)
                 self.staging[seq.seq_id] = (msg.request_id, prefill_from)
                 self.tier.stage(seq)
             else:
                 self._apply(self.pd.add_decode(msg.request_id, seq, prefill_from,
                                                time.monotonic()))
-        elif self.tier is not None:  # sched-enqueue: its prefix may be below the device
+        else:  # sched-enqueue: its prefix may be below the device
             self.tier.admit(seq)
-            self._take_tiers()
+        self._take_tiers()
 
     def _take_tiers(self) -> None:
         """Queue what the tiers made ready, order the prefill of the decode
@@ -327,9 +338,7 @@ class Master:
         self.num_steps += 1
         self.forward_spans.append((done.forward_start, done.forward_end))
         items, now = [], time.monotonic()
-        if self.tier is not None:
-            self.tier.observe_step(scheduled.scheduled.values(),
-                                   done.forward_end - done.forward_start)
+        self.tier.observe_step(scheduled.scheduled.values(), done.forward_end - done.forward_start)
         for seq in self.scheduler.on_sampled(scheduled, done.output.sampled):
             if self.pd.is_prefill(seq):  # its token goes to the decode TE in KVReady
                 self._apply(self.pd.on_first_token(seq, now))
@@ -366,12 +375,8 @@ class Master:
             self.to_tokenizer.put(StepTokens(items=items, step_id=step_id))
 
     def _maybe_report(self) -> None:
-        now = time.monotonic()
-        if self.to_cm is None or now - self.last_report < self.spec.report_interval_s:
-            return
-        self.last_report = now
-        self.to_cm.put(build_report(self.spec.te_id, self.core, self.pd, self.tier,
-                                    self.spec.config.tp * self.block_bytes))
+        self.to_cm.maybe_send(time.monotonic(), lambda: build_report(
+            self.spec.te_id, self.core, self.pd, self.tier, self.spec.config.tp * self.block_bytes))
 
     def close(self) -> None:
         self.timeline.close()
@@ -381,15 +386,8 @@ class Master:
                                                  message="the TE is shutting down"), timeout=0.2)
             except TimeoutError:
                 break
-        if self.ring is not None:
-            try:
-                self.ring.put(self.encoder.encode(StepBatch(SHUTDOWN_STEP_ID, [])), timeout=1)
-            except TimeoutError:
-                pass
-            self.ring.close()
-            self.ring.unlink()
-        for sock in ("requests", "from_peers", "steps", "to_tokenizer", "to_client", "to_cm",
-                     "peers", "tier"):
-            if getattr(self, sock, None) is not None:
-                getattr(self, sock).close()
-        self.ctx.term()
+        try:
+            self.ring.put(self.encoder.encode(StepBatch(SHUTDOWN_STEP_ID, [])), timeout=1)
+        except TimeoutError:
+            pass
+        self._resources.close()  # the ring (closed, unlinked), the sockets, the context

@@ -4,8 +4,11 @@ StepDone answers the step the master waits for."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.engine.sequence import Sequence
+from deepserve.ipc.sockets import PushSocket
 from deepserve.messages.control import TEReport
 from deepserve.messages.engine import NewTokens, StepDone
 
@@ -31,13 +34,12 @@ def remaining_tokens(seq: Sequence) -> int:
 
 
 def build_report(te_id: str, core, pd, tier, block_bytes: int = 0) -> TEReport:
-    """core: the StepCore; pd: the PDCoordinator; tier: the TierLink or None;
-    block_bytes: one block's KV over all ranks."""
+    """core: the StepCore; pd: the PDCoordinator; tier: the TierLink or the
+    NoTierLink (engine/tiers/link.py); block_bytes: one block's KV over all ranks."""
     kv, scheduler = core.kv, core.scheduler
     inserted, evicted = kv.tree.pop_events()
     transfer_bytes, transfer_seconds = pd.pop_transfer_stats()
     waiting, running = scheduler.waiting, scheduler.running
-    hits, fetch_seconds = tier.tiers.pop_stats() if tier is not None else ({}, {})
     return TEReport(
         te_id=te_id, num_waiting=len(waiting), num_running=len(running),
         load_tokens=sum(map(remaining_tokens, waiting)) + sum(map(remaining_tokens, running)),
@@ -45,13 +47,36 @@ def build_report(te_id: str, core, pd, tier, block_bytes: int = 0) -> TEReport:
         num_cached_tokens=core.num_cached_tokens, inserted=inserted, evicted=evicted,
         finished=core.pop_finished(), kv_transfer_bytes=transfer_bytes,
         kv_transfer_seconds=transfer_seconds,
-        tier_hit_tokens={**hits, "device": core.num_device_hits} if tier is not None else {},
-        tier_fetch_seconds={t: s for t, s in fetch_seconds.items() if s},
         kv_cached_bytes=kv.tree.num_nodes * block_bytes,
-        cost_model=tier.tiers.cost.snapshot() if tier is not None else {},
-        storage_queue_tokens=tier.tiers.storage.num_blocks * kv.block_size if tier else 0,
-        storage_read_bytes=dict(tier.tiers.storage.bytes_read) if tier else {},
-        num_free_tokens=kv.num_free_blocks * kv.block_size)
+        num_free_tokens=kv.num_free_blocks * kv.block_size,
+        **tier.report(core.num_device_hits, kv.block_size))
+
+
+class ReportLink:
+    """The master's TEReport to the cluster manager (address: its inbox), one
+    every interval_s."""
+
+    def __init__(self, ctx, address: str, interval_s: float):
+        self.to_cm = PushSocket(ctx, address, bind=False)
+        self.interval_s, self.last_report = interval_s, 0.0
+
+    def maybe_send(self, now: float, build: Callable[[], TEReport]) -> None:
+        """Send build()'s report when the interval has passed since the last one."""
+        if now - self.last_report < self.interval_s:
+            return
+        self.last_report = now
+        self.to_cm.put(build())
+
+    def close(self) -> None:
+        self.to_cm.close()
+
+
+class NoReportLink:
+    """No cluster manager: nothing is built, nothing is sent."""
+
+    def maybe_send(self, now: float, build: Callable[[], TEReport]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def new_tokens(request_id: str, seq: Sequence) -> NewTokens:

@@ -6,6 +6,8 @@ TierCoordinator's effects carried out (what the master itself need not know).
 
 The master asks `take` for what it must do itself: queue the ready
 sequences, and stream (or fail) the context requests whose pins are done.
+A TE without a tier service holds a NoTierLink instead: the same calls,
+admission straight to the scheduler, nothing below the device.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import zmq
 
@@ -52,8 +55,12 @@ class TierLink:
     def __init__(self, ctx: zmq.Context, tier_address: str, reply_address: str,
                  kv: KVCacheManager, model_dir: str, geometry: BlockGeometry, tp: int,
                  block_bytes: int, new_seq_id, cost_model: bool = True, events=None):
-        self.to_tier = PushSocket(ctx, tier_address, bind=False)
         self.replies = PullSocket(ctx, reply_address, bind=True, type=FromTier)
+        try:
+            self.to_tier = PushSocket(ctx, tier_address, bind=False)
+        except BaseException:  # never an open socket left behind: ctx.term() would wait
+            self.replies.close()
+            raise
         cost = CostModel(block_bytes=block_bytes, block_size=kv.block_size, enabled=cost_model)
         self.tiers = TierCoordinator(kv, model_key=model_key(model_dir, geometry),
                                      geometry=geometry, address=reply_address, cost=cost, tp=tp,
@@ -82,9 +89,29 @@ class TierLink:
     def socket(self) -> zmq.Socket:
         return self.replies.socket
 
+    def register(self, poller: zmq.Poller) -> None:
+        """Poll the replies with the master's inboxes."""
+        poller.register(self.socket, zmq.POLLIN)
+
     @property
     def has_work(self) -> bool:
         return self.tiers.has_work
+
+    can_pin_contexts = True  # a context request's KV is written to the tiers, then streamed
+
+    @property
+    def num_events(self) -> int:
+        """Tier events so far (the master's progress counts them)."""
+        return self.tiers.num_events
+
+    def report(self, num_device_hits: int, block_size: int) -> dict:
+        """The tier fields of the master's TEReport (messages/control.py)."""
+        hits, fetch_seconds = self.tiers.pop_stats()
+        return dict(tier_hit_tokens={**hits, "device": num_device_hits},
+                    tier_fetch_seconds={t: s for t, s in fetch_seconds.items() if s},
+                    cost_model=self.tiers.cost.snapshot(),
+                    storage_queue_tokens=self.tiers.storage.num_blocks * block_size,
+                    storage_read_bytes=dict(self.tiers.storage.bytes_read))
 
     # -- what the master calls ---------------------------------------------------------
     def admit(self, seq: Sequence) -> None:
@@ -155,3 +182,48 @@ class TierLink:
     def close(self) -> None:
         self.to_tier.close()
         self.replies.close()
+
+
+class NoTierLink:
+    """A TE without a tier service (or without prefix caching): admission
+    queues straight away (enqueue: the scheduler's add), a staged decode task
+    is staged at once (nothing to bring up from disk), and nothing else happens."""
+
+    socket = None  # nothing to poll
+    has_work = False
+    can_pin_contexts = False  # a context request streams as any other
+    num_events = 0
+    num_dropped = 0
+    pending_ops: list[CacheOp] = []  # never filled
+
+    def __init__(self, enqueue: Callable[[Sequence], None]):
+        self.admit = enqueue
+        self._staged: list[Sequence] = []
+
+    def stage(self, seq: Sequence) -> None:
+        self._staged.append(seq)
+
+    def take(self):
+        """(ready, staged, ended, failed) as TierLink.take: only staged decode tasks."""
+        staged, self._staged = self._staged, []
+        return [], staged, [], []
+
+    def take_ops(self) -> list[CacheOp]:
+        return []
+
+    def report(self, num_device_hits: int, block_size: int) -> dict:
+        return {}  # TEReport's defaults: no tier fields
+
+    def pin_context(self, seq: Sequence, nodes) -> None: ...  # never asked: can_pin_contexts
+
+    def register(self, poller) -> None: ...
+
+    def recv(self) -> None: ...
+
+    def on_ops_done(self, msg) -> None: ...
+
+    def tick(self) -> None: ...
+
+    def observe_step(self, num_new_tokens, seconds: float) -> None: ...
+
+    def close(self) -> None: ...
