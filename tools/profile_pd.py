@@ -54,7 +54,7 @@ from pathlib import Path
 
 import click
 
-from deepserve.control.routing.pd_heatmap import Heatmap
+from deepserve.control.je.routing.pd_heatmap import Heatmap
 from deepserve.ipc.sockets import free_port
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import NodeConfig, TESpec

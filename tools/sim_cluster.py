@@ -48,9 +48,9 @@ import click
 
 from deepserve.control.cm.autoscaler import ModelPolicy
 from deepserve.control.je.model_book import ModelBook
-from deepserve.control.routing.pd_policy import PDPolicy
-from deepserve.control.routing.prompt_index import GlobalPromptIndex
-from deepserve.control.routing.router import NoTEAvailable, PromptHashes, Router
+from deepserve.control.je.routing.pd_policy import PDPolicy
+from deepserve.control.je.routing.prompt_index import GlobalPromptIndex
+from deepserve.control.je.routing.router import NoTEAvailable, PromptHashes, Router
 from deepserve.messages.control import TEInfo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,8 +278,8 @@ def _ints(text: str, sep: str = ",") -> tuple[int, ...]:
 @click.option("--mix", default="2:1:1", help="colocated:prefill:decode TEs of each model")
 @click.option("--requests", default=4000, help="requests per run")
 @click.option("--load", default=0.4, help="offered requests per second per TE")
-@click.option("--policy", default="combined", help="router policy (control/routing/router.py)")
-@click.option("--pd-mode", default="heatmap", help="PD policy mode (control/routing/pd_policy.py)")
+@click.option("--policy", default="combined", help="router policy (control/je/routing/router.py)")
+@click.option("--pd-mode", default="heatmap", help="PD policy mode (control/je/routing/pd_policy.py)")
 @click.option("--profile", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSON of sim_model.Profile fields (service times)")
 @click.option("--burst", default=None, help="START:END:FACTOR, simulated seconds")

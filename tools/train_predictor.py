@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/traces.py
 
 import traces  # noqa: E402
 
-from deepserve.control.routing.decode_predictor import DecodeLengthPredictor, bucket_of  # noqa: E402
+from deepserve.control.je.routing.decode_predictor import DecodeLengthPredictor, bucket_of  # noqa: E402
 from deepserve.tokenizer import Tokenizer  # noqa: E402
 
 Pair = tuple[list[int], int]

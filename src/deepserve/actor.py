@@ -20,8 +20,8 @@ keeps beating while the main thread is stuck in a collective). Fault hooks
 (faults.py) are read through `life.faults`; each firing is reported as a
 `fault_injected` health event, so a drill can prove its fault happened.
 
-run_main is the whole main() of a node-level actor started as a command (the
-job executor, the cluster manager, the KV tier service): parse the child
+run_main is the whole main() of every actor started as a command (the job
+executor, the cluster manager, the KV tier service, a TE's server): parse the child
 command line, load its settings, build the actor in a ZeroMQ context, run it,
 release everything on every way out.
 """
@@ -145,17 +145,27 @@ A = TypeVar("A", bound=Actor)
 def run_main(role: str, description: str, argv: list[str] | None,
              load_settings: Callable[[ChildArgs], S],
              build: Callable[[zmq.Context, S, ActorLife], A],
-             progress: Callable[[A], dict[str, int]]) -> None:
+             progress: Callable[[A], dict[str, int]], *,
+             name: Callable[[S], tuple[str, str | None]] | None = None,
+             ready: Callable[[A], dict] | None = None,
+             status: Callable[[A], int] | None = None) -> int:
     """main() of the actor that plays `role` (config/child.py): --print-config
     prints the settings and returns; otherwise life (log prefix `role`,
     signals, heartbeats) -> context -> build -> ready -> run -> close the
     actor, term the context, close life. A build that fails closes what it
-    made with the context (no socket left to block term) and raises."""
+    made with the context (no socket left to block term) and raises.
+
+    name: the life's log prefix and health-log component from the settings
+    (default: `role`, no component); ready: details for the ready event
+    (a TE's scale-out stages); status: the process's exit status once the
+    loop ended (default 0), returned."""
     args = parse_child_args(argv, role, description)
     settings = load_settings(args)
     if args.print_config:
-        return print_config(settings)
-    life = ActorLife(role, parent_pid=args.parent_pid)
+        print_config(settings)
+        return 0
+    prefix, component = name(settings) if name is not None else (role, None)
+    life = ActorLife(prefix, parent_pid=args.parent_pid, component=component)
     ctx = zmq.Context()
     try:
         actor = build(ctx, settings, life)
@@ -164,9 +174,10 @@ def run_main(role: str, description: str, argv: list[str] | None,
         life.close()
         raise
     try:
-        life.ready()
+        life.ready(**(ready(actor) if ready is not None else {}))
         life.run(actor.step, lambda: progress(actor))
     finally:
         actor.close()
         ctx.term()
         life.close()
+    return status(actor) if status is not None else 0

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.scratch import Scratch
 
 pytestmark = pytest.mark.slow  # three nodes' process trees
 
@@ -77,20 +78,16 @@ type = "{second}"
 """)
 
 
-def _scratch() -> set[Path]:
-    """What nodes leave when killed: shared memory and run directories."""
-    return set(Path("/dev/shm").glob("deepserve-*")) | set(Path("/tmp").glob("ds-*"))
-
-
 class Cluster:
-    def __init__(self, hosts, d: Path):
-        self.hosts, self.d = hosts, d
+    def __init__(self, hosts, d: Path, scratch: Scratch):
+        self.hosts, self.d, self.scratch = hosts, d, scratch
         self.nodes: dict[str, subprocess.Popen] = {}
 
     def start(self, host: int, name: str, conf: str) -> None:
         log = open(self.d / f"{name}.out", "wb")
         self.nodes[name] = self.hosts.python(host, "deepserve.supervisor", "--conf", conf,
-                                             stdout=log, stderr=subprocess.STDOUT)
+                                             stdout=log, stderr=subprocess.STDOUT,
+                                             env=self.scratch.env())
         log.close()
 
     def client(self, *args: str, timeout: float = 180.0) -> list:
@@ -118,8 +115,8 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(hosts, tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("cluster")
-    before = _scratch()
-    c = Cluster(hosts, d)
+    scratch = Scratch()
+    c = Cluster(hosts, d, scratch)
     head = hosts.addresses[0]
     c.start(0, "head", _head_conf(d, tiny_model, head))
     c.start(1, "h1", _node_conf(d, tiny_model, "h1", hosts.addresses[1], head, "prefill"))
@@ -134,8 +131,9 @@ def cluster(hosts, tiny_model, tmp_path_factory):
                 proc.terminate()
         for proc in c.nodes.values():
             hosts.reap(proc, 30)
-        for path in _scratch() - before:  # what the killed host could not clean (its /dev/shm
-            subprocess.run(["rm", "-rf", str(path)], check=False)  # would not outlive it)
+        scratch.close()
+        scratch.sweep()  # what the killed host could not clean (its /dev/shm would not
+        scratch.remove_dir()  # outlive it)
 
 
 def _te_ports(hosts, host: int) -> set[str]:

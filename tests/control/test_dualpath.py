@@ -2,7 +2,7 @@
 
 import pytest
 
-from deepserve.control.routing.dualpath import (DECODE_PATH, PREFILL_PATH, DualPathScheduler,
+from deepserve.control.je.routing.dualpath import (DECODE_PATH, PREFILL_PATH, DualPathScheduler,
                                         EngineLoad as E)
 
 

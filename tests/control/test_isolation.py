@@ -4,7 +4,7 @@ listed TEs, the suspects' tasks and a route that honours `exclude`."""
 from deepserve.control.je.isolation import Isolation
 from deepserve.control.je.suspects import HeldSuspects, SuspectBook
 from deepserve.control.je.tasks import Task
-from deepserve.control.routing.router import NoTEAvailable
+from deepserve.control.je.routing.router import NoTEAvailable
 from deepserve.messages.control import TEInfo
 from deepserve.messages.engine import SubmitRequest
 from deepserve.messages.sampling import SamplingParams

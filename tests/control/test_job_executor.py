@@ -197,9 +197,9 @@ def test_pd_aware_routing_follows_the_heatmap(tiny_model):
     pair (the decode TE gets it with prefill_from = the prefill TE's inbox), a
     short prompt with a long output to the colocated TE; when the prefill TE
     leaves, the job's request fails and its decode task is aborted."""
-    from deepserve.control.routing.decode_predictor import DecodeLengthPredictor
-    from deepserve.control.routing.pd_heatmap import Heatmap
-    from deepserve.control.routing.pd_policy import PDPolicy
+    from deepserve.control.je.routing.decode_predictor import DecodeLengthPredictor
+    from deepserve.control.je.routing.pd_heatmap import Heatmap
+    from deepserve.control.je.routing.pd_policy import PDPolicy
     tok = Tokenizer(tiny_model)
     long_prompt = "def handler(request):\n    return request.headers\n" * 60
     short_prompt = "Tell me a story"

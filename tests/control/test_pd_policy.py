@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from deepserve.config.node import PDOptions
-from deepserve.control.routing.decode_predictor import DecodeLengthPredictor, bucket_of, featurize
-from deepserve.control.routing.pd_heatmap import Heatmap, PDConfigError
-from deepserve.control.routing.pd_policy import PDPolicy
+from deepserve.control.je.routing.decode_predictor import DecodeLengthPredictor, bucket_of, featurize
+from deepserve.control.je.routing.pd_heatmap import Heatmap, PDConfigError
+from deepserve.control.je.routing.pd_policy import PDPolicy
 
 P_EDGES = [0, 512, 2048, 8192]
 R_EDGES = [0, 0.125, 1, 8]

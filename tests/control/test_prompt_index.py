@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from deepserve.control.routing.prompt_index import GlobalPromptIndex
+from deepserve.control.je.routing.prompt_index import GlobalPromptIndex
 
 
 def chains(rng: random.Random, num: int = 8, length: int = 12) -> list[list[int]]:

@@ -3,8 +3,8 @@
 import pytest
 
 from deepserve.cache.block_hash import prompt_block_hashes
-from deepserve.control.routing.prompt_index import GlobalPromptIndex
-from deepserve.control.routing.router import NoTEAvailable, Router
+from deepserve.control.je.routing.prompt_index import GlobalPromptIndex
+from deepserve.control.je.routing.router import NoTEAvailable, Router
 from deepserve.messages.control import TEInfo, TEReport
 
 BS = 16

@@ -13,11 +13,11 @@ import pytest
 import zmq
 
 from deepserve.cache.block_hash import prompt_block_hashes
-from deepserve.control.routing import router as router_module
+from deepserve.control.je.routing import router as router_module
 from deepserve.control.je.job_executor import JobExecutor
-from deepserve.control.routing.pd_policy import PDPolicy
-from deepserve.control.routing.prompt_index import GlobalPromptIndex
-from deepserve.control.routing.router import NoTEAvailable, PromptHashes, Router
+from deepserve.control.je.routing.pd_policy import PDPolicy
+from deepserve.control.je.routing.prompt_index import GlobalPromptIndex
+from deepserve.control.je.routing.router import NoTEAvailable, PromptHashes, Router
 from tests.control.je_rig import je_settings
 from tests.control.test_router import BS, prompt, report, te
 

@@ -18,6 +18,7 @@ from deepserve.drill.injection import Injection
 from deepserve.drill.proof import NodeLost
 from deepserve.drill.scenarios import deadline_of, get_scenario
 from deepserve.supervisor.health_log import HealthLog
+from tests.scratch import Scratch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,34 +66,36 @@ def test_node_lost_needs_every_pid_gone_and_every_te_removed(tmp_path):
             p.wait(5)
 
 
-def _scratch() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("deepserve-*")} | {
-        p.name for p in Path("/tmp").glob("ds-*")}
-
-
 @pytest.mark.slow
 def test_kill_node_drill_loses_nothing(tmp_path, tiny_model):
     """The drill's own verdict, read from its JSON: the node's processes were
     killed and its TE removed (proof), then lost = 0, bad = 0; and what the
     killed node could not clean up is gone too."""
-    before = _scratch()
+    scratch = Scratch()
     out = tmp_path / "report.json"
     confs = []
     for name in ("cluster-head", "cluster-node"):  # the shipped files, on the test's model
         text = (ROOT / "conf" / f"{name}.toml").read_text()
         (tmp_path / f"{name}.toml").write_text(text.replace('"models/tiny"', f'"{tiny_model}"'))
         confs.append(str(tmp_path / f"{name}.toml"))
-    done = subprocess.run([sys.executable, "-m", "deepserve.drill", "kill-node", "--json",
-                           str(out), "--duration", "6", "--concurrency", "4",
-                           "--conf", confs[0], "--node-conf", confs[1]],
-                          cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["fault_proven"] is True, report
-    assert report["sent"] > 0 and report["lost"] == 0 and report["bad_streams"] == 0, report
-    assert report["detect_s"] is not None and report["detect_s"] <= report["deadline_s"] + 3
-    assert report["recover_s"] is not None
-    assert _scratch() - before == set()
+    try:
+        done = subprocess.run([sys.executable, "-m", "deepserve.drill", "kill-node", "--json",
+                               str(out), "--duration", "6", "--concurrency", "4",
+                               "--conf", confs[0], "--node-conf", confs[1]],
+                              cwd=ROOT, capture_output=True, text=True, timeout=400,
+                              env=scratch.env())
+        scratch.close()
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        report = json.loads(out.read_text())
+        assert report["fault_proven"] is True, report
+        assert report["sent"] > 0 and report["lost"] == 0 and report["bad_streams"] == 0, report
+        assert report["detect_s"] is not None and report["detect_s"] <= report["deadline_s"] + 3
+        assert report["recover_s"] is not None
+        assert scratch.runs and scratch.leftovers() == set(), scratch.runs
+    finally:
+        scratch.close()
+        scratch.sweep()
+        scratch.remove_dir()
 
 
 def test_kill_node_without_its_model_fails_at_once(tmp_path):

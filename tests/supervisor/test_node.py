@@ -29,18 +29,21 @@ def node(tiny_model):
                               api_keys={"key-a": "tenant-a", "key-b": "tenant-b"},
                               startup_timeout_s=120, te_timeout_s=5,
                               tes=[TESpec(f"te{i}", "colocated", TE_OPTIONS) for i in range(2)])
-    before = _shm()
     node = Node(config)
     node.start()
     yield node
     procs = list(node.procs.values())
     node.stop()
     assert all(p.poll() is not None for p in procs) and not node.run_dir.exists()
-    assert _shm() - before == set()  # every TE's segments were unlinked
+    assert _shm(node) == set()  # every TE's segments were unlinked
 
 
-def _shm() -> set[str]:
-    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("deepserve-")}
+def _shm(node: Node) -> set[str]:
+    """The node's shared-memory segments (every name carries its run id: TEs'
+    deepserve-{run_id}{te}-..., the weight cache's deepserve-w{run_id}), so a
+    second test run on the machine does not count."""
+    return {p.name for p in Path("/dev/shm").iterdir()
+            if p.name.startswith("deepserve-") and node.run_id in p.name}
 
 
 def _client(node, key="key-a") -> OpenAI:

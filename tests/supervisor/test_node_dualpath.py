@@ -47,12 +47,11 @@ def node(tiny_model, tmp_path_factory):
     config = dualpath_config(tiny_model, tmp_path_factory.mktemp("storage"))
     assert {te.te_type for te in config.tes} == {"prefill", "decode"} and len(config.tes) == 4
     assert config.supervisor.drill and config.node.host_cache_bytes == 1 << 20
-    before = _shm()
     node = Node(config)
     node.start()
     yield node
     node.stop()
-    assert _shm() - before == set()
+    assert _shm(node) == set()
 
 
 def sessions(first_session: int = 0) -> list[list[list[int]]]:

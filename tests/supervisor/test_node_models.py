@@ -35,14 +35,13 @@ def two_models(model_dirs, tmp_path_factory):
         models=[ModelSpec(name="q", path=q, options=OPTIONS, idle_s=IDLE_S),
                 ModelSpec(name="l", path=l, options=OPTIONS, idle_s=IDLE_S)],
         scaling=ScalingSection(pool_size=1, out_cooldown_s=1.0))
-    before = _shm()
     node = Node(config)
     node.start()
     yield node, {"q": q, "l": l}
     procs = list(node.procs.values())
     node.stop()
     assert all(p.poll() is not None for p in procs)
-    assert _shm() - before == set()  # TEs, pods and the weight cache: nothing left
+    assert _shm(node) == set()  # TEs, pods and the weight cache: nothing left
 
 
 @pytest.fixture(scope="module")

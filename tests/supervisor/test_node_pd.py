@@ -29,12 +29,11 @@ def pd_node(tiny_model):
         pd_options={"min_prompt_len": 100, "max_decode_len": 10_000},  # long prompt: PD
         tes=(TESpec("te0", "colocated", TE_OPTIONS), TESpec("te1", "prefill", TE_OPTIONS),
              TESpec("te2", "decode", TE_OPTIONS)))
-    before = _shm()
     node = Node(config)
     node.start()
     yield node
     node.stop()
-    assert _shm() - before == set()
+    assert _shm(node) == set()
 
 
 def test_long_prompts_go_disaggregated_with_colocated_tokens(pd_node, tiny_model):

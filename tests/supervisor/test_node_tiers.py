@@ -47,13 +47,12 @@ def node(tiny_model, tmp_path_factory):
         host_cache_bytes=80 * BLOCK_BYTES, disk_cache_dir=str(disk),
         disk_cache_bytes=400 * BLOCK_BYTES, cache_cost_model=False,
         supervisor=SupervisorConfig(drill=True), tes=[TESpec("te0", "colocated", TE)])
-    before = _shm()
     node = Node(config)
     node.start()
     node.disk = disk
     yield node
     node.stop()
-    assert _shm() - before == set()
+    assert _shm(node) == set()
 
 
 @pytest.fixture(scope="module")

@@ -33,12 +33,11 @@ def node(tiny_model):
                               startup_timeout_s=120, te_timeout_s=5,
                               supervisor=SUP,
                               tes=[TESpec(f"te{i}", "colocated", TE_OPTIONS) for i in range(2)])
-    before = _shm()
     node = Node(config)
     node.start()
     yield node
     node.stop()
-    assert _shm() - before == set()
+    assert _shm(node) == set()
 
 
 @pytest.fixture(scope="module")

@@ -110,7 +110,7 @@ class GatewaySection(Section):
 
 
 class PDOptions(Section):
-    """Thresholds of the "threshold" PD policy (control/routing/pd_policy.py)."""
+    """Thresholds of the "threshold" PD policy (control/je/routing/pd_policy.py)."""
 
     margin: float = 1.0
     """Heatmap value (summed over the map's rates) a cell must exceed to go
@@ -124,7 +124,7 @@ class PDOptions(Section):
 
 
 class DualPathOptions(Section):
-    """DualPath's scheduler (control/routing/dualpath.py), an inline table:
+    """DualPath's scheduler (control/je/routing/dualpath.py), an inline table:
     { alpha_tokens = 8192, beta_tokens = 65536, z_factor = 1.05 }."""
 
     alpha_tokens: Annotated[int, Meta(ge=0)] = 8192
@@ -140,7 +140,7 @@ class DualPathOptions(Section):
 
 class RouterSection(Section):
     policy: Literal["combined", "locality", "load", "round_robin"] = "combined"
-    """Which TE of a type serves a request (control/routing/router.py)."""
+    """Which TE of a type serves a request (control/je/routing/router.py)."""
     balance_threshold: NonNegative | None = None
     """Load difference (tokens) under which cache locality decides; None: the router's default."""
     pd_policy: Literal["heatmap", "threshold", "colocated", "disaggregated"] | None = None

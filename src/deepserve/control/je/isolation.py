@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Mapping
 
 from deepserve.control.je.suspects import HeldSuspects, SuspectBook
 from deepserve.control.je.tasks import Task
-from deepserve.control.routing.router import NoTEAvailable
+from deepserve.control.je.routing.router import NoTEAvailable
 from deepserve.messages.control import TEInfo
 from deepserve.messages.engine import SubmitRequest
 

@@ -8,7 +8,7 @@
     JE ──RequestFailed──> the request's reply_to (no TE, bad input, its TE went down)
 
 A chat or completion request is a job of one `colocated` task, or, when the
-PD policy (control/routing/pd_policy.py: DeepServe Algorithm 1, step 1) says the
+PD policy (control/je/routing/pd_policy.py: DeepServe Algorithm 1, step 1) says the
 request's shape is served better disaggregated, of a `prefill` and a
 `decode` task: the decode TE gets the request with prefill_from = the chosen
 prefill TE and orders the KV from it itself (messages/pd.py). Either way the
@@ -57,9 +57,9 @@ from deepserve.control.je.suspects import SuspectBook
 from deepserve.control.je.tasks import CRASHED, EventSink, Task, crashed_text, no_event
 from deepserve.control.je.te_links import TELinks
 from deepserve.control.je.turns import TurnBook, request_ids
-from deepserve.control.routing.dualpath import DualPathScheduler, engine_loads
-from deepserve.control.routing.pd_policy import PDPolicy
-from deepserve.control.routing.router import NoTEAvailable, PromptHashes, Router
+from deepserve.control.je.routing.dualpath import DualPathScheduler, engine_loads
+from deepserve.control.je.routing.pd_policy import PDPolicy
+from deepserve.control.je.routing.router import NoTEAvailable, PromptHashes, Router
 from deepserve.errors import InvalidRequestError
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, SubSocket

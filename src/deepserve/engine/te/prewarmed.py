@@ -4,7 +4,7 @@
         imports torch and the TE's modules, starts the forkserver that forks
         the TE's tokenizer, master and workers (it preloads the same modules),
         binds its inbox, says Ready(component=pool3) to the supervisor, waits
-    supervisor ──Assign(te_id, model, run_id)──> inbox ──> te_server.serve() as that TE
+    supervisor ──Assign(te_id, model, run_id)──> inbox ──> te_server (run_main) as that TE
 
 DeepServe's Scaler-Pre and TE-Pre-Load, moved off the critical path: a
 scale-out (or the replacement of a crashed TE) that finds one ready skips

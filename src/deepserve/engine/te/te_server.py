@@ -32,8 +32,8 @@ import time
 import msgspec
 import zmq
 
-from deepserve.actor import ActorLife
-from deepserve.config.child import ChildArgs, parse_child_args, print_config
+from deepserve.actor import ActorLife, run_main
+from deepserve.config.child import ChildArgs
 from deepserve.config.engine import EngineConfig
 from deepserve.config.loading import read_run_config
 from deepserve.engine.te.launcher import TELauncher
@@ -65,11 +65,26 @@ class TESettings(msgspec.Struct, frozen=True, kw_only=True):
     """The node's KV tier service ("": none)."""
     cache_cost_model: bool = True
     """[node] cache_cost_model."""
+    started_at: float | None = None
+    """time.monotonic() this TE's scale-out began here: a pre-warmed pod's
+    Assign (its transit is this TE's too); None: this process's start."""
 
 
 def load_settings(args: ChildArgs) -> TESettings:
+    """The TE's settings; with --pool, once an Assign names the TE this
+    pre-warmed process becomes (it waits for it; none: the node is gone)."""
+    started_at = None
+    if args.pool:
+        _, run = read_run_config(args.conf)
+        assign = wait_for_assignment(args.te_id, run.te_address(args.te_id), args.parent_pid)
+        if assign is None:
+            raise SystemExit(0)  # the node is gone
+        now = time.monotonic()
+        started_at = assign.sent_at if 0 < assign.sent_at <= now else now
+        args = dataclasses.replace(args, te_id=assign.te_id, model=assign.model,
+                                   run_id=assign.run_id, pool=False)
     config, run = read_run_config(args.conf)
-    settings = _settings(args, config, run)
+    settings = msgspec.structs.replace(_settings(args, config, run), started_at=started_at)
     if config.cluster.is_cluster:  # peers on other hosts send KV to this host's address
         engine = dataclasses.replace(settings.engine, kv_bind_host=config.cluster.host)
         settings = msgspec.structs.replace(settings, engine=engine)
@@ -98,43 +113,37 @@ def _settings(args: ChildArgs, config, run) -> TESettings:
                       kv_cache=run.kv_cache, cache_cost_model=config.node.cache_cost_model)
 
 
-def serve(s: TESettings, parent_pid: int | None, started_at: float | None = None) -> int:
-    """Start the TE, warm it up, announce it, watch it; the exit status.
-    started_at: time.monotonic() its scale-out began here (the Assign's
-    arrival; None: this process's start)."""
-    life = ActorLife(f"te-{s.te_id}", parent_pid=parent_pid, component=s.te_id)
+def build(ctx: zmq.Context, s: TESettings, life: ActorLife) -> "_Host":
+    """The TE started, warmed up and ready to announce (run_main's build)."""
     if life.faults.active("crash") is not None:
-        life.close()
         raise SystemExit(f"drill: TE {s.te_id} crashes at start")
-    launcher = TELauncher(dataclasses.replace(s.engine, processes=True), s.te_id, s.inbox, s.cm,
-                          s.run_id, tier_address=s.kv_cache, cache_cost_model=s.cache_cost_model)
-    ctx = zmq.Context()
-    host = _Host(s, launcher, ctx)
-    try:
-        launched = time.monotonic()
-        launcher.start()
-        loaded = time.monotonic()
-        _warm_up(ctx, launcher, life)
-        life.ready(**_stages(launcher, started_at, launched, loaded))
-        life.run(host.step, host.progress)
-    finally:
-        host.close()
-        ctx.term()
-        life.close()
-    return host.status
+    return _Host(s, ctx, life)
 
 
 class _Host:
-    """The serve loop's state: announce the TE, watch its processes."""
+    """A started TE: its processes (a TELauncher), warmed up by one request;
+    each step announces it to the CM and watches its processes."""
 
-    def __init__(self, s: TESettings, launcher: TELauncher, ctx: zmq.Context):
-        self.launcher, self.te_id = launcher, s.te_id
-        self.to_cm = PushSocket(ctx, s.cm, bind=False)
-        self.sink = PullSocket(ctx, launcher.address["client"], bind=True, type=ToClient)
+    def __init__(self, s: TESettings, ctx: zmq.Context, life: ActorLife):
+        self.te_id = s.te_id
+        self.launcher = TELauncher(dataclasses.replace(s.engine, processes=True), s.te_id,
+                                   s.inbox, s.cm, s.run_id, tier_address=s.kv_cache,
+                                   cache_cost_model=s.cache_cost_model)
+        launched = time.monotonic()
+        self.launcher.start()
+        try:
+            loaded = time.monotonic()
+            _warm_up(ctx, self.launcher, life)
+            self.ready_details = _stages(self.launcher, s.started_at, launched, loaded)
+            self.to_cm = PushSocket(ctx, s.cm, bind=False)
+            self.sink = PullSocket(ctx, self.launcher.address["client"], bind=True, type=ToClient)
+        except BaseException:
+            self.launcher.shutdown()
+            raise
         self.up = TEUp(info=TEInfo(te_id=s.te_id, te_type=s.te_type, model=s.served_model,
-                                   incarnation=launcher.run_id,
+                                   incarnation=self.launcher.run_id,
                                    address=s.inbox, num_devices=s.engine.tp,
-                                   block_size=launcher.config.block_size))
+                                   block_size=self.launcher.config.block_size))
         self.last_up = 0.0
         self.num_announced = 0
         self.status = 0
@@ -215,21 +224,10 @@ def _warm_up(ctx: zmq.Context, launcher: TELauncher, life: ActorLife,
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_child_args(argv, "te", __doc__.split("\n\n")[0])
-    started_at = None
-    if args.pool:
-        _, run = read_run_config(args.conf)
-        assign = wait_for_assignment(args.te_id, run.te_address(args.te_id), args.parent_pid)
-        if assign is None:
-            raise SystemExit(0)  # the node is gone
-        now = time.monotonic()  # from the Assign's sending: its transit is this TE's too
-        started_at = assign.sent_at if 0 < assign.sent_at <= now else now
-        args = dataclasses.replace(args, te_id=assign.te_id, model=assign.model,
-                                   run_id=assign.run_id, pool=False)
-    settings = load_settings(args)
-    if args.print_config:
-        return print_config(settings)
-    raise SystemExit(serve(settings, args.parent_pid, started_at))
+    status = run_main("te", __doc__.split("\n\n")[0], argv, load_settings, build,
+                      lambda host: host.progress(), name=lambda s: (f"te-{s.te_id}", s.te_id),
+                      ready=lambda host: host.ready_details, status=lambda host: host.status)
+    raise SystemExit(status)
 
 
 if __name__ == "__main__":

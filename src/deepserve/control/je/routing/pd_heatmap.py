@@ -1,4 +1,4 @@
-"""The PD heatmap of DeepServe Algorithm 1 (see control/routing/pd_policy.py).
+"""The PD heatmap of DeepServe Algorithm 1 (see control/je/routing/pd_policy.py).
 
 Heatmap file (JSON, conf/pd_heatmap.json):
 

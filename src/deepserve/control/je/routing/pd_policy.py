@@ -6,8 +6,8 @@
                                                     "colocated" | "disaggregated"
                                       then Router.decide(..., te_type) picks the TE
 
-The heatmap (control/routing/pd_heatmap.py) and the decode-length predictor
-(control/routing/decode_predictor.py) are read from conf/ by PDPolicy.from_files.
+The heatmap (control/je/routing/pd_heatmap.py) and the decode-length predictor
+(control/je/routing/decode_predictor.py) are read from conf/ by PDPolicy.from_files.
 
 PDPolicy modes:
   heatmap        disaggregated when lookup(p, predicted d) > margin (default 0.0);
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection, Sequence
 
-from deepserve.control.routing.decode_predictor import DecodeLengthPredictor
-from deepserve.control.routing.pd_heatmap import Heatmap, PDConfigError
+from deepserve.control.je.routing.decode_predictor import DecodeLengthPredictor
+from deepserve.control.je.routing.pd_heatmap import Heatmap, PDConfigError
 
 MODES = ("heatmap", "threshold", "colocated", "disaggregated")
 

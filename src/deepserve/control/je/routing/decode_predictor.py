@@ -20,7 +20,7 @@ from operator import itemgetter, mul
 from pathlib import Path
 from typing import Sequence
 
-from deepserve.control.routing.pd_heatmap import PDConfigError, _read_json
+from deepserve.control.je.routing.pd_heatmap import PDConfigError, _read_json
 
 PREDICTOR_FORMAT = "deepserve.decode_predictor/1"
 BUCKET_SIZE = 128

@@ -44,7 +44,7 @@ from itertools import compress, repeat
 from typing import Collection, Sequence
 
 from deepserve.cache.block_hash import prompt_block_hashes
-from deepserve.control.routing.prompt_index import GlobalPromptIndex
+from deepserve.control.je.routing.prompt_index import GlobalPromptIndex
 from deepserve.messages.control import TEInfo, TEReport
 
 log = logging.getLogger(__name__)
