@@ -13,7 +13,6 @@ requests keep flowing, since Ray is not on the serving path.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
 import signal
@@ -26,7 +25,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.cluster.test_cluster_hosts import KEY, SHORT, URL, _scratch
+from tests.cluster.test_cluster_hosts import KEY, SHORT, URL
+from tests.scratch import Scratch
 
 pytest.importorskip("ray", reason="the Ray fabric needs the cluster extra (ray)")
 pytestmark = pytest.mark.slow  # three Ray nodes and three deepserve nodes
@@ -64,7 +64,7 @@ def _conf(d: Path, name: str, text: str) -> str:
 @pytest.fixture(scope="module")
 def fabric(hosts, tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("fabric")
-    before = _scratch()
+    scratch = Scratch()  # the nodes' TMPDIR (through Ray's daemons to the fabric's actors)
     temp_dirs = [tempfile.mkdtemp(prefix="dsray-", dir="/tmp") for _ in range(3)]  # short paths
     head = _conf(d, "head.toml", f"""
 [node]
@@ -90,7 +90,7 @@ host = "127.0.0.1"
 head = "127.0.0.1:7400"
 """)
     # Ray's token authentication, one token for this cluster (every Ray process, the fabric)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    env = {**scratch.env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     rays = [_ray_start(hosts, 0, temp_dirs[0], env, d / "ray-h0.log")]
     deadline = time.monotonic() + 60  # the GCS first
     while "Ray runtime started" not in (d / "ray-h0.log").read_text(errors="replace"):
@@ -118,8 +118,9 @@ head = "127.0.0.1:7400"
             hosts.reap(ray)
         for temp_dir in temp_dirs:
             shutil.rmtree(temp_dir, ignore_errors=True)
-        for path in _scratch() - before:
-            subprocess.run(["rm", "-rf", str(path)], check=False)
+        scratch.close()
+        scratch.sweep()  # what the killed Ray head's node could not clean
+        scratch.remove_dir()
 
 
 def _logs(d: Path) -> str:
