@@ -46,11 +46,12 @@ class Stack:
 
 
 @contextmanager
-def running_stack(send_buffer: int | None = None, **overrides):
+def running_stack(send_buffer: int | None = None, backend_type=FakeBackend, **overrides):
     """Yield a Stack; stop and join everything on the way out. send_buffer:
-    SO_SNDBUF of the listening socket (accepted sockets inherit it)."""
+    SO_SNDBUF of the listening socket (accepted sockets inherit it);
+    backend_type(je_address, cm_address): what plays the JE, TEs and CM."""
     run_dir = tempfile.mkdtemp(prefix="dsgw-", dir="/tmp")
-    backend = FakeBackend(ipc_address(run_dir, "je"), ipc_address(run_dir, "cm")).start()
+    backend = backend_type(ipc_address(run_dir, "je"), ipc_address(run_dir, "cm")).start()
     # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else ~40 ms a reply)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     if send_buffer is not None:
@@ -102,7 +103,7 @@ def no_leftover_threads():
     """Torn down last: every stack's threads must have been joined."""
     yield
     left = [t.name for t in threading.enumerate()
-            if t.name in ("fake-backend", "gateway-uvicorn") and t.is_alive()]
+            if t.name in ("fake-backend", "gateway-uvicorn", "je-backend") and t.is_alive()]
     shutil.rmtree(_HYPOTHESIS_HOME, ignore_errors=True)
     assert not left, f"threads left running: {left}"
 

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from deepserve.gateway.metrics import GatewayMetrics, RequestTiming
 from deepserve.messages.cache import TierReport
 from deepserve.messages.control import TEInfo, TEReport
+from deepserve.messages.engine import RequestDelta, RequestFailed
 from deepserve.messages.scaling import ScaleEvent
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "conf" / "grafana" / "deepserve.json"
@@ -99,6 +100,11 @@ def families():
                                            source="cold", stages={"te_load": 0.1}))
     metrics.refresh(num_running=2, num_waiting=1, te_ids=["m-0"], reports={"m-0": report})
     metrics.refresh_models(["m"], [TEInfo(te_id="m-0", model="m", address="ipc://m-0")])
+    metrics.observe_admission("a", RequestDelta(request_id="r", text="", token_ids=[],
+                                                 queued_s=0.5))
+    metrics.observe_admission("a", RequestFailed(request_id="s", error="rate_limited",
+                                                 message="", retry_after_s=1))
+    metrics.refresh_tenants([("a", True), ("a", False)])
     return {f.name: f for f in text_string_to_metric_families(metrics.render().decode())
             if f.name.startswith("deepserve_")}
 
@@ -138,7 +144,7 @@ def test_panels_are_well_formed(dashboard):
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     rows = [p["title"] for p in panels if p["type"] == "row"]
     assert rows == ["Traffic", "Latency", "TEs & cache", "Scaling", "KV transfer",
-                    "KV cache tiers", "DualPath storage reads"]
+                    "KV cache tiers", "DualPath storage reads", "Tenants"]
     for panel in panels:
         assert panel["title"], panel
         assert {"h", "w", "x", "y"} <= set(panel["gridPos"]), panel["title"]

@@ -21,6 +21,7 @@ import msgspec
 
 from deepserve.config.models import ModelSpec, model_spec
 from deepserve.config.cluster import named_for_cluster
+from deepserve.config.tenants import TenantSection, TenantsSection
 from deepserve.config.node import (_SECTION_TYPES, ENGINE_OPTIONS, NodeConfig, RunAddresses,
                                    TESpec)
 
@@ -49,6 +50,7 @@ def load_node_config(path: str | Path, overrides: dict | None = None) -> NodeCon
     for section in ("node", "gateway", "router", "supervisor", "scaling", "cluster"):
         table = _absolute_paths(section, dict(raw.get(section, {})), root)
         parts[section] = _decode(path, f"[{section}]", table, _SECTION_TYPES[section])
+    parts["tenants"] = _tenants(path, dict(raw.get("tenants", {})))
     tes = named_for_cluster(_te_specs(path, raw.get("te", [])), parts["cluster"])
     models = tuple(_model_specs(path, raw.get("model", []), root))
     try:
@@ -98,6 +100,18 @@ def _model_specs(path, tables, root: Path) -> list[ModelSpec]:
     return specs
 
 
+def _tenants(path, table: dict) -> TenantsSection:
+    """[tenants], each [tenants.named.NAME] decoded on its own: an error names the tenant."""
+    named = table.pop("named", {})
+    if not isinstance(named, dict) or not all(isinstance(t, dict) for t in named.values()):
+        raise ValueError(f"{path}: [tenants] named: write one [tenants.named.NAME] table "
+                         "per tenant")
+    section = _decode(path, "[tenants]", table, TenantsSection)
+    return msgspec.structs.replace(section, named={
+        name: _decode(path, f"[tenants.named.{name}]", t, TenantSection)
+        for name, t in named.items()})
+
+
 def _decode(path, where: str, table, struct_type):
     """One section, with the file, section and key in any error."""
     try:
@@ -140,6 +154,8 @@ def _section_of(message: str) -> str:
         return f"[[model]] {rest}"
     if head == "node:":
         return f"[node] {rest}"
+    if head == "tenants:":
+        return f"[tenants] {rest}"
     if head in ENGINE_OPTIONS:
         return f"[[te]] {head}: {rest}"
     return message

@@ -8,6 +8,7 @@
     [[model]]     ModelSection       more models, scaled by the autoscaler (config/models.py)
     [scaling]     ScalingSection     pre-warmed pool, weight cache, autoscaler (config/models.py)
     [cluster]     ClusterSection     this host's address, the head a node joins (config/cluster.py)
+    [tenants]     TenantsSection     tenants' weights and limits (config/tenants.py)
     (resolved)    RunAddresses       the run's sockets, written by the node, never in TOML
 
 Decoding forbids unknown keys and checks ranges (Meta constraints); the
@@ -30,6 +31,7 @@ from msgspec import Meta
 from deepserve.config.cluster import ClusterSection, named_for_cluster
 from deepserve.config.engine import EngineConfig
 from deepserve.config.models import ModelSection, ModelSpec, ScalingSection
+from deepserve.config.tenants import TenantsSection
 
 Positive = Annotated[float, Meta(gt=0)]
 NonNegative = Annotated[float, Meta(ge=0)]
@@ -294,6 +296,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The [[model]] tables (and command-line models), scaled by the autoscaler."""
     scaling: ScalingSection = ScalingSection()
     cluster: ClusterSection = ClusterSection()
+    tenants: TenantsSection = TenantsSection()
     run: RunAddresses | None = None
     """Set by the node once its run directory exists (None in what conf/ files give)."""
 
@@ -317,6 +320,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"model: two models are named alike: {names}")
         for model in self.models:
             model.check()
+        self.tenants.check_names(set(self.gateway.api_keys.values()))
         n = self.node
         if n.disk_cache_dir and n.disk_cache_bytes and not n.host_cache_bytes:
             raise ValueError("node: disk_cache_bytes: the disk tier is fed through the host "
@@ -381,5 +385,6 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 _SECTION_TYPES = {"node": NodeSection, "gateway": GatewaySection, "router": RouterSection,
                   "supervisor": SupervisorConfig, "te": TESection, "model": ModelSection,
-                  "scaling": ScalingSection, "cluster": ClusterSection}
+                  "scaling": ScalingSection, "cluster": ClusterSection,
+                  "tenants": TenantsSection}
 """TOML section name -> its Struct (the loader's only list of sections)."""

@@ -44,6 +44,8 @@ _FAILURES = {
     "kv_transfer_failed": (503, "service_unavailable", "kv_transfer_failed", _RETRY),
     "context_not_found": (404, "invalid_request_error", "context_not_found", None),
     "too_many_contexts": (429, "rate_limit_error", "too_many_contexts", None),
+    # the tenant is at its [tenants] max_requests / max_tokens (control/je/fair_share.py)
+    "rate_limited": (429, "rate_limit_error", "rate_limit_exceeded", None),
     "context_over_budget": (507, "insufficient_storage", "context_over_budget",
                             "The KV budget for contexts is full; delete a context or retry "
                             "later."),
@@ -111,12 +113,15 @@ class APIError(Exception):
                    "timeout", None, "request_timeout")
 
     @classmethod
-    def from_failure(cls, error: str, message: str, param: str | None = None):
+    def from_failure(cls, error: str, message: str, param: str | None = None,
+                     retry_after_s: int = 0):
         """The error a RequestFailed from the JE / a TE stands for; an engine
-        failure's message is replaced by a public one (the original is logged)."""
+        failure's message is replaced by a public one (the original is logged);
+        retry_after_s > 0 becomes a Retry-After header."""
         status, type_, code, public = _FAILURES.get(error, (500, "server_error", error, _INTERNAL))
         if public is None:
-            return cls(status, message, type_, param, code)
+            headers = {"Retry-After": str(retry_after_s)} if retry_after_s > 0 else None
+            return cls(status, message, type_, param, code, headers)
         logger.warning("request failed (%s): %s", error, message)
         return cls(status, public, type_, None, code)
 

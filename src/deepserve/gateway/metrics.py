@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 
 from deepserve.messages.cache import TierReport
 from deepserve.messages.control import TEInfo, TEReport
+from deepserve.messages.engine import RequestDelta, RequestFailed
 from deepserve.messages.scaling import ScaleEvent
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -105,6 +106,23 @@ class GatewayMetrics:
             ["te_id", "path"], registry=r)
         self.storage_queue = Gauge("deepserve_storage_read_queue_tokens", "Tokens of KV a TE "
                                    "still has to read from the disk tier", ["te_id"], registry=r)
+        self.tenant_queued = Gauge(
+            "deepserve_tenant_requests_queued", "Sub-requests sent and not answered yet: "
+            "waiting in the job executor's fair queue (or being prefilled)", ["tenant"],
+            registry=r)
+        self.tenant_in_flight = Gauge("deepserve_tenant_requests_in_flight",
+                                      "Sub-requests streaming their output", ["tenant"],
+                                      registry=r)
+        self.tenant_admitted = Counter("deepserve_tenant_requests_admitted", "Sub-requests "
+                                       "the job executor took (not refused)", ["tenant"],
+                                       registry=r)
+        self.tenant_rejected = Counter("deepserve_tenant_requests_rejected", "Sub-requests "
+                                       "refused for a tenant limit (HTTP 429)", ["tenant"],
+                                       registry=r)
+        self.tenant_queue_wait = Histogram(
+            "deepserve_tenant_queue_wait_seconds", "Seconds a sub-request waited in the job "
+            "executor's fair queue for a free TE slot", ["tenant"],
+            buckets=(0.0, 0.01, 0.05) + _STAGE_BUCKETS[3:] + (60.0, 120.0), registry=r)
         self._hits_seen: dict[tuple[str, str], int] = {}
         self._reads_seen: dict[tuple[str, str], int] = {}
 
@@ -123,6 +141,27 @@ class GatewayMetrics:
         if timing.num_tokens > 1:
             self.tpot.observe((timing.finished_at - timing.first_token_at)
                               / (timing.num_tokens - 1))
+
+    def observe_admission(self, tenant: str | None, first: RequestDelta | RequestFailed) -> None:
+        """A sub-request's first reply: refused for its tenant's limit, or taken
+        (a delta: with its wait in the job executor's fair queue)."""
+        tenant = tenant or "default"
+        if isinstance(first, RequestFailed):
+            if first.error == "rate_limited":
+                self.tenant_rejected.labels(tenant=tenant).inc()
+            return
+        self.tenant_admitted.labels(tenant=tenant).inc()
+        self.tenant_queue_wait.labels(tenant=tenant).observe(first.queued_s)
+
+    def refresh_tenants(self, open_requests: Iterable[tuple[str | None, bool]]) -> None:
+        """Queued / in-flight gauges per tenant from (tenant, started) of each
+        open sub-request; a tenant with none shows 0 once it has been seen."""
+        for gauge in (self.tenant_queued, self.tenant_in_flight):
+            for labels in list(gauge._metrics):
+                gauge.labels(*labels).set(0)
+        for tenant, is_started in open_requests:
+            gauge = self.tenant_in_flight if is_started else self.tenant_queued
+            gauge.labels(tenant=tenant or "default").inc()
 
     def observe_te_report(self, report: TEReport) -> None:
         """Counters a TEReport carries as increments since the previous one."""

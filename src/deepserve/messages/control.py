@@ -34,6 +34,10 @@ class TEInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     block_size: int = 16
     draining: bool = False
     """Chosen for scale-in: routed nothing new; its tasks run to their end."""
+    max_num_seqs: int = 0
+    """Requests it runs at once at most (its engine's max_num_seqs): the job
+    executor sends it no more, holding the rest in its fair queue; 0: unknown,
+    no bound."""
     incarnation: str = ""
     """The TE process's run id (new on every restart): the CM's re-up fence
     holds back only the incarnation that went down."""

@@ -36,7 +36,13 @@ class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     the end) are output the caller already received tokens of, and
     resumed_text_chars how many characters of their text it received: the
     TE detokenizes from those ids on and streams only the text past that
-    point, so the caller's text has no gap and no repeat."""
+    point, so the caller's text has no gap and no repeat.
+    tenant: who pays for the request (the API key's tenant, set by the
+    gateway): the job executor's fair queue and per-tenant limits;
+    done_to: (JE -> TE) where the TE's tokenizer sends TaskDone when the
+    request ends there, any way (the JE frees its slot on that TE);
+    queued_s: (JE -> TE) seconds it waited in the JE's fair queue, echoed on
+    the first RequestDelta (the gateway's per-tenant queue-wait metric)."""
 
     request_id: str
     model: str | None = None  # the served model name; None: the node's first model
@@ -53,11 +59,21 @@ class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     context_id: str | None = None  # gateway -> JE: a context's prompt comes first
     pin_context: ContextPin | None = None  # JE -> TE: this request creates that context
     read_path: str | None = None  # JE -> decode TE: "decode" (DualPath: read storage here)
+    tenant: str | None = None
+    done_to: str | None = None
+    queued_s: float = 0.0
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_STRUCT):
     request_id: str
 
+
+class TaskDone(msgspec.Struct, tag="task_done", **_STRUCT):
+    """TE tokenizer -> JE (SubmitRequest.done_to): the request's attempt
+    ended on this TE (finished, aborted, failed or refused): its slot is free."""
+
+    request_id: str
+    attempt: int = 0
 
 
 # -- tokenizer -> master ----------------------------------------------------
@@ -122,6 +138,7 @@ class RequestDelta(msgspec.Struct, tag="delta", **_STRUCT):
     cached_tokens: int = 0
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     attempt: int = 0  # the SubmitRequest's: a late delta of an earlier attempt is dropped
+    queued_s: float = 0.0  # on the first delta: the SubmitRequest's queued_s
 
 
 RETRYABLE_ERRORS = ("te_lost", "kv_transfer_failed")
@@ -130,12 +147,15 @@ RETRYABLE_ERRORS = ("te_lost", "kv_transfer_failed")
 class RequestFailed(msgspec.Struct, tag="failed", **_STRUCT):
     """error: "invalid_request", "prompt_too_long", "engine_dead", or one of
     RETRYABLE_ERRORS: the request's TE (or its KV transfer) failed and the
-    caller may resubmit it with the tokens it has as a resumed attempt."""
+    caller may resubmit it with the tokens it has as a resumed attempt.
+    "rate_limited": the tenant is at one of its limits (HTTP 429); retry
+    after retry_after_s seconds."""
 
     request_id: str
     error: str
     message: str
     param: str | None = None
+    retry_after_s: int = 0
 
 
 class EngineStats(msgspec.Struct, tag="stats", **_STRUCT):

@@ -7,6 +7,7 @@ import msgspec
 from deepserve.config.child import ChildArgs
 from deepserve.config.loading import read_run_config
 from deepserve.config.node import RouterSection
+from deepserve.config.tenants import TenantsSection
 
 PARK_S = 10.0
 """Seconds a request that no TE can take waits for one (job_executor.py)."""
@@ -37,6 +38,8 @@ class JESettings(msgspec.Struct, frozen=True, kw_only=True):
     """Where the context registry is kept (the run directory's contexts.json)."""
     continuity: bool = True
     """[router] token_continuity."""
+    tenants: TenantsSection = TenantsSection()
+    """[tenants]: weights and limits per tenant (control/je/fair_share.py)."""
 
 
 def load_settings(args: ChildArgs) -> JESettings:
@@ -46,4 +49,4 @@ def load_settings(args: ChildArgs) -> JESettings:
                       cm=run.cm, queue_timeout_s=config.scaling.queue_timeout_s,
                       max_attempts=config.node.max_attempts, router=config.router,
                       kv_cache=run.kv_cache, contexts_path=f"{run.run_dir}/contexts.json",
-                      continuity=config.router.token_continuity)
+                      continuity=config.router.token_continuity, tenants=config.tenants)

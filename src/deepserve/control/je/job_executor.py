@@ -23,6 +23,12 @@ of being refused. A request for a scalable model with no TE waits up to
 [scaling] queue_timeout_s while the autoscaler starts one: the JE tells the
 cluster manager what arrived and what is held (ModelDemand, model_book.py).
 
+Tenants (fair_share.py): a TE is sent at most its max_num_seqs requests;
+the rest wait in a fair queue per model and go out in weighted fair order
+(fair_queue.py) as the TEs' tokenizers say requests ended (TaskDone, to
+done_to: this JE's inbox). A tenant past its [tenants] limits is refused
+(rate_limited: the gateway's 429).
+
 Many models (model_book.py): a request is routed only to its model's TEs;
 a TE draining for scale-in gets nothing new and finishes what it has.
 
@@ -48,6 +54,7 @@ import zmq
 from deepserve.actor import run_main
 from deepserve.config.node import RouterSection
 from deepserve.control.je.context_jobs import ContextJobs
+from deepserve.control.je.fair_share import FairShare, num_tokens, tenant_of
 from deepserve.control.je.contexts import ContextBook
 from deepserve.control.je.isolation import Isolation
 from deepserve.control.je.je_settings import PARK_S, JESettings, load_settings
@@ -66,12 +73,13 @@ from deepserve.ipc.sockets import PullSocket, SubSocket
 from deepserve.messages.control import FromClusterManager, TEList, TEReport
 from deepserve.messages.cache import ContextUnpin
 from deepserve.messages.contexts import CreateContext, DeleteContext, GetContext, TurnDone
-from deepserve.messages.engine import AbortRequest, RequestDelta, RequestFailed, SubmitRequest
+from deepserve.messages.engine import (AbortRequest, RequestDelta, RequestFailed, SubmitRequest,
+                                       TaskDone)
 from deepserve.messages.scaling import RequestLatencies
 
 log = logging.getLogger(__name__)
 _IN = (SubmitRequest | AbortRequest | RequestLatencies | CreateContext | GetContext
-       | DeleteContext | TurnDone | RequestDelta | RequestFailed)
+       | DeleteContext | TurnDone | RequestDelta | RequestFailed | TaskDone)
 
 
 class JobExecutor:
@@ -91,6 +99,8 @@ class JobExecutor:
                          else DualPathScheduler(**msgspec.structs.asdict(r.dualpath)))
         self.ctx = ctx
         self.inbox = PullSocket(ctx, s.inbox, bind=True, type=_IN)
+        self.inbox_address = s.inbox  # done_to of every task (TaskDone)
+        self.share = FairShare(s.tenants)  # tenants' limits, TE slots, fair queues
         self.cm = SubSocket(ctx, s.cm_pub, bind=False, type=FromClusterManager)
         self.book = ModelBook(s.models, s.scalable)  # tokenizers, TEs and demand per model
         self.cm_inbox, self.queue_timeout_s = s.cm or None, s.queue_timeout_s  # ModelDemand
@@ -128,6 +138,9 @@ class JobExecutor:
             for msg in self.inbox.drain():
                 self._on_inbox(msg)
         self.contexts.step()
+        if self.share:
+            self.share.release(lambda m, ids, until, queued_s:
+                               self._send(m, ids, until, queued_s) is not None)
         if self.parking:
             self.parking.unpark()
         if self.isolation:
@@ -149,6 +162,10 @@ class JobExecutor:
             self.contexts.on_reply(msg)  # of a context's prefill (reply_to is this JE)
         elif isinstance(msg, TurnDone):
             self.turns.on_done(msg.request_id, msg.output_ids)
+        elif isinstance(msg, TaskDone):
+            task = self.tasks.get(msg.request_id)
+            if task is not None and task.attempt == msg.attempt:
+                self._end_task(msg.request_id)
         else:
             {CreateContext: self.contexts.create, GetContext: self.contexts.get,
              DeleteContext: self.contexts.delete}[type(msg)](msg)
@@ -168,6 +185,9 @@ class JobExecutor:
             ids = request_ids(msg, model, self.book, self.contexts.book, self.turns)
         except InvalidRequestError as e:
             return self._fail(msg, e.code, str(e), e.param)
+        refused = self.share.admit(msg, num_tokens(msg, ids))
+        if refused is not None:
+            return self._reply(msg.reply_to, refused)
         if msg.attempt == 0:
             self.book.note_arrival(model)
         if self.isolate_suspects and self.suspects.is_suspect(msg.request_id):
@@ -177,13 +197,30 @@ class JobExecutor:
         self._dispatch(msg, ids, time.monotonic() + wait_s)
 
     def _dispatch(self, msg: SubmitRequest, ids: list[int], park_until: float) -> bool:
-        """Route and send the job, or park it until park_until; False: parked."""
+        """Route and send the job; while every TE of its model is full (or
+        others wait), wait in its fair queue; with no TE, park it until
+        park_until. False: it waits."""
+        model = self.book.name_of(msg.model)
+        sent = None if self.share.has_waiting(model) else self._send(msg, ids, park_until)
+        if sent is None:
+            self.share.wait(model, msg, ids, park_until)
+            return False
+        return sent
+
+    def _send(self, msg: SubmitRequest, ids: list[int], park_until: float,
+              queued_s: float = 0.0) -> bool | None:
+        """Route among the TEs with a free slot and send; True: sent (or
+        failed for good), False: parked, None: its model's TEs are full."""
+        full = self.share.full_tes()
         try:
             if not self.links.has_list:
                 raise NoTEAvailable("no TE list from the cluster manager yet")
-            te_id, prefill_te, path = self._route(ids, msg.salt, msg.model,
+            te_id, prefill_te, path = self._route(ids, msg.salt, msg.model, exclude=full,
                                                   max_tokens=msg.sampling.max_tokens)
         except NoTEAvailable as e:
+            te_model = self.book.te_model(self.book.name_of(msg.model))
+            if full and self.share.is_saturated(full, self.router.tes.values(), te_model):
+                return None
             if self.parking.park(msg, ids, park_until, time.monotonic()):
                 return False
             model = self.book.name_of(msg.model)
@@ -191,7 +228,8 @@ class JobExecutor:
                    if self.book.waits_for_scaling(model) else f"no TE can take the request: {e}")
             self._fail(msg, "engine_dead", why)
             return True
-        if self._send_task(msg, ids, te_id, prefill_te, read_path=path) and msg.attempt:
+        if self._send_task(msg, ids, te_id, prefill_te, read_path=path,
+                           queued_s=queued_s) and msg.attempt:
             self._note_migrated(msg, te_id, len(ids))
         return True
 
@@ -216,7 +254,8 @@ class JobExecutor:
         return self.router.route(ids, salt, "decode", exclude, te_model, hashes), prefill_te, None
 
     def _send_task(self, msg: SubmitRequest, ids: list[int], te_id: str, prefill_te: str | None,
-                   is_suspect: bool = False, read_path: str | None = None) -> bool:
+                   is_suspect: bool = False, read_path: str | None = None,
+                   queued_s: float = 0.0) -> bool:
         """Send the task; a TE that does not take it in time fails it (retryable)."""
         prefill_from = self.links.addresses[prefill_te] if prefill_te is not None else None
         task = SubmitRequest(request_id=msg.request_id, prompt_token_ids=ids,
@@ -224,11 +263,16 @@ class JobExecutor:
                              prefill_from=prefill_from, attempt=msg.attempt,
                              resumed_output_ids=msg.resumed_output_ids,
                              resumed_text_chars=msg.resumed_text_chars,
-                             pin_context=msg.pin_context, read_path=read_path)
+                             pin_context=msg.pin_context, read_path=read_path,
+                             tenant=tenant_of(msg), done_to=self.inbox_address,
+                             queued_s=round(queued_s, 6))
         if not self.links.put(te_id, task):
             self._fail(msg, "te_lost", "the engine chosen for the request did not take it in "
                                        "time; retry")
             return False
+        if msg.request_id in self.tasks:  # a new attempt replaces its task
+            self.share.give(self.tasks[msg.request_id].te_id)
+        self.share.take(te_id)
         self.tasks[msg.request_id] = Task(msg.request_id, te_id, msg.reply_to, prefill_te,
                                           msg.attempt, is_suspect)
         return True
@@ -257,11 +301,22 @@ class JobExecutor:
     def _abort(self, msg: AbortRequest) -> None:
         self.isolation.drop(msg.request_id)
         self.parking.drop(msg.request_id)
+        self.share.drop(msg.request_id)
         task = self.tasks.get(msg.request_id)
         if task is not None:
-            self.links.put(task.te_id, msg)
+            self.links.put(task.te_id, msg)  # it ends there: TaskDone
+        else:
+            self.share.forget(msg.request_id)  # it waited here: nothing runs it
+
+    def _end_task(self, request_id: str) -> Task:
+        """The task ended (or its TE is gone): its slot and its tenant's share free."""
+        task = self.tasks.pop(request_id)
+        self.share.give(task.te_id)
+        self.share.forget(request_id)
+        return task
 
     def _fail(self, msg: SubmitRequest, error: str, text: str, param: str | None = None) -> None:
+        self.share.forget(msg.request_id)
         self._reply(msg.reply_to, RequestFailed(request_id=msg.request_id, error=error,
                                                 message=text, param=param))
 
@@ -279,7 +334,7 @@ class JobExecutor:
             for request_id in msg.finished:
                 task = self.tasks.get(request_id)
                 if task is not None and task.te_id == msg.te_id:
-                    del self.tasks[request_id]
+                    self._end_task(request_id)
                     self.suspects.forget(request_id)  # it completed: not poison
         elif isinstance(msg, TEList):
             self._update_tes(msg)
@@ -291,13 +346,14 @@ class JobExecutor:
         live, left = update
         # first: nothing routes to a TE that left, or that drains for scale-in
         self.router.update_tes([te for te in live if not te.draining])
+        self.share.note_tes(live)
         self.isolation.note_listed([te.te_type for te in live])
         for te_id in left:
             self._fail_tasks_of(te_id)
 
     def _fail_tasks_of(self, te_id: str) -> None:
         for task in [t for t in self.tasks.values() if te_id in (t.te_id, t.prefill_te)]:
-            del self.tasks[task.request_id]
+            self._end_task(task.request_id)
             if task.te_id != te_id:
                 self.links.put(task.te_id, AbortRequest(request_id=task.request_id))
             crashes = self.suspects.crashed(task.request_id, te_id)

@@ -143,7 +143,8 @@ class _Host:
         self.up = TEUp(info=TEInfo(te_id=s.te_id, te_type=s.te_type, model=s.served_model,
                                    incarnation=self.launcher.run_id,
                                    address=s.inbox, num_devices=s.engine.tp,
-                                   block_size=self.launcher.config.block_size))
+                                   block_size=self.launcher.config.block_size,
+                                   max_num_seqs=self.launcher.config.max_num_seqs))
         self.last_up = 0.0
         self.num_announced = 0
         self.status = 0

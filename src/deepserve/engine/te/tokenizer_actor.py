@@ -10,7 +10,8 @@ answered with RequestFailed and never reaches the master. A message that is
 valid but wrong (an unknown or duplicate request id, token ids outside the
 vocabulary) is answered or dropped, never fatal; a request whose caller does
 not take its deltas (Outboxes.put False: gone or stalled) is aborted in the
-TE, so no batch slot generates for nobody. Stop strings are
+TE, so no batch slot generates for nobody. A request that ends here, any
+way, is told to its job executor (TaskDone to done_to) once. Stop strings are
 found here (on text), so this process also tells the master to stop them.
 PD messages between TEs go master to master (messages/pd.py), not through here.
 """
@@ -34,7 +35,7 @@ from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.ipc.timeline import Timeline
 from deepserve.messages.engine import (AbortRequest, AddRequest, FinishRequest, GetStats,
                                        NewTokens, RequestDelta, RequestFailed, StepTokens,
-                                       SubmitRequest, ToTokenizer)
+                                       SubmitRequest, TaskDone, ToTokenizer)
 from deepserve.messages.pd import FailRequest
 from deepserve.model.config import load_model_config
 from deepserve.tokenizer import Tokenizer
@@ -83,6 +84,8 @@ class TokenizerActor:
         self.replies = Outboxes(ctx)  # a gone or bogus reply_to drops, never blocks
         self.reply_to: dict[str, str] = {}  # request id -> its caller's address
         self.attempts: dict[str, int] = {}  # request id -> attempt (resumed requests)
+        self.done_to: dict[str, str] = {}  # request id -> its JE's inbox (TaskDone)
+        self.queued_s: dict[str, float] = {}  # request id -> its wait in the JE (first delta)
         self.states: dict[str, RequestState] = {}
         self.num_handled = 0
         self.num_undeliverable = 0  # requests aborted because their caller took no reply
@@ -111,7 +114,11 @@ class TokenizerActor:
 
     def _forget(self, request_id: str) -> None:
         self.reply_to.pop(request_id, None)
-        self.attempts.pop(request_id, None)
+        attempt = self.attempts.pop(request_id, 0)
+        self.queued_s.pop(request_id, None)
+        done_to = self.done_to.pop(request_id, None)
+        if done_to is not None:
+            self.replies.put(done_to, TaskDone(request_id=request_id, attempt=attempt))
 
     def handle(self, msg) -> None:
         if isinstance(msg, SubmitRequest):
@@ -149,6 +156,10 @@ class TokenizerActor:
             self.reply_to[msg.request_id] = msg.reply_to
         if msg.attempt:
             self.attempts[msg.request_id] = msg.attempt
+        if msg.done_to is not None:
+            self.done_to[msg.request_id] = msg.done_to
+        if msg.queued_s:
+            self.queued_s[msg.request_id] = msg.queued_s
         try:
             prompt, ids = self.tokenizer.request_ids(msg.prompt, msg.prompt_token_ids,
                                                      msg.messages)
@@ -189,7 +200,8 @@ class TokenizerActor:
             finish_reason=state.finish_reason, cached_tokens=item.cached_tokens,
             prompt=state.prompt if is_first else None,
             prompt_token_ids=state.prompt_token_ids if is_first else None,
-            logprobs=item.logprobs, attempt=self.attempts.get(item.request_id, 0)))
+            logprobs=item.logprobs, attempt=self.attempts.get(item.request_id, 0),
+            queued_s=self.queued_s.pop(item.request_id, 0.0) if is_first else 0.0))
         self._detok_s += t1 - t0
         self._reply_s += time.monotonic() - t1
         if state.is_finished:

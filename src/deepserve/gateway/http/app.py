@@ -90,6 +90,7 @@ async def metrics(request: Request) -> Response:
     client = state.client
     state.metrics.refresh(client.num_running, client.num_waiting, client.te_ids, client.reports)
     state.metrics.refresh_models(state.config.served_models, client.cluster.tes)
+    state.metrics.refresh_tenants(client.open_by_tenant())
     state.metrics.observe_tiers(client.cluster.tier_report, client.reports)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 

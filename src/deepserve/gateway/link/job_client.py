@@ -154,7 +154,7 @@ class JobClient:
         submits = [SubmitRequest(
             request_id=rid, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
             sampling=sampling, salt=salt, reply_to=self.config.reply_address, model=model,
-            context_id=context_id)
+            context_id=context_id, tenant=salt)
             for rid, sampling in zip(ids, samplings)]
         payloads = [self._encode(submit) for submit in submits]
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.max_queued_replies)
@@ -284,6 +284,10 @@ class JobClient:
     def num_waiting(self) -> int:
         return len(self._routes) - self.num_running
 
+    def open_by_tenant(self) -> list[tuple[str | None, bool]]:
+        """(tenant, started) of every open sub-request (/metrics)."""
+        return [(route.submit.tenant, route.is_started) for route in self._routes]
+
     @property
     def te_ids(self) -> list[str]:
         return self.cluster.te_ids
@@ -323,6 +327,8 @@ class JobClient:
         elif msg.error in RETRYABLE_ERRORS and self._resume(route):
             return
         now = time.monotonic()
+        if not route.is_started and self.metrics is not None:  # the JE's answer: per tenant
+            self.metrics.observe_admission(route.submit.tenant, msg)
         route.is_started = True
         is_last = isinstance(msg, RequestFailed) or msg.finish_reason is not None
         if isinstance(msg, RequestDelta) and msg.token_ids:

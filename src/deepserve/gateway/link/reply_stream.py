@@ -100,7 +100,7 @@ class ReplyStream:
         self._started.add(index)
         if isinstance(msg, RequestFailed):
             self._num_finished += 1
-            raise APIError.from_failure(msg.error, msg.message, msg.param)
+            raise APIError.from_failure(msg.error, msg.message, msg.param, msg.retry_after_s)
         if msg.finish_reason is not None:
             self._num_finished += 1
         return index, msg
