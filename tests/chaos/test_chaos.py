@@ -208,6 +208,8 @@ def test_shm_bytes_and_components(tmp_path):
         import psutil
         assert component_of(psutil.Process(proc.pid), os.getpid()) == "te7"
         assert component_of(psutil.Process(os.getpid()), os.getpid()) == "node"
+        # the process table's name wins (an adopted pod is its TE's)
+        assert component_of(psutil.Process(proc.pid), os.getpid(), {proc.pid: "te1"}) == "te1"
     finally:
         proc.kill()
         proc.wait(10)

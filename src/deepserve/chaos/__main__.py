@@ -137,7 +137,8 @@ def _run(config, seed, duration, schedule, concurrency, max_tokens, request_time
                        drill_dir=node.drill_dir, workload=workload, schedule=schedule,
                        duration_s=duration, concurrency=concurrency,
                        request_timeout_s=request_timeout, sample_every_s=sample_every,
-                       root_pid=os.getpid(), shm_prefixes=prefixes, echo=echo)
+                       root_pid=os.getpid(), shm_prefixes=prefixes,
+                       names=lambda: {p.pid: name for name, p in node.procs.items()}, echo=echo)
         run.prepare(config.node.startup_timeout_s)
         echo(f"load for {duration:.0f} s, {len(schedule)} faults")
         report = run.run()

@@ -3,8 +3,9 @@ its shared memory, its disk tier; and how much that grew.
 
     ResourceSampler (a thread) ──every interval_s──> sample():
         psutil: the node's root pid + every descendant, grouped by component
-                (the nearest --te-id / --role in the process or its ancestors:
-                te0, pool0, gateway, job-executor, kv-cache, ...; the root: "node")
+                (the node's process table names the nearest ancestor: te0,
+                pool0, gateway, job-executor, kv-cache, ...; else its --te-id /
+                --role; the root: "node")
         /dev/shm: segments whose names start with the run's prefixes (st_blocks: real use)
         disk tier: bytes of files under [node] disk_cache_dir, if set
     growth(samples, after_s) ──> last sample minus the first at/after after_s
@@ -46,11 +47,16 @@ class Sample:
         return asdict(self)
 
 
-def component_of(proc: psutil.Process, root_pid: int) -> str:
-    """The component a process belongs to: its own or nearest ancestor's
-    --te-id, else --role, below the root; the root itself is ROOT_LABEL."""
+def component_of(proc: psutil.Process, root_pid: int,
+                 names: dict[int, str] | None = None) -> str:
+    """The component a process belongs to: the name `names` (pid -> name:
+    the node's process table, where an adopted pod has its TE's name) gives
+    it or its nearest ancestor, else their --te-id / --role; the root itself
+    is ROOT_LABEL."""
     p: psutil.Process | None = proc
     while p is not None and p.pid != root_pid:
+        if names and p.pid in names:
+            return names[p.pid]
         try:
             argv = p.cmdline()
         except psutil.Error:
@@ -65,7 +71,7 @@ def component_of(proc: psutil.Process, root_pid: int) -> str:
     return ROOT_LABEL
 
 
-def tree_usage(root_pid: int) -> dict[str, list[int]]:
+def tree_usage(root_pid: int, names: dict[int, str] | None = None) -> dict[str, list[int]]:
     """component -> [rss bytes, open fds, processes] over the root and its descendants."""
     out: dict[str, list[int]] = {}
     try:
@@ -76,7 +82,7 @@ def tree_usage(root_pid: int) -> dict[str, list[int]]:
     for proc in procs:
         try:
             rss, fds = proc.memory_info().rss, proc.num_fds()
-            label = component_of(proc, root_pid)
+            label = component_of(proc, root_pid, names)
         except psutil.Error:  # gone or a zombie since the listing
             continue
         entry = out.setdefault(label, [0, 0, 0])
@@ -156,8 +162,10 @@ class ResourceSampler:
     """Samples every interval_s in a thread until stop(); samples() is a copy."""
 
     def __init__(self, root_pid: int, shm_prefixes: list[str], disk_dir: str | None,
-                 start: float, interval_s: float = 10.0):
+                 start: float, interval_s: float = 10.0, names=None):
+        """names(): pid -> component name (the node's process table), or None."""
         self.root_pid, self.shm_prefixes, self.disk_dir = root_pid, shm_prefixes, disk_dir
+        self.names = names
         self.start, self.interval_s = start, interval_s
         self._samples: list[Sample] = []
         self._lock = threading.Lock()
@@ -165,7 +173,7 @@ class ResourceSampler:
         self._thread = threading.Thread(target=self._run, name="chaos-resources", daemon=True)
 
     def sample(self) -> Sample:
-        comps = tree_usage(self.root_pid)
+        comps = tree_usage(self.root_pid, self.names() if self.names else None)
         s = Sample(t=round(time.time() - self.start, 3),
                    rss_bytes=sum(c[0] for c in comps.values()),
                    num_fds=sum(c[1] for c in comps.values()),

@@ -36,14 +36,14 @@ class ChaosRun:
     def __init__(self, *, url: str, config, log_dir, drill_dir, workload: Workload,
                  schedule: list[PlannedFault], duration_s: float, concurrency: int = 3,
                  request_timeout_s: float = 60.0, sample_every_s: float = 10.0,
-                 root_pid: int, shm_prefixes: list[str], echo=lambda msg: None):
+                 root_pid: int, shm_prefixes: list[str], names=None, echo=lambda msg: None):
         self.url, self.config, self.log_dir, self.drill_dir = url, config, log_dir, drill_dir
         self.workload, self.schedule, self.duration_s = workload, schedule, duration_s
         self.echo = echo
         self.load = ChaosLoad(url, workload, concurrency=concurrency,
                               request_timeout_s=request_timeout_s)
         self.sample_every_s, self.root_pid = sample_every_s, root_pid
-        self.shm_prefixes = shm_prefixes
+        self.shm_prefixes, self.names = shm_prefixes, names
         self.oracle = Oracle()
         self.notes: list[str] = []
         self.tasks: list[FaultTask] = []
@@ -81,7 +81,7 @@ class ChaosRun:
         self.t0 = time.time()
         self.sampler = ResourceSampler(self.root_pid, self.shm_prefixes,
                                        self.config.node.disk_cache_dir or None, self.t0,
-                                       self.sample_every_s)
+                                       self.sample_every_s, self.names)
         self.sampler.begin()
         thread = threading.Thread(target=self.load.run_sync, name="chaos-load", daemon=True)
         thread.start()
