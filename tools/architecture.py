@@ -23,7 +23,7 @@ FLOORS = {
     "worker": 2, "tiers": 2,
     "engine": 3,
     "gateway": 4, "control": 4, "supervisor": 4,
-    "drill": 5, "demo": 5,
+    "drill": 5, "chaos": 5, "demo": 5,
 }
 
 # DESIGN.md: the gateway, the control plane and the supervisor talk to engines

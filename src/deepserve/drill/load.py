@@ -26,7 +26,7 @@ import httpx
 
 from deepserve.drill.stream import (COMPLETED, CONNECTION_ERROR, FAILED, INCOMPLETE_STREAM,
                                     LOST, RequestRecord, StreamFailure, first_success_after,
-                                    now, read_stream)
+                                    now, read_response, read_stream)
 
 __all__ = ["COMPLETED", "FAILED", "LOST", "LoadDriver", "RequestRecord", "first_success_after",
            "now", "run_load"]
@@ -187,9 +187,27 @@ class LoadDriver:
         """Send one request and fill `record`; never raises (but CancelledError),
         never takes longer than deadline_s."""
         prompt = self.prompts[record.prompt_index] if prompt is None else prompt
+        await self.send(client, record, "/v1/completions", self.body(prompt))
+
+    async def send(self, client: httpx.AsyncClient, record: RequestRecord, path: str,
+                   body: dict | bytes, headers: dict | None = None) -> None:
+        """POST `body` to `path` and fill `record`: streamed (SSE) when the body
+        says "stream": true, else one JSON response; bytes go as they are
+        (a malformed body on purpose). Never raises (but CancelledError), never
+        takes longer than deadline_s. bin/deepserve-chaos sends its mix this way."""
         try:
             async with asyncio.timeout(self.deadline_s):
-                await self._stream(client, record, self.body(prompt))
+                if isinstance(body, dict) and body.get("stream"):
+                    async with client.stream("POST", path, json=body,
+                                             headers=headers) as response:
+                        await read_stream(response, record)
+                else:
+                    content = body if isinstance(body, bytes) else None
+                    async with client.stream("POST", path, content=content,
+                                             json=None if content is not None else body,
+                                             headers={"Content-Type": "application/json",
+                                                      **(headers or {})}) as response:
+                        await read_response(response, record)
         except TimeoutError:
             record.status = LOST
             record.end = None
@@ -205,10 +223,6 @@ class LoadDriver:
             record.error_type = INCOMPLETE_STREAM
             record.error = "the stream ended without a finish_reason"
         record.status = FAILED if record.error_type is not None else COMPLETED
-
-    async def _stream(self, client: httpx.AsyncClient, record: RequestRecord, body: dict) -> None:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            await read_stream(response, record)
 
 
 def run_load(url: str, model: str, *, prompts: list[str], duration_s: float | None = None,

@@ -87,19 +87,28 @@ def _fmt(key: str, value) -> str:
     return str(value)
 
 
-def bad_reason(record: RequestRecord, reference: list[int]) -> str | None:
-    """Why `record`'s stream contradicts `reference`, or None if it does not."""
-    ids = record.token_ids
+def ids_reason(ids: list[int], reference: list[int], max_tokens: int,
+               completed: bool) -> str | None:
+    """Why token ids `ids` contradict `reference` (greedy, up to max_tokens),
+    or None: a wrong, repeated or extra token always; a short answer only when
+    `completed`. Shared with bin/deepserve-chaos, which checks each choice."""
     for i, (got, want) in enumerate(zip(ids, reference)):
         if got != want:
             return f"token {i} is {got}, the reference has {want}"
-    expected = reference[:record.max_tokens]
+    expected = reference[:max_tokens]
     if len(ids) > len(expected):
         return f"{len(ids)} tokens, the reference has {len(expected)}"
-    if record.status != COMPLETED:
-        return None
-    if len(ids) < len(expected):
+    if completed and len(ids) < len(expected):
         return f"completed with {len(ids)} tokens, the reference has {len(expected)}"
+    return None
+
+
+def bad_reason(record: RequestRecord, reference: list[int]) -> str | None:
+    """Why `record`'s stream contradicts `reference`, or None if it does not."""
+    ids = record.token_ids
+    reason = ids_reason(ids, reference, record.max_tokens, record.status == COMPLETED)
+    if reason is not None or record.status != COMPLETED:
+        return reason
     usage = record.usage or {}
     counted = usage.get("completion_tokens")
     if counted is not None and counted != len(ids):

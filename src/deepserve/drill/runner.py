@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from deepserve.drill.health_events import HealthEvents, te_of
 from deepserve.drill.injection import Injection, wait_pid
@@ -136,6 +137,8 @@ class Drill:
         self.done_at: float | None = None
         self.proof: FaultProof | None = None
         self.driver: LoadDriver | None = None
+        self.records: Callable[[], list[RequestRecord]] = lambda: list(self.driver.records)
+        """The load whose completed requests show recovery (arm() may give another)."""
         self.reference: dict[int, list[int]] = {}
         self.probe_prompt = ""
         self.probe_before: int | None = None
@@ -153,13 +156,29 @@ class Drill:
         self.echo(f"drill {self.scenario.name}: {self.scenario.description}; "
                   f"target {', '.join(self.injection.components)}")
         wait_tes(self.url, self.num_tes, self.bound_s)
-        if self.scenario.is_signal:
-            wait_pid(self.events, self.injection.component, self.bound_s)
         self.driver = LoadDriver(self.url, self.model, prompts=prompts, **driver_options)
         self.reference = self.driver.reference_sync()
+        self.arm(self.driver)
+
+    def arm(self, driver: LoadDriver,
+            records: Callable[[], list[RequestRecord]] | None = None) -> None:
+        """Get ready to inject: the signal target's pid known, the poison
+        request made, the cache probe cached. driver sends the probe and the
+        poison; records() is the load whose completions show recovery
+        (default: the driver's own). bin/deepserve-chaos arms a drill this way
+        under its own load."""
+        self.driver = driver
+        if records is not None:
+            self.records = records
+        if self.scenario.is_signal:
+            wait_pid(self.events, self.injection.component, self.bound_s)
         if self.scenario.fault == "poison":
             self.poison = PoisonRequest(self.driver, self.poison_prompt)
         if self.scenario.fault == "drop-cache":
+            config = self.config
+            min_len = (config.router.pd_options.min_prompt_len
+                       if config is not None and config.router.pd_policy is not None else None)
+            counter = token_counter(config.model) if config is not None else None
             self.probe_prompt = make_probe_prompt(min_len, counter)
             self.driver.send_sync(self.probe_prompt)  # fills the cache
             self.probe_before = self.driver.send_sync(self.probe_prompt).cached_tokens
@@ -199,18 +218,12 @@ class Drill:
         thread.start()
         try:
             time.sleep(warmup_s)
-            fault_at = self.injection.inject(self.events, self.drill_dir)
-            self.proof = self._make_proof(fault_at)
-            if self.poison is not None:
-                self.poison.start()
-            pid = f", pid {self.injection.pid}" if self.injection.pid else ""
-            self.echo(f"fault injected at {fault_at:.3f} ({self.scenario.fault} -> "
-                      f"{', '.join(self.injection.components)}{pid})")
+            fault_at = self.inject()
             while thread.is_alive() and self._watch(now(), fault_at, load_start + duration_s,
                                                     settle_s):
                 time.sleep(POLL_S)
         finally:
-            self.injection.cleanup()
+            self.cleanup()
             self.driver.stop()
             thread.join()
             if self.poison is not None:
@@ -219,19 +232,42 @@ class Drill:
             raise RuntimeError(f"load failed: {result['error']!r}") from result["error"]
         return self._report(result["records"], fault_at)
 
+    def inject(self) -> float:
+        """Apply the fault (after prepare or arm); its time, epoch seconds."""
+        fault_at = self.injection.inject(self.events, self.drill_dir)
+        self.proof = self._make_proof(fault_at)
+        if self.poison is not None:
+            self.poison.start()
+        pid = f", pid {self.injection.pid}" if self.injection.pid else ""
+        self.echo(f"fault injected at {fault_at:.3f} ({self.scenario.fault} -> "
+                  f"{', '.join(self.injection.components)}{pid})")
+        return fault_at
+
+    def cleanup(self) -> None:
+        """Take the fault back whatever happened (injection.cleanup)."""
+        self.injection.cleanup()
+
     def _watch(self, t: float, fault_at: float, min_end: float, settle_s: float) -> bool:
         """One look at the proof, the health log and the load; False: stop now."""
+        if self.poll(t, fault_at) is not None:
+            return False
+        return not (self.done_at is not None and t >= self.done_at + settle_s and t >= min_end)
+
+    def poll(self, t: float, fault_at: float) -> str | None:
+        """One look at the proof, the health log and the load: None while there
+        is more to see; "unproven" (the proof failed), "recovered" (proof
+        settled and recovery seen) or "timeout" (recovery bound passed)."""
         self.proof.poll(t)
         if self.proof.failure is not None:
             self.echo(f"fault not proven: {self.proof.failure}")
-            return False
+            return "unproven"
         self._look_at_events(fault_at)
         if self.done_at is None and self.proof.is_settled and self._has_recovered(t, fault_at):
             self.done_at = t
         if t >= fault_at + self.bound_s:
             self.echo(f"no recovery within {self.bound_s:.0f} s of the fault")
-            return False
-        return not (self.done_at is not None and t >= self.done_at + settle_s and t >= min_end)
+            return "timeout"
+        return "recovered" if self.done_at is not None else None
 
     def _look_at_events(self, fault_at: float) -> None:
         te, events = self.te, self.events
@@ -270,27 +306,43 @@ class Drill:
         if self.poison is not None:  # and the node whole again: the last restart may be
             # logged seconds after the TE left the list (its host saw the crash first)
             want = len(self.config.tes) if self.config is not None else 1
-            return (has_recovered(self.events, self.poison, fault_at, list(self.driver.records))
+            return (has_recovered(self.events, self.poison, fault_at, self.records())
                     and (num_tes(self.url) or 0) >= want)
         if s.restarts:
             return self.recovered is not None or self.gave_up is not None
         if s.kills_node:  # nothing restarts: served by the others after the detection
             return self.detected is not None and first_success_after(
-                list(self.driver.records), self.detected["t"]) is not None
+                self.records(), self.detected["t"]) is not None
         if s.hold_s:  # slow: lift after hold_s, then one success after
             if inj.lifted_at is None and t >= fault_at + s.hold_s:
                 inj.lift()
                 inj.lifted_at = inj.lifted_at or t
             return (inj.lifted_at is not None
-                    and first_success_after(list(self.driver.records), inj.lifted_at) is not None)
+                    and first_success_after(self.records(), inj.lifted_at) is not None)
         # one-shot hooks: consumed, then one success after that
         if self.consumed_at is None and inj.hook_consumed():
             self.consumed_at = t
         return (self.consumed_at is not None
-                and first_success_after(list(self.driver.records), self.consumed_at) is not None)
+                and first_success_after(self.records(), self.consumed_at) is not None)
 
     # -- the verdict --------------------------------------------------------------------
     def _report(self, records: list[RequestRecord], fault_at: float) -> DrillReport:
+        detected_at, recovered_at = self.outcome(records, fault_at)
+        proven = self.proof.is_proven
+        report = build_report(self.scenario.name, records, self.reference, self.deadline_s,
+                              fault_at, detected_at, recovered_at, fault_proven=proven,
+                              proof="; ".join(self.proof.evidence) if proven
+                              else self.proof.failure)
+        report.details.update(self._details(records, fault_at))
+        if self.poison is not None:
+            report.details["poison"] = summary(self.events, self.poison, fault_at, records)
+        return report
+
+    def outcome(self, records: list[RequestRecord], fault_at: float
+                ) -> tuple[float | None, float | None]:
+        """The last look, after the load ended: (detected_at, recovered_at),
+        epoch seconds or None; the proof finished (proof.is_proven, .evidence,
+        .failure say how it went)."""
         if self.detected is None:  # a last look: logged while the load drained
             self.detected = self._first_detection(fault_at)
         if self.scenario.restarts:
@@ -305,16 +357,7 @@ class Drill:
         else:
             recovered_at = first_success_after(records, fault_at)
         self.proof.finish(records)
-        proven = self.proof.is_proven
-        report = build_report(self.scenario.name, records, self.reference, self.deadline_s,
-                              fault_at, self.detected["t"] if self.detected else None,
-                              recovered_at, fault_proven=proven,
-                              proof="; ".join(self.proof.evidence) if proven
-                              else self.proof.failure)
-        report.details.update(self._details(records, fault_at))
-        if self.poison is not None:
-            report.details["poison"] = summary(self.events, self.poison, fault_at, records)
-        return report
+        return self.detected["t"] if self.detected else None, recovered_at
 
     def _details(self, records: list[RequestRecord], fault_at: float) -> dict:
         inj, detected = self.injection, self.detected

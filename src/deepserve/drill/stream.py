@@ -7,9 +7,13 @@
                                           └─ finish_reason, usage, text
 
 Token ids come from the logprob token strings, which the gateway renders as
-"token_id:<id>" (gateway/http/responses.py), so a stream can be compared token by
-token with its prompt's greedy reference (drill/report.py). Anything that is
-not what the gateway sends (not JSON, not "token_id:N") is a protocol_error.
+"token_id:<id>" (gateway/http/responses.py): `logprobs.tokens` of a completion,
+`logprobs.content[].token` of a chat completion. So a stream can be compared
+token by token with its prompt's greedy reference (drill/report.py). With
+n > 1 each choice's ids are kept apart (choice_ids, by choice index);
+token_ids is all of them in arrival order (n = 1: the one choice's). A whole
+(non-streamed) response folds in the same way (fold_response). Anything that
+is not what the gateway sends (not JSON, not "token_id:N") is a protocol_error.
 
 Times (start, first_token, end) are Unix epoch seconds (`now`, time.time()),
 so they compare with the health log's ISO times.
@@ -66,6 +70,10 @@ class RequestRecord:
     http_status: int | None = None
     response_id: str | None = None
     usage: dict | None = None
+    choice_ids: dict[int, list[int]] = field(default_factory=dict)
+    """Token ids by choice index (n > 1: each choice on its own)."""
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    """finish_reason by choice index."""
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -108,12 +116,60 @@ async def read_stream(response, record: RequestRecord) -> None:
         _add_chunk(record, chunk)
 
 
+async def read_response(response, record: RequestRecord) -> None:
+    """Fold one non-streamed JSON response into `record`; raises StreamFailure
+    for an HTTP error or a body that is not what the gateway sends."""
+    record.http_status = response.status_code
+    if response.status_code != 200:
+        raise await _http_failure(response)
+    raw = b""
+    async for part in response.aiter_bytes():
+        raw += part
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise StreamFailure(PROTOCOL_ERROR, f"not JSON: {raw[:200]!r}") from None
+    fold_response(record, body)
+
+
+def fold_response(record: RequestRecord, body) -> None:
+    """Fold a whole (non-streamed) JSON response into `record`, as one chunk;
+    raises StreamFailure for an error body or a protocol error."""
+    if not isinstance(body, dict):
+        raise StreamFailure(PROTOCOL_ERROR, f"not a JSON object: {str(body)[:200]!r}")
+    if "error" in body:
+        raise _error_failure(body)
+    _add_chunk(record, body)
+
+
+def _logprob_tokens(choice: dict) -> list:
+    """The logprob token strings of a choice: a completion's `tokens`, or a chat
+    completion's `content[].token`."""
+    logprobs = choice.get("logprobs") or {}
+    if not isinstance(logprobs, dict):
+        raise StreamFailure(PROTOCOL_ERROR, f"logprobs is not an object: {logprobs!r:.200}")
+    if logprobs.get("content") is not None:
+        content = logprobs["content"]
+        if not isinstance(content, list) or not all(isinstance(e, dict) for e in content):
+            raise StreamFailure(PROTOCOL_ERROR, f"chat logprobs content: {content!r:.200}")
+        return [e.get("token") for e in content]
+    return logprobs.get("tokens") or []
+
+
+def _choice_text(choice: dict) -> str:
+    """A completion's text, a chat chunk's delta content or a chat message's content."""
+    if choice.get("text"):
+        return choice["text"]
+    part = choice.get("delta") or choice.get("message") or {}
+    return (part.get("content") or "") if isinstance(part, dict) else ""
+
+
 def _add_chunk(record: RequestRecord, chunk: dict) -> None:
     record.response_id = record.response_id or chunk.get("id")
     if chunk.get("usage"):
         record.usage = chunk["usage"]
     for choice in chunk.get("choices") or ():
-        tokens = (choice.get("logprobs") or {}).get("tokens") or []
+        tokens = _logprob_tokens(choice)
         try:
             ids = [int(t[len(TOKEN_PREFIX):]) for t in tokens if t.startswith(TOKEN_PREFIX)]
         except (TypeError, ValueError, AttributeError):
@@ -121,12 +177,16 @@ def _add_chunk(record: RequestRecord, chunk: dict) -> None:
         if ids is None or len(ids) != len(tokens):
             raise StreamFailure(PROTOCOL_ERROR, f"logprob tokens are not {TOKEN_PREFIX}N: "
                                                 f"{tokens[:5]!r}")
-        if (ids or choice.get("text")) and record.first_token is None:
+        text = _choice_text(choice)
+        if (ids or text) and record.first_token is None:
             record.first_token = now()
+        index = choice.get("index") or 0
         record.token_ids.extend(ids)
-        record.text += choice.get("text") or ""
+        record.choice_ids.setdefault(index, []).extend(ids)
+        record.text += text
         if choice.get("finish_reason") is not None:
             record.finish_reason = choice["finish_reason"]
+            record.finish_reasons[index] = choice["finish_reason"]
 
 
 def _error_failure(body) -> StreamFailure:

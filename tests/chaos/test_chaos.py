@@ -1,0 +1,259 @@
+"""bin/deepserve-chaos: the seeded schedule, duration parsing, the checker,
+resource growth (no node); then one short run for real (slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepserve.chaos.checks import (BAD, EXPECTED, HOSTILE_ACCEPTED, OK, TYPED, UNTYPED, Oracle,
+                                    tally)
+from deepserve.chaos.report import is_ok, rates
+from deepserve.chaos.resources import Sample, component_of, growth, growth_after_s, shm_bytes
+from deepserve.chaos.schedule import (GAP_S, SINGLE_NODE, fault_menu, make_schedule,
+                                      not_supported, parse_duration)
+from deepserve.chaos.workload import (CHAT, COMPLETION, HOSTILE, POISON, RequestSpec, Workload)
+from deepserve.drill.stream import COMPLETED, FAILED, LOST, RequestRecord
+
+ROOT = Path(__file__).resolve().parents[2]
+TYPES = {"te0": "colocated", "te1": "colocated"}
+
+
+# --- schedule ---------------------------------------------------------------------------------
+
+def test_same_seed_same_schedule_and_another_seed_another():
+    menu = fault_menu(TYPES)
+    a = make_schedule(7, 1800, menu, ["te0", "te1"])
+    assert a == make_schedule(7, 1800, menu, ["te0", "te1"])
+    assert a != make_schedule(8, 1800, menu, ["te0", "te1"])
+    gaps = [b.at_s - a_.at_s for a_, b in zip(a, a[1:])]
+    assert all(GAP_S[0] - 1e-3 <= g <= GAP_S[1] + 1e-3 for g in gaps), gaps
+    assert a[-1].at_s <= 1800 - 15 and len(a) >= 1800 // 60 - 1
+    assert {f.scenario for f in a} <= set(menu) and len({f.scenario for f in a}) > 3
+
+
+def test_schedule_overlap_allowed_fixed_gap_and_targets():
+    # a 5 s gap is shorter than any recovery: faults overlap; nothing serialises them
+    faults = make_schedule(1, 60, ["kill-worker", "kill-je"], ["te0", "te1"], fault_every_s=5)
+    assert [f.at_s for f in faults] == [5.0 * i for i in range(1, 10)]
+    for f in faults:
+        assert (f.te is None) == (f.scenario == "kill-je")
+        assert f.te in (None, "te0", "te1")
+    with pytest.raises(ValueError):
+        make_schedule(1, 60, [], ["te0"])
+
+
+def test_menu_follows_the_node():
+    assert "kv-transfer-fail" not in fault_menu(TYPES)
+    assert "kv-transfer-fail" in fault_menu({**TYPES, "te2": "prefill", "te3": "decode"})
+    assert "drop-cache" in fault_menu(TYPES)
+    assert "drop-cache" not in fault_menu(TYPES, has_host_tier=True)
+    assert "drop-cache" in not_supported(True) and "drop-cache" not in not_supported(False)
+    assert "kill-gateway" in not_supported(False) and "kill-kv-tier" in not_supported(False)
+    assert fault_menu(TYPES, ["kill-je", "slow-worker"]) == ["slow-worker", "kill-je"]
+    with pytest.raises(ValueError, match="kv-transfer-fail"):
+        fault_menu(TYPES, ["kv-transfer-fail"])
+    assert set(fault_menu({**TYPES, "te2": "prefill"})) == set(SINGLE_NODE)
+
+
+def test_parse_duration():
+    assert parse_duration("90") == 90.0 and parse_duration("90s") == 90.0
+    assert parse_duration("30m") == 1800.0 and parse_duration("1h") == 3600.0
+    assert parse_duration("1.5m") == 90.0 and parse_duration(" 2H ") == 7200.0
+    assert parse_duration(45) == 45.0
+    for bad in ("", "m", "10x", "-5", "0", "1h30m"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+
+
+# --- workload ---------------------------------------------------------------------------------
+
+def test_workload_is_seeded_and_mixed():
+    w = Workload(3, "m", ["p0", "p1"], ["ka", "kb"])
+    w.contexts = {(0, "ctx-prompt"): "ctx-a", (1, "ctx-prompt"): "ctx-b",
+                  (0, "ctx-chat"): "ctx-c", (1, "ctx-chat"): "ctx-d"}
+    specs = [w.spec(i) for i in range(400)]
+    again = Workload(3, "m", ["p0", "p1"], ["ka", "kb"])
+    again.contexts = dict(w.contexts)
+    assert [again.spec(i) for i in range(400)] == specs  # the same seed, the same requests
+    assert [Workload(4, "m", ["p0", "p1"], ["ka", "kb"]).spec(i) for i in range(50)] != specs[:50]
+    kinds = {s.kind for s in specs}
+    assert kinds == {CHAT, COMPLETION, HOSTILE}
+    assert {s.stream for s in specs} == {True, False} and {s.n for s in specs} == {1, 2}
+    assert {s.tenant for s in specs} == {0, 1} and any(s.context for s in specs)
+    assert {s.key for s in specs if s.kind != HOSTILE} <= w.all_keys()
+    path, body, headers = w.request(RequestSpec(1, COMPLETION, False, 2, 1, "ctx-prompt", 1))
+    assert path == "/v1/completions" and body["n"] == 2 and body["context_id"] == "ctx-b"
+    assert body["temperature"] == 0.0 and headers == {"Authorization": "Bearer kb"}
+    _, raw, _ = w.request(RequestSpec(2, HOSTILE, False, hostile="malformed-json"))
+    assert isinstance(raw, bytes)
+    _, body, _ = w.request(RequestSpec(3, HOSTILE, False, tenant=0, hostile="foreign-context"))
+    assert body["context_id"] == "ctx-b"  # tenant b's id, sent as tenant a
+
+
+# --- checks -----------------------------------------------------------------------------------
+
+REF = [5, 6, 7, 8]
+
+
+def _record(status=COMPLETED, choices=None, usage=None, **kw) -> RequestRecord:
+    choices = {0: list(REF)} if choices is None else choices
+    r = RequestRecord(id=0, prompt_index=0, max_tokens=4, start=0.0, end=1.0, status=status,
+                      usage=usage, **kw)
+    for i, ids in choices.items():
+        r.choice_ids[i] = list(ids)
+        r.token_ids.extend(ids)
+        if status == COMPLETED:
+            r.finish_reasons[i] = "length"
+    return r
+
+
+def _oracle() -> Oracle:
+    return Oracle({(COMPLETION, 0, None): list(REF)})
+
+
+SPEC = RequestSpec(0, COMPLETION)
+
+
+def test_checker_ok_repeated_token_mismatch_and_lost():
+    o = _oracle()
+    assert o.check(SPEC, _record()).outcome == OK
+    repeated = o.check(SPEC, _record(choices={0: [5, 6, 6, 7]}))  # a token sent twice
+    assert repeated.outcome == BAD and "token 2 is 6" in repeated.reason
+    resent = o.check(SPEC, _record(status=FAILED, choices={0: [5, 6, 5, 6]},
+                                   error_type="service_unavailable"))
+    assert resent.outcome == BAD  # a failed stream is still bad if its ids are wrong
+    assert o.check(SPEC, _record(choices={0: [5, 6, 7, 9]})).outcome == BAD  # mismatched
+    assert o.check(SPEC, _record(choices={0: [5, 6]})).outcome == BAD  # completed short
+    lost = _record(status=LOST, choices={0: [5]})
+    lost.end = None
+    assert o.check(SPEC, lost).outcome == LOST  # no end: lost, whatever it had
+    usage = o.check(SPEC, _record(usage={"completion_tokens": 3}))
+    assert usage.outcome == BAD and "usage" in usage.reason
+
+
+def test_checker_n_choices_failures_hostile_and_poison():
+    o = _oracle()
+    two = RequestSpec(0, COMPLETION, n=2)
+    assert o.check(two, _record(choices={0: REF, 1: REF})).outcome == OK
+    assert o.check(two, _record(choices={0: REF, 1: [5, 6, 7, 1]})).outcome == BAD
+    assert "choice 1" in o.check(two, _record(choices={0: REF})).reason  # a choice missing
+    assert o.check(SPEC, _record(choices={0: REF, 1: REF})).outcome == BAD  # past n
+    typed = _record(status=FAILED, choices={0: [5, 6]}, error_type="service_unavailable")
+    assert o.check(SPEC, typed).outcome == TYPED  # a correct prefix, then a typed error
+    cut = _record(status=FAILED, choices={0: [5]}, error_type="connection_error")
+    assert o.check(SPEC, cut).outcome == UNTYPED
+    hostile = RequestSpec(1, HOSTILE, False, hostile="bad-n")
+    refused = _record(status=FAILED, choices={}, http_status=400, error_type="invalid_request_error")
+    assert o.check(hostile, refused).outcome == EXPECTED
+    assert o.check(hostile, _record(http_status=200)).outcome == HOSTILE_ACCEPTED
+    server = _record(status=FAILED, choices={}, http_status=500, error_type="server_error")
+    assert o.check(hostile, server).outcome == HOSTILE_ACCEPTED
+    plain = _record(status=FAILED, choices={}, http_status=422, error_type="http_error")
+    assert o.check(hostile, plain).outcome == HOSTILE_ACCEPTED  # no OpenAI error body
+    poison = _record(status=FAILED, choices={}, error_type="server_error",
+                     error_code="request_crashed_engine")
+    assert o.check(RequestSpec(-1000, POISON), poison).outcome == EXPECTED
+    with pytest.raises(RuntimeError):
+        o.add((CHAT, 0, None), _record(status=FAILED))
+
+
+def test_tally_partitions_by_status():
+    o = _oracle()
+    records = [_record(), _record(choices={0: [5, 6, 6, 7]}),
+               _record(status=FAILED, choices={0: [5]}, error_type="timeout"),
+               _record(status=LOST, choices={})]
+    counts = tally([o.check(SPEC, r) for r in records], records)
+    assert (counts["sent"], counts["completed"], counts["failed"], counts["lost"]) == (4, 2, 1, 1)
+    assert counts["bad_streams"] == 1 and counts["mismatched"] == 1
+    assert counts["failed_typed_by_type"] == {"timeout": 1}
+    report = {**counts, "faults": [{"proven": True}]}
+    assert not is_ok(report)
+    assert is_ok({**report, "lost": 0, "bad_streams": 0})
+    assert not is_ok({**report, "lost": 0, "bad_streams": 0, "faults": [{"proven": False}]})
+    assert rates(records[:3], 0.0, COMPLETED) == [[0.0, 2, 1]]
+
+
+# --- resources --------------------------------------------------------------------------------
+
+def _sample(t, rss, fds, shm=0, comps=None):
+    return Sample(t=t, rss_bytes=rss, num_fds=fds, num_procs=3, shm_bytes=shm, disk_bytes=0,
+                  by_component=comps or {"te0": [rss, fds, 3]})
+
+
+def test_growth_after_the_first_third():
+    samples = [_sample(0, 100, 10), _sample(10, 150, 12), _sample(20, 160, 12, 4096),
+               _sample(30, 200, 15, 8192, {"te0": [150, 10, 2], "gateway": [50, 5, 1]})]
+    assert growth_after_s(30) == 10 and growth_after_s(7200) == 600
+    g = growth(samples, growth_after_s(30))
+    assert (g["from_s"], g["to_s"], g["rss_bytes"], g["num_fds"]) == (10, 30, 50, 3)
+    assert g["shm_bytes"] == 8192 and g["by_component"] == {"te0": {"rss_bytes": 0,
+                                                                    "num_fds": -2}}
+    assert growth(samples, 31) == {}
+
+
+def test_shm_bytes_and_components(tmp_path):
+    (tmp_path / "deepserve-abc-x").write_bytes(b"\1" * 8192)
+    (tmp_path / "deepserve-other").write_bytes(b"\1" * 4096)
+    assert shm_bytes(["deepserve-abc"], str(tmp_path)) >= 8192
+    assert shm_bytes(["deepserve-abc"], str(tmp_path)) < 8192 + 4096
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)",
+                             "--te-id", "te7"])
+    try:
+        import os
+        import psutil
+        assert component_of(psutil.Process(proc.pid), os.getpid()) == "te7"
+        assert component_of(psutil.Process(os.getpid()), os.getpid()) == "node"
+        # the process table's name wins (an adopted pod is its TE's)
+        assert component_of(psutil.Process(proc.pid), os.getpid(), {proc.pid: "te1"}) == "te1"
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+# --- for real ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_chaos_run(tmp_path):
+    """45 s of load with a fault every 12 s from two cheap kinds (the JE
+    restarts in seconds; slow-worker restarts nothing): nothing lost, no bad
+    stream, every fault proven, the report's schema, /dev/shm clean. About
+    80 s on a quiet 2-core machine (the node's start is half of it)."""
+    menu = ["slow-worker", "kill-je"]
+    seed = next(s for s in range(100)
+                if len({f.scenario for f in make_schedule(s, 45, menu, ["te0", "te1"], 12)})
+                == 2)
+    out, png = tmp_path / "chaos.json", tmp_path / "chaos.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepserve.chaos", "--duration", "45", "--seed", str(seed),
+         "--faults", ",".join(menu), "--fault-every", "12", "--sample-every", "5",
+         "--json", str(out), "--png", str(png)],
+        cwd=ROOT, capture_output=True, text=True, timeout=400)
+    print(proc.stdout, proc.stderr[-4000:])
+    report = json.loads(out.read_text())
+    for key in ("sent", "completed", "failed", "lost", "bad_streams", "seed", "duration_s",
+                "faults", "resources", "shm", "rates", "not_supported", "ok"):
+        assert key in report, key
+    assert report["seed"] == seed and report["duration_s"] == 45
+    assert report["sent"] == report["completed"] + report["failed"] + report["lost"]
+    assert report["lost"] == 0 and report["bad_streams"] == 0, report["examples"]
+    assert report["hostile_accepted"] == 0, report["examples"]
+    assert report["completed"] > 0 and report["by_kind"]["chat"]["completed"] > 0
+    assert len(report["faults"]) >= 2
+    assert {f["kind"] for f in report["faults"]} == set(menu)
+    for f in report["faults"]:
+        assert set(f) >= {"kind", "at_s", "proven", "detect_s", "recover_s"}
+        assert f["proven"] is True, f
+        assert f["recover_s"] is not None, f
+        if f["kind"] == "kill-je":
+            assert f["detect_s"] is not None, f
+    samples = report["resources"]["samples"]
+    assert len(samples) >= 5 and all(s["rss_bytes"] > 0 and s["num_fds"] > 0 for s in samples)
+    assert "growth" in report["resources"]
+    assert report["shm"]["back_to_baseline"] is True
+    assert png.stat().st_size > 10_000
+    assert proc.returncode == 0 and report["ok"] is True
