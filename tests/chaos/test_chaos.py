@@ -218,7 +218,7 @@ def test_shm_bytes_and_components(tmp_path):
 # --- for real ---------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_chaos_run(tmp_path):
+def test_chaos_run(tmp_path, tiny_model):
     """45 s of load with a fault every 12 s from two cheap kinds (the JE
     restarts in seconds; slow-worker restarts nothing): nothing lost, no bad
     stream, every fault proven, the report's schema, /dev/shm clean. About
@@ -228,12 +228,18 @@ def test_chaos_run(tmp_path):
                 if len({f.scenario for f in make_schedule(s, 45, menu, ["te0", "te1"], 12)})
                 == 2)
     out, png = tmp_path / "chaos.json", tmp_path / "chaos.png"
+    conf = tmp_path / "chaos.toml"  # the shipped file, on the test's model
+    text = (ROOT / "conf" / "chaos.toml").read_text()
+    assert '"models/tiny"' in text
+    conf.write_text(text.replace('"models/tiny"', f'"{tiny_model}"'))
     proc = subprocess.run(
         [sys.executable, "-m", "deepserve.chaos", "--duration", "45", "--seed", str(seed),
+         "--conf", str(conf),
          "--faults", ",".join(menu), "--fault-every", "12", "--sample-every", "5",
          "--json", str(out), "--png", str(png)],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     print(proc.stdout, proc.stderr[-4000:])
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     for key in ("sent", "completed", "failed", "lost", "bad_streams", "seed", "duration_s",
                 "faults", "resources", "shm", "rates", "not_supported", "ok"):
