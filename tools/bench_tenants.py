@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 import statistics
 import sys
 import time
@@ -84,6 +85,8 @@ async def phase(url: str, flood: bool, args: dict) -> dict:
     a_ok = [r for r in a_results if r.ok]
     return {"phase": "flood" if flood else "alone", "seconds": round(elapsed, 2),
             "b_sent": len(b_results), "b_ok": len(ttfts),
+            "b_failed": dict(Counter(f"{r.status} {(r.error or '')[:60]}"
+                                     for r in b_results if not r.ok)),
             "b_ttft_p50_ms": _ms(percentile(ttfts, 50)), "b_ttft_p99_ms": _ms(percentile(ttfts, 99)),
             "a_sent": len(a_results), "a_ok": len(a_ok),
             "a_rps": round(len(a_ok) / duration, 2) if flood else None,

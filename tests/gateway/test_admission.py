@@ -86,6 +86,33 @@ def test_too_many_open_requests_is_429(make_stack):
     client.completions.create(model=MODEL, prompt="room again", max_tokens=1, n=2)
 
 
+def test_a_flooding_tenant_cannot_shut_another_out(make_stack):
+    """max_open_requests = 4, tenant a holds all 4: a's next request is a 429,
+    b's is served (b is under its equal share, 4 / 2); once b holds 2, b's
+    next is refused too (its share reached, the gateway over its cap)."""
+    stack = make_stack(max_open_requests=4, api_keys=KEYS)
+    a, b = stack.openai(api_key="key-a"), stack.openai(api_key="key-b")
+    done = []
+
+    def slow(client, n=1):
+        done.append(client.completions.create(model=MODEL, prompt="[slow]", max_tokens=4, n=n))
+
+    threads = [threading.Thread(target=slow, args=(a, 2)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    assert stack.backend.wait_for(lambda: len(stack.backend.submits) == 4)
+    with pytest.raises(openai.RateLimitError):
+        a.completions.create(model=MODEL, prompt="a again", max_tokens=1)  # at the cap, a's share
+    threads.append(threading.Thread(target=slow, args=(b, 2)))  # b: 0 + 2 <= 4 / 2
+    threads[-1].start()
+    assert stack.backend.wait_for(lambda: len(stack.backend.submits) == 6)
+    with pytest.raises(openai.RateLimitError):
+        b.completions.create(model=MODEL, prompt="b past its share", max_tokens=1)
+    for t in threads:
+        t.join(10.0)
+    assert len(done) == 3 and all(c.finish_reason == "length" for r in done for c in r.choices)
+
+
 @pytest.fixture(scope="module")
 def short_deadline():
     from tests.gateway.conftest import running_stack

@@ -44,7 +44,9 @@ class GatewayConfig:
     """API key -> tenant name. Empty: no authentication, every caller is the
     tenant "default". The tenant name is the prefix-cache salt."""
     max_open_requests: int = 256
-    """Sub-requests (n counts n) open at once at most; past it: 429."""
+    """Sub-requests (n counts n) open at once; past it: 429 for a tenant that
+    holds its equal share of it or more (link/open_share.py: a flood cannot
+    shut the others out; at most about twice this many are open)."""
     request_timeout_s: float = 600.0
     """Seconds from admission to the last token; past it the request is
     aborted and answered with an error (504, or an error event mid-stream)."""

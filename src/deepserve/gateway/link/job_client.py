@@ -52,6 +52,7 @@ from deepserve.gateway.link.cluster_view import ClusterView
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.errors import APIError
 from deepserve.gateway.link.je_link import JELink
+from deepserve.gateway.link.open_share import admits, open_by_tenant
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.gateway.link.reply_stream import SHUTDOWN, IsDisconnected, ReplyStream
 from deepserve.gateway.link.routes import Route, RouteTable, next_attempt
@@ -143,13 +144,14 @@ class JobClient:
                model: str | None = None, context_id: str | None = None,
                is_disconnected: IsDisconnected | None = None) -> ReplyStream:
         """Send one SubmitRequest per sampling (ids `{request_id}-{i}`); 503 with
-        no TE, 429 past max_open_requests, 400 for text that cannot be sent.
+        no TE, 429 past max_open_requests (but for a tenant under its share of
+        it: open_share.py), 400 for text that cannot be sent.
         While no JE is linked the submissions wait in the PUSH's pipe."""
         if not self._can_serve(model):
             raise APIError.unavailable("No engine is available to serve the request.")
-        num_open = self.num_open_requests
-        if num_open + len(samplings) > self.config.max_open_requests:
-            raise APIError.overloaded(num_open)
+        open_by = open_by_tenant(self._streams)
+        if not admits(open_by, salt or "", len(samplings), self.config.max_open_requests):
+            raise APIError.overloaded(sum(open_by.values()))
         ids = [f"{request_id}-{i}" for i in range(len(samplings))]
         submits = [SubmitRequest(
             request_id=rid, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
@@ -158,7 +160,8 @@ class JobClient:
             for rid, sampling in zip(ids, samplings)]
         payloads = [self._encode(submit) for submit in submits]
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.max_queued_replies)
-        stream = ReplyStream(ids, queue, self.config.request_timeout_s, self.abort, is_disconnected)
+        stream = ReplyStream(ids, queue, self.config.request_timeout_s, self.abort, is_disconnected,
+                             tenant=salt or "")
         self._streams.add(stream)
         for index, (rid, payload) in enumerate(zip(ids, payloads)):
             self._routes.add(Route(rid, stream, index, submits[index], je_epoch=self._je.epoch))
@@ -274,7 +277,7 @@ class JobClient:
     @property
     def num_open_requests(self) -> int:
         """Sub-requests of streams not closed yet (admission; n counts n)."""
-        return sum(len(s.request_ids) for s in list(self._streams) if not s.is_closed)
+        return sum(open_by_tenant(self._streams).values())
 
     @property
     def num_running(self) -> int:

@@ -50,8 +50,10 @@ class ReplyStream:
     """
 
     def __init__(self, request_ids: list[str], queue: asyncio.Queue, timeout_s: float,
-                 abort: Callable[[str], None], is_disconnected: IsDisconnected | None):
+                 abort: Callable[[str], None], is_disconnected: IsDisconnected | None,
+                 tenant: str = ""):
         self.request_ids = request_ids
+        self.tenant = tenant  # whose open requests it counts toward (open_share.py)
         self._abort = abort
         self.queue = queue
         self._timeout_s = timeout_s
