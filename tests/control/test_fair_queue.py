@@ -3,7 +3,7 @@ pure objects, exact orders."""
 
 from deepserve.config.tenants import TenantSection, TenantsSection
 from deepserve.control.je.fair_queue import FairQueue
-from deepserve.control.je.fair_share import FairShare
+from deepserve.control.je.fair_share import RESERVE_S, FairShare
 from deepserve.messages.control import TEInfo
 from deepserve.messages.engine import SubmitRequest
 from deepserve.messages.sampling import SamplingParams
@@ -102,7 +102,7 @@ def test_slots_fill_and_the_queue_releases_in_fair_order():
     share = FairShare(TenantsSection(named={"b": TenantSection(weight=1.0)}))
     share.note_tes([TEInfo(te_id="te0", model="m", address="x", max_num_seqs=1),
                     TEInfo(te_id="te1", model="m", address="y")])  # 0: unbounded
-    share.take("te0")
+    share.take("te0", "r0")
     assert share.full_tes() == {"te0"}
     for i in range(3):
         share.wait("m", _msg(f"a{i}", "a"), [1], 0.0)
@@ -113,3 +113,27 @@ def test_slots_fill_and_the_queue_releases_in_fair_order():
     assert share.drop("a2") and not share.drop("a2")
     share.note_tes([])  # the TE left: its slots go with it
     assert share.full_tes() == frozenset() and not share.used
+
+
+def test_a_tenant_at_its_share_leaves_a_slot_for_each_tenant_heard_from_lately():
+    now = [100.0]
+    share = FairShare(TenantsSection(), clock=lambda: now[0])
+    share.note_tes([TEInfo(te_id="te0", model="m", address="x", max_num_seqs=4)])
+    for i in range(3):
+        assert share.admit(_msg(f"a{i}", "a"), 10) is None
+        share.take("te0", f"a{i}")
+    assert share.full_tes("a") == frozenset()  # alone: a may take the last slot
+    assert share.admit(_msg("b0", "b"), 10) is None  # b heard from: a (3 >= 4 / 2) keeps 1 free
+    assert share.full_tes("a") == {"te0"} and share.full_tes("b") == frozenset()
+    share.take("te0", "b0")
+    assert share.full_tes("b") == {"te0"}  # no slot left at all
+    share.give("b0")
+    share.give("a2")  # a holds 2: exactly its share, the reserve still holds
+    assert share.full_tes("a") == frozenset()  # 2 free > 1 reserved
+    share.take("te0", "a2")
+    assert share.full_tes("a") == {"te0"}
+    now[0] += RESERVE_S + 0.1  # b silent past RESERVE_S: a takes the last slot
+    assert share.full_tes("a") == frozenset()
+    share.give("a0")
+    share.give("a0")  # once only
+    assert share.used["te0"] == 2 and share.slots_by_tenant == {"a": 2}

@@ -1,10 +1,10 @@
 """The job executor's tenants: their limits, the TEs' slots, and a fair queue per model.
 
     JE._submit   ──admit(msg, tokens)──> past a tenant limit: RequestFailed rate_limited (429)
-    JE._dispatch ──full_tes()──> route only among TEs with a free slot
+    JE._dispatch ──full_tes(tenant)──> route only among TEs with a slot free for it
                  └─ every TE of its model full (or others wait) ──wait()──> FairQueue
     JE.step      ──release(send)──> the fair queue's head, while send() finds a slot
-    TaskDone / TEReport.finished / TE gone ──give(te)──> a slot frees
+    TaskDone / TEReport.finished / TE gone ──give(request)──> a slot frees
     a request ends at the JE (any way) ──forget(request_id)──> its tenant's counts drop
 
 A TE runs at most max_num_seqs requests at once (TEInfo; 0: unbounded):
@@ -13,6 +13,14 @@ tenants' fair order (fair_queue.py), not in the TE's first-come queue where
 a flood would sit ahead of everyone. A waiting request is bound to no TE:
 when a TE dies the queue does not care; when its model has no TE left the
 request goes to the JE's parking (then engine_dead) like any other.
+
+A free slot for the others: fair order alone does not help a light tenant
+whose request arrives while a flood holds every slot; it waits for one of
+the flood's requests to end (no preemption). So while other tenants were
+heard from in the last RESERVE_S, a tenant holding its equal share of the
+slots or more (slots / tenants heard from) leaves one slot free for each of
+them: the flood runs on the rest, the light tenant's request finds a slot
+at once. Alone, a tenant uses every slot.
 
 The JE learns a request ended from its TE's tokenizer (TaskDone, sent to
 SubmitRequest.done_to the moment it ends), backed by the TE's next TEReport
@@ -39,6 +47,8 @@ from deepserve.messages.control import TEInfo
 from deepserve.messages.engine import RequestFailed, SubmitRequest
 
 DEFAULT_TENANT = "default"
+RESERVE_S = 10.0
+"""A tenant heard from (a request admitted) this recently keeps a slot free."""
 
 Send = Callable[[SubmitRequest, list[int], float, float], bool]
 """(msg, ids, park_until, queued_s) -> False: every TE is still full (it stays queued)."""
@@ -67,6 +77,9 @@ class FairShare:
         self.tenants, self.clock = tenants, clock
         self.capacity: dict[str, int] = {}  # listed TE -> max_num_seqs (bounded ones only)
         self.used: Counter[str] = Counter()  # TE -> tasks the JE has running on it
+        self.slots: dict[str, tuple[str, str]] = {}  # request -> (its TE, its tenant)
+        self.slots_by_tenant: Counter[str] = Counter()
+        self.heard: dict[str, float] = {}  # tenant -> when its last request was admitted
         self.queues: dict[str | None, FairQueue[Waiting]] = {}  # per model name
         self.held: dict[str, tuple[str, int]] = {}  # admitted request -> (tenant, tokens)
         self.num_requests: Counter[str] = Counter()  # per tenant: admitted, not ended
@@ -99,6 +112,9 @@ class FairShare:
                                  message=f"Tenant {tenant!r} has {over}; retry later.",
                                  retry_after_s=self.tenants.retry_after_s)
         self.forget(msg.request_id)  # a resumed attempt replaces the one before
+        self.heard[tenant] = now = self.clock()
+        if len(self.heard) > 64:  # bounded by the tenants heard from lately
+            self.heard = {t: at for t, at in self.heard.items() if now - at <= RESERVE_S}
         self.held[msg.request_id] = (tenant, tokens)
         self.num_requests[tenant] += 1
         self.num_tokens[tenant] += tokens
@@ -123,15 +139,36 @@ class FairShare:
         for te_id in [t for t in self.used if t not in listed]:
             del self.used[te_id]
 
-    def take(self, te_id: str) -> None:
+    def take(self, te_id: str, request_id: str) -> None:
+        self.give(request_id)  # a new attempt's slot replaces its last one
+        tenant = self.held.get(request_id, (DEFAULT_TENANT, 0))[0]
+        self.slots[request_id] = (te_id, tenant)
         self.used[te_id] += 1
+        self.slots_by_tenant[tenant] += 1
 
-    def give(self, te_id: str) -> None:
-        if self.used[te_id] > 0:
+    def give(self, request_id: str) -> None:
+        slot = self.slots.pop(request_id, None)
+        if slot is None:
+            return
+        te_id, tenant = slot
+        if self.used[te_id] > 0:  # (a TE that left took its count with it)
             self.used[te_id] -= 1
+        self.slots_by_tenant[tenant] -= 1
+        if not self.slots_by_tenant[tenant]:
+            del self.slots_by_tenant[tenant]
 
-    def full_tes(self) -> frozenset[str]:
-        return frozenset(t for t, cap in self.capacity.items() if self.used[t] >= cap)
+    def full_tes(self, tenant: str = DEFAULT_TENANT) -> frozenset[str]:
+        """The TEs `tenant` may not be sent to now: those with no free slot,
+        or every bounded one when the free slots left are the others' reserve."""
+        full = frozenset(t for t, cap in self.capacity.items() if self.used[t] >= cap)
+        now = self.clock()
+        others = sum(1 for t, at in self.heard.items() if t != tenant and now - at <= RESERVE_S)
+        total = sum(self.capacity.values())
+        if others and self.slots_by_tenant[tenant] >= total / (others + 1):
+            free = sum(max(0, cap - self.used[t]) for t, cap in self.capacity.items())
+            if free <= others:
+                return frozenset(self.capacity)
+        return full
 
     @staticmethod
     def is_saturated(full: frozenset[str], tes: Iterable[TEInfo], te_model: str | None) -> bool:

@@ -26,8 +26,9 @@ cluster manager what arrived and what is held (ModelDemand, model_book.py).
 Tenants (fair_share.py): a TE is sent at most its max_num_seqs requests;
 the rest wait in a fair queue per model and go out in weighted fair order
 (fair_queue.py) as the TEs' tokenizers say requests ended (TaskDone, to
-done_to: this JE's inbox). A tenant past its [tenants] limits is refused
-(rate_limited: the gateway's 429).
+done_to: this JE's inbox); a tenant at its share of the slots leaves one
+free for each other tenant heard from lately. A tenant past its [tenants]
+limits is refused (rate_limited: the gateway's 429).
 
 Many models (model_book.py): a request is routed only to its model's TEs;
 a TE draining for scale-in gets nothing new and finishes what it has.
@@ -211,7 +212,7 @@ class JobExecutor:
               queued_s: float = 0.0) -> bool | None:
         """Route among the TEs with a free slot and send; True: sent (or
         failed for good), False: parked, None: its model's TEs are full."""
-        full = self.share.full_tes()
+        full = self.share.full_tes(tenant_of(msg))
         try:
             if not self.links.has_list:
                 raise NoTEAvailable("no TE list from the cluster manager yet")
@@ -270,9 +271,7 @@ class JobExecutor:
             self._fail(msg, "te_lost", "the engine chosen for the request did not take it in "
                                        "time; retry")
             return False
-        if msg.request_id in self.tasks:  # a new attempt replaces its task
-            self.share.give(self.tasks[msg.request_id].te_id)
-        self.share.take(te_id)
+        self.share.take(te_id, msg.request_id)  # a new attempt's replaces its task's
         self.tasks[msg.request_id] = Task(msg.request_id, te_id, msg.reply_to, prefill_te,
                                           msg.attempt, is_suspect)
         return True
@@ -311,7 +310,7 @@ class JobExecutor:
     def _end_task(self, request_id: str) -> Task:
         """The task ended (or its TE is gone): its slot and its tenant's share free."""
         task = self.tasks.pop(request_id)
-        self.share.give(task.te_id)
+        self.share.give(request_id)
         self.share.forget(request_id)
         return task
 
