@@ -194,3 +194,27 @@ def test_a_start_waits_for_a_warming_pod_and_goes_cold_if_it_dies(tmp_path):
     assert node.spawned[-1] == ("m-2", "m") and scaler.starting["m-2"].source == "cold"
     scaler.close()
     node.ctx.term()
+
+
+def test_an_adopted_pods_assign_socket_is_closed_once_its_te_is_up(tmp_path):
+    """Found by bin/deepserve-chaos (25 min, 32 faults): the supervisor's open
+    fds grew by about one per replaced TE, a PUSH socket to every adopted
+    pod's inbox (pool0, pool1, ...) kept forever. Once the pod answers as its
+    TE (Ready), nothing is sent to that inbox again: its socket is closed."""
+    node, scaler, _ = _scaler(tmp_path)
+    for i in range(3):
+        pod = f"pool{i}"
+        scaler.fill_pool()
+        scaler.on_message(_ready(pod, 1.0), 1.0)
+        pull = PullSocket(node.ctx, node.run.te_address(pod), bind=True, type=Assign)
+        try:
+            scaler.start_te(f"m-{i}", "m", "replace", 2.0)
+            assert pull.get(timeout=5).te_id == f"m-{i}"
+            assert len(scaler.assigns) == 1  # its pod's, until the pod answers as the TE
+            scaler.on_message(_ready(f"m-{i}", 2.5), 2.6)
+            scaler.on_te_list({f"m-{j}" for j in range(i + 1)}, 2.7)
+        finally:
+            pull.close()
+    assert len(scaler.assigns) == 0
+    scaler.close()
+    node.ctx.term()

@@ -56,6 +56,10 @@ class Outboxes:
         self._stalled.discard(address)
         return True
 
+    def __len__(self) -> int:
+        """Sockets open (one per address put to and not forgotten)."""
+        return len(self._sockets)
+
     def is_stalled(self, address: str) -> bool:
         return address in self._stalled or address in self._refused
 

@@ -47,6 +47,7 @@ class _Start:
     listed_at: float | None = None
     stages: dict = field(default_factory=dict)
     weights: str = "disk"
+    pod_address: str | None = None  # the adopted pod's inbox, until it answers as the TE
 
 
 POD_WAIT_S = 60.0
@@ -100,6 +101,7 @@ class NodeScaler:
             self.node.health.write(msg.component, "pool_ready", msg.pid, **msg.details)
         elif isinstance(msg, Ready) and msg.component in self.starting:
             start = self.starting[msg.component]
+            self._forget_pod(start)  # it took its Assign: nothing goes to that inbox again
             start.ready_at = msg.time if 0 < msg.time <= now else now
             start.stages = dict(msg.details.get("stages", {}))
             start.weights = msg.details.get("weights", "disk")
@@ -143,7 +145,8 @@ class NodeScaler:
             del self.pods[pod]
             incarnation = self.node.table.next_incarnation(te_id)
             self.node.adopt_pod(pod, te_id, start.model)
-            self.assigns.put(self.node.run.te_address(pod), Assign(
+            start.pod_address = self.node.run.te_address(pod)
+            self.assigns.put(start.pod_address, Assign(
                 te_id=te_id, model=start.model, run_id=self.node.te_run_id(te_id, incarnation),
                 sent_at=time.monotonic()))
             start.source = "prewarmed"
@@ -191,10 +194,18 @@ class NodeScaler:
             if start.ready_at is not None or now - start.listed_at >= READY_WAIT_S:
                 self._scaled_out(te_id, start.listed_at)
 
+    def _forget_pod(self, start: _Start) -> None:
+        """Close the PUSH to an adopted pod's inbox (one socket per pod otherwise
+        stays open for the node's life: an fd per replaced TE)."""
+        if start.pod_address is not None:
+            self.assigns.forget(start.pod_address)
+            start.pod_address = None
+
     def _scaled_out(self, te_id: str, now: float) -> None:
         """Log and tell the CM: te_id is listed (at `now`), every stage timed."""
         start = self.starting.pop(te_id, None)
         if start is not None:
+            self._forget_pod(start)
             ready_at = start.ready_at if start.ready_at is not None else now
             given_at = start.given_at if start.given_at is not None else start.decided_at
             stages = {"scaler_pre": round(given_at - start.decided_at, 4),
@@ -213,6 +224,7 @@ class NodeScaler:
         """A start that failed for good (the supervisor gave up on it)."""
         start = self.starting.pop(te_id, None)
         if start is not None:
+            self._forget_pod(start)
             self._tell_cm(ScaleEvent(model=start.model, te_id=te_id, direction="failed",
                                      source=start.source, reason=start.reason))
 
@@ -221,7 +233,9 @@ class NodeScaler:
         if te_id not in self.node.table or te_id in self.retiring:
             return
         self.retiring[te_id] = now
-        self.starting.pop(te_id, None)
+        start = self.starting.pop(te_id, None)
+        if start is not None:
+            self._forget_pod(start)
         threading.Thread(target=self._stop, args=(te_id,), name=f"retire-{te_id}",
                          daemon=True).start()
 
