@@ -91,7 +91,9 @@ class FaultTask:
             return entry
         if self.drill.poison is not None:
             self.drill.poison.join(self.driver.deadline_s + 1.0)
-        detected_at, recovered_at = self.drill.outcome(records, self.fault_at)
+        # no last look: by now other faults may have hit the same TE (a slow-worker
+        # "detected" when a later hang on that TE was)
+        detected_at, recovered_at = self.drill.outcome(records, self.fault_at, last_look=False)
         proof = self.drill.proof
         entry.update(at_s=round(self.fault_at - self.t0, 3), proven=proof.is_proven,
                      proof="; ".join(proof.evidence) if proof.is_proven else proof.failure,

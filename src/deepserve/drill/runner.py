@@ -338,12 +338,14 @@ class Drill:
             report.details["poison"] = summary(self.events, self.poison, fault_at, records)
         return report
 
-    def outcome(self, records: list[RequestRecord], fault_at: float
+    def outcome(self, records: list[RequestRecord], fault_at: float, last_look: bool = True
                 ) -> tuple[float | None, float | None]:
         """The last look, after the load ended: (detected_at, recovered_at),
         epoch seconds or None; the proof finished (proof.is_proven, .evidence,
-        .failure say how it went)."""
-        if self.detected is None:  # a last look: logged while the load drained
+        .failure say how it went). last_look=False: a detection counts only if
+        poll() saw it (chaos: a later fault's detection on the same TE is not
+        this one's)."""
+        if self.detected is None and last_look:  # logged while the load drained
             self.detected = self._first_detection(fault_at)
         if self.scenario.restarts:
             if self.recovered is None:
