@@ -261,5 +261,9 @@ def test_chaos_run(tmp_path, tiny_model):
     assert len(samples) >= 5 and all(s["rss_bytes"] > 0 and s["num_fds"] > 0 for s in samples)
     assert "growth" in report["resources"]
     assert report["shm"]["back_to_baseline"] is True
-    assert png.stat().st_size > 10_000
+    try:  # the PNG needs the bench extra (bin/deepserve-chaos installs it; CI's test extra not)
+        import matplotlib  # noqa: F401
+        assert png.stat().st_size > 10_000
+    except ImportError:
+        assert not png.exists() and "no PNG: No module named 'matplotlib'" in proc.stderr
     assert proc.returncode == 0 and report["ok"] is True
