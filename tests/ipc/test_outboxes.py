@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import zmq
@@ -46,6 +47,53 @@ def test_a_peer_that_stops_reading_costs_one_timeout_then_recovers(short_dir) ->
         assert out.put(address, {"i": "again"}) is True  # reading again: not stalled
         assert not out.is_stalled(address)
         assert pull.get(timeout=2.0) == {"i": "again"}
+    finally:
+        out.close()
+        pull.close()
+        ctx.term()
+
+
+def test_a_probe_waits_even_to_a_stalled_address_once_a_while(short_dir) -> None:
+    """Under load, a gateway restarted on the same address had its first
+    request aborted by the TE: the PUSH still held the dead gateway's backlog
+    and a put that did not wait found the queue full. A request's first reply
+    is a probe: it waits (PROBE_WAIT_S, once per PROBE_EVERY_S per address),
+    and goes through once the peer reads."""
+    from deepserve.ipc.outboxes import PROBE_EVERY_S, PROBE_WAIT_S
+    ctx = zmq.Context()
+    address = ipc_address(short_dir, "peer")
+    pull = PullSocket(ctx, address, bind=True, type=dict)
+    pull.socket.setsockopt(zmq.RCVHWM, 1)
+    now = [0.0]
+    out = Outboxes(ctx, timeout_s=1.0, clock=lambda: now[0])
+    out._socket(address).socket.setsockopt(zmq.SNDHWM, 1)
+    try:
+        while out.put(address, {"i": 0}):  # fill both queues: one timeout, then stalled
+            pass
+        start = time.monotonic()
+        assert out.put(address, {"i": 1}) is False and time.monotonic() - start < 0.1
+        start = time.monotonic()
+        assert out.put(address, {"i": 2}, probe=True) is False  # the peer reads nothing
+        assert PROBE_WAIT_S <= time.monotonic() - start < 0.9 and out.is_stalled(address)
+        start = time.monotonic()  # a second probe within PROBE_EVERY_S: no wait
+        assert out.put(address, {"i": 2}, probe=True) is False
+        assert time.monotonic() - start < 0.1
+        now[0] += PROBE_EVERY_S
+        got = []
+
+        def read_until_3():
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and {"i": 3} not in got:
+                try:
+                    got.append(pull.get(timeout=0.1))
+                except TimeoutError:
+                    pass
+
+        reader = threading.Thread(target=read_until_3)
+        reader.start()  # the peer reads again while the probe waits: it goes through
+        assert out.put(address, {"i": 3}, probe=True) is True and not out.is_stalled(address)
+        reader.join(6.0)
+        assert got[-1] == {"i": 3}
     finally:
         out.close()
         pull.close()

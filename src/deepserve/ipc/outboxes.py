@@ -12,7 +12,16 @@ because the address comes from a message and the peer may be gone:
 - a put waits at most `timeout_s` for a peer that does not take it (its
   queue full, or nobody connected); after one timeout the address is
   *stalled* and later puts do not wait at all until one goes through again,
-  so a dead gateway costs the sender one timeout, not one per token.
+  so a dead gateway costs the sender one timeout, not one per token;
+- put(..., probe=True) waits even to a stalled address (up to PROBE_WAIT_S,
+  at most once per PROBE_EVERY_S per address, so the requests of a dead
+  caller cost the sender little): the first reply to a request its caller
+  has just sent. A gateway restarted on
+  the same address first receives the backlog ZeroMQ kept for the dead one
+  (a connecting PUSH keeps its queue across reconnects); a put that did not
+  wait found that queue full, and the TE aborted the new gateway's first
+  request as "caller gone" (seen under load: the client waited out its
+  deadline for a request the TE had dropped).
 
 put() returns False for a dropped message; the caller decides what that
 means (a stream the client no longer reads, a peer that will time out).
@@ -21,31 +30,41 @@ means (a stream the client no longer reads, a peer that will time out).
 from __future__ import annotations
 
 import logging
-from typing import Any
+import time
+from typing import Any, Callable
 
 import zmq
 
 from deepserve.ipc.sockets import PushSocket
 
 log = logging.getLogger(__name__)
+PROBE_WAIT_S, PROBE_EVERY_S = 0.2, 1.0
 
 
 class Outboxes:
-    def __init__(self, ctx: zmq.Context, timeout_s: float = 1.0):
-        self.ctx, self.timeout_s = ctx, timeout_s
+    def __init__(self, ctx: zmq.Context, timeout_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.ctx, self.timeout_s, self.clock = ctx, timeout_s, clock
         self._sockets: dict[str, PushSocket] = {}
         self._refused: set[str] = set()
         self._stalled: set[str] = set()
+        self._probed: dict[str, float] = {}  # stalled address -> its last probe
         self.num_dropped = 0
         """Messages not sent: refused address or a peer that did not take them in time."""
 
-    def put(self, address: str, msg: Any) -> bool:
+    def put(self, address: str, msg: Any, probe: bool = False) -> bool:
         sock = self._socket(address)
         if sock is None:
             self.num_dropped += 1
             return False
+        wait = self.timeout_s
+        if address in self._stalled:
+            wait = 0.0
+            now = self.clock()
+            if probe and now - self._probed.get(address, -PROBE_EVERY_S) >= PROBE_EVERY_S:
+                wait, self._probed[address] = min(self.timeout_s, PROBE_WAIT_S), now
         try:
-            sock.put(msg, timeout=0.0 if address in self._stalled else self.timeout_s)
+            sock.put(msg, timeout=wait)
         except TimeoutError:
             if address not in self._stalled:
                 log.warning("peer %s does not take %s: dropping until it does", address,
@@ -54,6 +73,7 @@ class Outboxes:
             self.num_dropped += 1
             return False
         self._stalled.discard(address)
+        self._probed.pop(address, None)
         return True
 
     def __len__(self) -> int:
@@ -81,6 +101,7 @@ class Outboxes:
         if sock is not None:
             sock.close()
         self._stalled.discard(address)
+        self._probed.pop(address, None)
 
     def close(self) -> None:
         for sock in self._sockets.values():

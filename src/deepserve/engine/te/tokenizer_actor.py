@@ -106,11 +106,13 @@ class TokenizerActor:
         for sock in [self.inbox, self.to_master, self.replies]:
             sock.close()
 
-    def _reply(self, request_id: str, msg) -> bool:
+    def _reply(self, request_id: str, msg, first: bool = False) -> bool:
         """Send to the caller that submitted request_id (one socket per caller);
-        False if it did not take the message (gone, or not reading)."""
+        False if it did not take the message (gone, or not reading). first:
+        the request's first reply, whose caller has just sent it: waited for
+        even if the address stalled before (a gateway restarted there)."""
         address = self.reply_to.get(request_id, self.client_address)
-        return self.replies.put(address, msg)
+        return self.replies.put(address, msg, probe=first)
 
     def _forget(self, request_id: str) -> None:
         self.reply_to.pop(request_id, None)
@@ -201,7 +203,8 @@ class TokenizerActor:
             prompt=state.prompt if is_first else None,
             prompt_token_ids=state.prompt_token_ids if is_first else None,
             logprobs=item.logprobs, attempt=self.attempts.get(item.request_id, 0),
-            queued_s=self.queued_s.pop(item.request_id, 0.0) if is_first else 0.0))
+            queued_s=self.queued_s.pop(item.request_id, 0.0) if is_first else 0.0),
+            first=is_first)
         self._detok_s += t1 - t0
         self._reply_s += time.monotonic() - t1
         if state.is_finished:
