@@ -69,7 +69,7 @@ def test_a_caller_that_takes_no_reply_gets_its_request_aborted(t, stalled, monke
         reply_to, sock = _caller(t, "stalled")
         sock.close()
         monkeypatch.setattr(t.actor.replies, "put",
-                            lambda address, msg: address != reply_to)
+                            lambda address, msg, probe=False: address != reply_to)
     t.send(SubmitRequest(request_id="r", prompt="hello", sampling=PARAMS, reply_to=reply_to))
     assert [type(m) for m in drain(t.master)] == [AddRequest]
     t.send(StepTokens(items=[NewTokens("r", [5])]))
