@@ -39,17 +39,29 @@ def _done(step_id: int, sampled: dict[int, int], failed: dict[int, str] = {}) ->
                     forward_start=0.0, forward_end=0.0)
 
 
-def _three_in_one_step(m: MasterHarness) -> dict[str, int]:
-    for r in ("a", "b", "c"):
-        _add(m, r)
-    m.step_until(lambda: len(m.master.in_flight) == 1 and len(m.master.core.seqs) == 3)
-    assert len(m.master.in_flight[0][1].scheduled) == 3  # one batch
-    return _seq_ids(m)
+def _three_in_one_step(m: MasterHarness) -> tuple[dict[str, int], int]:
+    """Requests a, b, c in one batch in flight: (their seq ids, its step id).
+    a goes first and its prefill step is answered only once b and c are in
+    the master's books, so the next step holds all three whatever the timing
+    (ZeroMQ delivers asynchronously: three AddRequests sent at once may reach
+    two different drains under load). a's first token is drained here."""
+    _add(m, "a")
+    m.step_until(lambda: len(m.master.in_flight) == 1 and "a" in m.master.core.seqs)
+    first = m.master.in_flight[0][0]
+    _add(m, "b")
+    _add(m, "c")
+    m.step_until(lambda: len(m.master.core.seqs) == 3)
+    m.send("steps", _done(first, {_seq_ids(m)["a"]: 4}))
+    m.step_until(lambda: m.master.in_flight and m.master.in_flight[0][0] != first)
+    step_id, scheduled = m.master.in_flight[0][0], m.master.in_flight[0][1].scheduled
+    assert len(scheduled) == 3  # one batch
+    drain(m.to_tokenizer)
+    return _seq_ids(m), step_id
 
 
 def test_a_worker_failure_of_one_seq_fails_that_request_only(m):
-    ids = _three_in_one_step(m)
-    m.send("steps", _done(0, {ids["a"]: 5, ids["c"]: 6}, {ids["b"]: "TypeError: bad top_k"}))
+    ids, step = _three_in_one_step(m)
+    m.send("steps", _done(step, {ids["a"]: 5, ids["c"]: 6}, {ids["b"]: "TypeError: bad top_k"}))
     m.step_until(lambda: "b" not in m.master.core.seqs)
     got = drain(m.to_tokenizer)
     fails = [x for x in got if isinstance(x, FailRequest)]
@@ -59,8 +71,9 @@ def test_a_worker_failure_of_one_seq_fails_that_request_only(m):
     assert [(i.request_id, i.token_ids) for i in tokens] == [("a", [5]), ("c", [6])]
     # the others go on to the end
     _run_to_end(m)
-    assert [i.finish_reason for x in drain(m.to_tokenizer) for i in x.items][-2:] == [
-        "length", "length"]
+    ended = {i.request_id: i.finish_reason for x in drain(m.to_tokenizer)
+             if isinstance(x, StepTokens) for i in x.items if i.finish_reason}
+    assert ended == {"a": "length", "c": "length"}
     m.master.kv.check_integrity()
 
 
@@ -75,22 +88,23 @@ def _run_to_end(m: MasterHarness) -> None:
 
 # -- valid-but-bad messages: dropped, never fatal --------------------------------------
 def test_forged_step_done_for_unknown_steps_and_seqs_is_dropped(m):
-    ids = _three_in_one_step(m)
+    ids, step = _three_in_one_step(m)
     a, b, c = ids["a"], ids["b"], ids["c"]
-    forged = [_done(5, {a: 1, b: 1, c: 1}),            # no such step
-              _done(0, {a: 1, b: 1, c: 1, 999: 1}),    # an unknown seq
-              _done(0, {a: 1, b: 1}),                   # a sampling seq missing
-              _done(0, {a: 1, b: 1}, {a: "x"})]         # a seq answered twice
+    done_before = m.master.num_steps
+    forged = [_done(step + 5, {a: 1, b: 1, c: 1}),     # no such step
+              _done(step, {a: 1, b: 1, c: 1, 999: 1}),  # an unknown seq
+              _done(step, {a: 1, b: 1}),                # a sampling seq missing
+              _done(step, {a: 1, b: 1}, {a: "x"})]      # a seq answered twice
     for msg in forged:
         m.send("steps", msg)
     m.step(6)
-    assert len(m.master.in_flight) == 1 and m.master.num_steps == 0
+    assert len(m.master.in_flight) == 1 and m.master.num_steps == done_before
     assert not [x for x in drain(m.to_tokenizer) if isinstance(x, StepTokens)]
-    m.send("steps", _done(0, {a: 5, b: 6, c: 7}))  # the real answer still counts
-    m.step_until(lambda: m.master.num_steps == 1)
-    m.send("steps", _done(0, {a: 5, b: 6, c: 7}))  # and a replay of it does not
+    m.send("steps", _done(step, {a: 5, b: 6, c: 7}))  # the real answer still counts
+    m.step_until(lambda: m.master.num_steps == done_before + 1)
+    m.send("steps", _done(step, {a: 5, b: 6, c: 7}))  # and a replay of it does not
     m.step(3)
-    assert m.master.num_steps == 1
+    assert m.master.num_steps == done_before + 1
     _run_to_end(m)
     m.master.kv.check_integrity()
 
