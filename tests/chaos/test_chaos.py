@@ -205,8 +205,13 @@ def test_shm_bytes_and_components(tmp_path):
                              "--te-id", "te7"])
     try:
         import os
+        import time
         import psutil
-        assert component_of(psutil.Process(proc.pid), os.getpid()) == "te7"
+        child = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 10  # until it has exec'd: before that a forked
+        while "--te-id" not in child.cmdline() and time.monotonic() < deadline:  # child
+            time.sleep(0.01)  # still shows pytest's argv (seen once in CI under load)
+        assert component_of(child, os.getpid()) == "te7"
         assert component_of(psutil.Process(os.getpid()), os.getpid()) == "node"
         # the process table's name wins (an adopted pod is its TE's)
         assert component_of(psutil.Process(proc.pid), os.getpid(), {proc.pid: "te1"}) == "te1"
