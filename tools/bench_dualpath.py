@@ -4,6 +4,7 @@ storage limits, side by side on an agent trace shaped like DualPath's Table 2.
     python tools/bench_dualpath.py [--model models/tiny] [--agents 12] [--turns 6]
         [--context 1200] [--append 40-80] [--max-tokens 12] [--storage-gbps 0.01] [--host-mib 4]
         [--rates 0.25,0.5,1,2] [--rounds 2] [--slo-s 20] [--png dualpath.png] [--json out.json]
+    python tools/bench_dualpath.py --offline [--rounds 3] [--json rows.json] [...]
 
 The node is conf/dualpath.toml (2 prefill + 2 decode TEs, the disk tier as
 the KV storage, a storage_read_gbps bucket per TE) with device pools that
@@ -28,6 +29,14 @@ bytes read per path, and the storage load balance (max / mean bytes read
 over the four TEs). "Agents/s at the SLO" is the highest rate whose p90 JCT
 stays within --slo-s. Rounds interleave the modes (pe_only, dualpath, oracle,
 pe_only, ...); tables are medians over rounds.
+
+--offline is DualPath's rollout experiment: the same fixed batch of agents
+all start at once and run to completion; jct_s is the batch's completion
+time. --json then writes a list of rows, one per mode and round (mode,
+round, jct_s, ...). Its default storage bandwidth (OFFLINE_GBPS) is one where
+PE-only is storage-bound here; every row carries the evidence, sampled each
+0.5 s during the run: the machine's mean CPU use (cpu_busy_pct) and the TEs'
+summed storage read queues (read_queue_tokens_mean).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from deepserve.config.loading import load_node_config
@@ -56,6 +66,8 @@ from bench_stats import percentile  # noqa: E402
 import traces  # noqa: E402
 
 MODES = ("pe_only", "dualpath", "oracle")
+ONLINE_GBPS = 0.01
+OFFLINE_GBPS = 0.005  # storage binds PE-only here (conf/dualpath.toml says how it was seen)
 
 
 def node_config(mode: str, args, disk: Path):
@@ -104,30 +116,63 @@ async def run_agent(client, url: str, turns, max_tokens: int, delay: float) -> d
     return {"jct": time.perf_counter() - t0, "ok": ok, "prompt": prompt, "cached": cached}
 
 
-async def run_load(url: str, trace, rate: float, max_tokens: int, seed: int) -> list[dict]:
+async def run_load(url: str, trace, rate: float | None, max_tokens: int, seed: int
+                   ) -> tuple[list[dict], dict]:
+    """Every agent of the trace (Poisson arrivals at `rate`; None: all at once,
+    the offline batch), and what the machine did meanwhile (sample_load)."""
     rng, t, delays = random.Random(seed), 0.0, []
     for _ in trace:
         delays.append(t)
-        t += rng.expovariate(rate)
+        t += rng.expovariate(rate) if rate else 0.0
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
-        return await asyncio.gather(*(run_agent(client, url, a, max_tokens, d)
-                                      for a, d in zip(trace, delays)))
+        sampler = asyncio.create_task(sample_load(client, url))
+        results = await asyncio.gather(*(run_agent(client, url, a, max_tokens, d)
+                                         for a, d in zip(trace, delays)))
+        sampler.cancel()
+        return results, await sampler
+
+
+async def sample_load(client, url: str, every_s: float = 0.5) -> dict:
+    """Until cancelled: the machine's CPU use and the TEs' storage read queues
+    (deepserve_storage_read_queue_tokens, summed), every every_s. Storage
+    binds where the queues stay long while the CPUs idle."""
+    cpu, queue = [], []
+    psutil.cpu_percent(None)
+    try:
+        while True:
+            await asyncio.sleep(every_s)
+            cpu.append(psutil.cpu_percent(None))
+            try:
+                text = (await client.get(f"{url}/metrics", timeout=5)).text
+            except httpx.HTTPError:
+                continue
+            queue.append(sum(s.value for fam in text_string_to_metric_families(text)
+                             for s in fam.samples
+                             if s.name == "deepserve_storage_read_queue_tokens"))
+    except asyncio.CancelledError:
+        return {"cpu_busy_pct": statistics.mean(cpu) if cpu else None,
+                "read_queue_tokens_mean": statistics.mean(queue) if queue else None}
 
 
 def storage_reads(url: str) -> dict[tuple[str, str], float]:
-    """(te id, path) -> storage bytes read, and ("hits", tier) -> cached tokens by tier."""
+    """(te id, path) -> storage bytes read, ("hits", tier) -> cached tokens by
+    tier, ("decisions", path) -> requests by DualPath's read path."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == "deepserve_storage_read_bytes_total":
                 out[(s.labels["te_id"], s.labels["path"])] = s.value
+            elif s.name == "deepserve_dualpath_decisions_total":
+                out[("decisions", s.labels["path"])] = s.value
             elif s.name == "deepserve_cache_hit_tokens_total":
                 out[("hits", s.labels["tier"])] = s.value
     return out
 
 
-def run_mode(mode: str, args, rate: float, seed: int) -> dict:
+def run_mode(mode: str, args, rate: float | None, seed: int) -> dict:
+    """One node in `mode` serving the seeded agents at `rate` (None: offline,
+    all at once; jct_s is then the whole batch's completion time)."""
     with tempfile.TemporaryDirectory(prefix="dpstore") as tmp:
         disk = Path(tmp) / "storage"
         node = Node(node_config(mode, args, disk))
@@ -135,8 +180,8 @@ def run_mode(mode: str, args, rate: float, seed: int) -> dict:
         try:
             before = storage_reads(node.url)
             started = time.perf_counter()
-            results = asyncio.run(run_load(node.url, agents(args, seed), rate, args.max_tokens,
-                                           seed))
+            results, load = asyncio.run(run_load(node.url, agents(args, seed), rate,
+                                                 args.max_tokens, seed))
             wall = time.perf_counter() - started
             time.sleep(1.5)  # the last TEReports reach the gateway
             after = storage_reads(node.url)
@@ -144,21 +189,24 @@ def run_mode(mode: str, args, rate: float, seed: int) -> dict:
             node.stop()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     hits = {tier: v for (kind, tier), v in delta.items() if kind == "hits"}
-    reads = {k: v for k, v in delta.items() if k[0] != "hits"}
+    decisions = {path: v for (kind, path), v in delta.items() if kind == "decisions"}
+    reads = {k: v for k, v in delta.items() if k[0] not in ("hits", "decisions")}
     per_te: dict[str, float] = {}
     for (te, _), v in reads.items():
         per_te[te] = per_te.get(te, 0) + v
     loads = [per_te.get(te.te_id, 0.0) for te in node.config.tes]
     ok = [r for r in results if r["ok"]]
     jcts = [r["jct"] for r in ok]
-    return {"mode": mode, "rate": rate, "seed": seed, "wall_s": wall, "agents_ok": len(ok),
+    return {"mode": mode, "rate": rate, "seed": seed, "wall_s": wall, "jct_s": wall,
+            "agents_ok": len(ok),
             "agents_failed": len(results) - len(ok), "agents_per_s": len(ok) / wall,
             "jct_p50_s": percentile(jcts, 50), "jct_p90_s": percentile(jcts, 90),
             "hit_rate": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
             "bytes_prefill_path": sum(v for (_, p), v in reads.items() if p == "prefill"),
             "bytes_decode_path": sum(v for (_, p), v in reads.items() if p == "decode"),
             "balance_max_over_mean": max(loads) / statistics.mean(loads) if any(loads) else None,
-            "bytes_per_te": per_te, "hit_tokens_by_tier": hits}
+            "bytes_per_te": per_te, "hit_tokens_by_tier": hits, "decisions": decisions,
+            **load}
 
 
 def med(rows: list[dict], key: str):
@@ -192,6 +240,36 @@ def table(runs: list[dict], args) -> str:
                                "jct_p90_s")[0]) is not None and m <= args.slo_s]
         lines.append(f"{mode}: agents/s at the SLO (p90 JCT <= {args.slo_s:g} s): "
                      f"{max(within) if within else 'none of the rates'}")
+    return "\n".join(lines)
+
+
+def offline_table(runs: list[dict]) -> str:
+    """One row per mode (medians over rounds, min-max), then the JCT ratios
+    taken round by round."""
+    lines = ["| mode | JCT (s) | CPU busy | read queue (tokens, mean) | hit rate | "
+             "MB prefill path | MB decode path | decode-path requests | failed |",
+             "|" + "---|" * 9]
+    for mode in MODES:
+        rows = [r for r in runs if r["mode"] == mode]
+        if not rows:
+            continue
+        jct, cpu, queue = med(rows, "jct_s"), med(rows, "cpu_busy_pct"), med(
+            rows, "read_queue_tokens_mean")
+        decode = statistics.median(r["decisions"].get("decode", 0) for r in rows)
+        lines.append(
+            f"| {mode} | {jct[0]:.2f} ({jct[1]:.2f}-{jct[2]:.2f}) | {cpu[0]:.0f}% | "
+            f"{queue[0]:.0f} | {100 * med(rows, 'hit_rate')[0]:.1f}% | "
+            f"{med(rows, 'bytes_prefill_path')[0] / 1e6:.1f} | "
+            f"{med(rows, 'bytes_decode_path')[0] / 1e6:.1f} | {decode:.0f} | "
+            f"{sum(r['agents_failed'] for r in rows)} |")
+    by_round: dict[int, dict[str, float]] = {}
+    for r in runs:
+        by_round.setdefault(r["round"], {})[r["mode"]] = r["jct_s"]
+    for a, b in (("pe_only", "dualpath"), ("dualpath", "oracle")):
+        ratios = [m[a] / m[b] for m in by_round.values() if a in m and b in m]
+        if ratios:
+            lines.append(f"JCT {a} / {b}: median {statistics.median(ratios):.2f} "
+                         f"({min(ratios):.2f}-{max(ratios):.2f}) over {len(ratios)} rounds")
     return "\n".join(lines)
 
 
@@ -231,18 +309,40 @@ def parse_args(argv=None):
     ap.add_argument("--device-blocks", type=int, default=160)
     ap.add_argument("--host-mib", type=float, default=4.0,
                     help="the node's host tier: the decode engines' staging buffer, and a cache")
-    ap.add_argument("--storage-gbps", type=float, default=0.01)
+    ap.add_argument("--storage-gbps", type=float, default=None,
+                    help=f"per TE (default {ONLINE_GBPS:g}; --offline: {OFFLINE_GBPS:g})")
+    ap.add_argument("--offline", action="store_true",
+                    help="a fixed batch of agents, all at once, run to completion per mode")
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")],
                     default=[0.25, 0.5, 1.0, 2.0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--slo-s", type=float, default=20.0)
     ap.add_argument("--png", default=None)
     ap.add_argument("--json", default=None)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.storage_gbps is None:
+        args.storage_gbps = OFFLINE_GBPS if args.offline else ONLINE_GBPS
+    return args
+
+
+def main_offline(args) -> None:
+    """The rollout experiment: the same batch of agents run to completion
+    in every mode, modes interleaved round by round."""
+    runs = []
+    for round_no in range(args.rounds):
+        for mode in MODES:
+            row = {"round": round_no, **run_mode(mode, args, None, seed=100 * round_no)}
+            runs.append(row)
+            print(json.dumps(row), flush=True)
+    print(offline_table(runs))
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1))
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.offline:
+        return main_offline(args)
     runs = []
     for round_no in range(args.rounds):
         for rate in args.rates:

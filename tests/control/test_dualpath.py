@@ -48,6 +48,16 @@ def test_the_read_goes_to_the_shorter_queue_and_loads_move_until_reported(s):
     assert "d0" not in s.assigned and s.assigned["p0"] == 1000
 
 
+def test_a_decision_carries_what_it_compared(s):
+    d = s.choose(500, 20, [E("p0", read_queue=80)], [E("d0", read_queue=10)])
+    assert d.details() == {"prefill_te": "p0", "decode_te": "d0", "read_path": DECODE_PATH,
+                           "pe_read_queue": 80, "de_read_queue": 10, "pe_reads": 0,
+                           "de_reads": 0}
+    s.on_report("d0")  # a tie on the queues: what each side was given to read decides
+    d = s.choose(10, 1, [E("p0", read_queue=80)], [E("d0", read_queue=80)])
+    assert (d.read_path, d.pe_reads, d.de_reads) == (PREFILL_PATH, 0, 500)
+
+
 def test_a_tie_reads_where_less_was_read_then_on_the_prefill_side(s):
     assert s.choose(10, 1, [E("p0")], [E("d0")]).read_path == PREFILL_PATH
     s.on_report("p0")

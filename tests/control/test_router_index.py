@@ -3,6 +3,7 @@ fair round robin across interleaved types, one hashing per job, cheap
 TE-list updates, decisions equal to the plain per-candidate rules on random
 workloads, and the job executor routing each model among its own TEs."""
 
+import logging
 import random
 import shutil
 import tempfile
@@ -14,6 +15,8 @@ import zmq
 
 from deepserve.cache.block_hash import prompt_block_hashes
 from deepserve.control.je.routing import router as router_module
+from deepserve.config.node import DualPathOptions, RouterSection
+from deepserve.control.je import job_executor
 from deepserve.control.je.job_executor import JobExecutor
 from deepserve.control.je.routing.pd_policy import PDPolicy
 from deepserve.control.je.routing.prompt_index import GlobalPromptIndex
@@ -183,6 +186,31 @@ def test_the_job_executor_routes_a_model_among_its_own_tes(model_dirs):
         assert je._route(ids, None, "a", exclude=frozenset({"a-d"})) == ("a-c", None, None)
         assert je._route(ids, None, None) == ("a-d", "a-p", None)  # the default model: a
         assert je._job_layout(ids) == "disaggregated"  # any model's TEs (isolation's view)
+    finally:
+        je.close()
+        ctx.term()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("level", [logging.DEBUG, logging.INFO])
+def test_dualpath_choices_reach_the_health_log_at_debug_level(model_dirs, caplog, level):
+    """With [router] dualpath, each routed request's read path and the queues
+    compared become a dualpath_decision health event, at DEBUG only."""
+    d, ctx = tempfile.mkdtemp(prefix="dsdp"), zmq.Context()
+    events = []
+    je = JobExecutor(ctx, je_settings(f"ipc://{d}/je.sock", f"ipc://{d}/cm.sock",
+                                      {"a": str(next(iter(model_dirs.values())))},
+                                      router=RouterSection(dualpath=DualPathOptions())),
+                     events=lambda event, **details: events.append((event, details)))
+    caplog.set_level(level, logger=job_executor.__name__)
+    try:
+        je.router.update_tes([mte("p0", "a", "prefill"), mte("d0", "a", "decode")])
+        assert je._route(prompt(64), None, "a", request_id="r1") == ("d0", "p0", "prefill")
+        expected = [("dualpath_decision", {"request_id": "r1", "prefill_te": "p0",
+                                           "decode_te": "d0", "read_path": "prefill",
+                                           "pe_read_queue": 0, "de_read_queue": 0,
+                                           "pe_reads": 0, "de_reads": 0})]
+        assert events == (expected if level == logging.DEBUG else [])
     finally:
         je.close()
         ctx.term()

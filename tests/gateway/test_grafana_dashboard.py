@@ -92,7 +92,8 @@ def families():
                       kv_transfer_seconds=[0.01], tier_hit_tokens={"host": 16, "disk": 16},
                       tier_fetch_seconds={"host": [0.002], "disk": [0.01]},
                       kv_cached_bytes=1 << 20, cost_model={"prefill_tokens_per_s": 500.0},
-                      storage_queue_tokens=64, storage_read_bytes={"prefill": 10, "decode": 20})
+                      storage_queue_tokens=64, storage_read_bytes={"prefill": 10, "decode": 20},
+                      read_paths={"prefill": 1, "decode": 2})
     metrics.observe_te_report(report)
     metrics.observe_tiers(TierReport(host_bytes=1 << 20, disk_bytes=1 << 22, num_contexts=1),
                           {"m-0": report})

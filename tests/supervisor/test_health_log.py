@@ -42,7 +42,7 @@ def test_lines_are_json_with_exact_keys(tmp_path: Path) -> None:
 
 def test_closed_event_list_and_severity() -> None:
     assert isinstance(EVENTS, frozenset) and set(SEVERITY) == EVENTS
-    assert set(SEVERITY.values()) == {"info", "warning", "error"}
+    assert set(SEVERITY.values()) == {"debug", "info", "warning", "error"}
 
 
 def _emitted_event_names() -> set[str]:

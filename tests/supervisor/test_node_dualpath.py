@@ -99,21 +99,32 @@ def test_agentic_sessions_match_cache_off_and_both_paths_read(node, tiny_model):
             expected = [o.token_ids for o in reference.generate(prompts, greedy)]
             assert outputs == expected
         time.sleep(1.5)  # the TEs' last reports reach the gateway
-        reads = {"prefill": 0.0, "decode": 0.0}
-        for labels, value in scrape(node.url):
-            reads[labels["path"]] = reads.get(labels["path"], 0.0) + value
+        reads = by_path(node.url, "deepserve_storage_read_bytes_total")
         if reads["prefill"] > 0 and reads["decode"] > 0:
             break
     reference.shutdown()
     assert reads["decode"] > 0, reads  # decode TEs read storage for prefill TEs
     assert reads["prefill"] > 0, reads
+    # every request's read path was chosen once and counted by its decode TE
+    # (in its periodic TEReport: on a loaded machine the last ones come late)
+    sent, deadline = (round_ + 1) * SESSIONS * TURNS, time.monotonic() + 15
+    while sum((decisions := by_path(node.url, "deepserve_dualpath_decisions_total")).values()
+              ) < sent and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert sum(decisions.values()) == sent, decisions
+    assert decisions["decode"] > 0 and decisions["prefill"] > 0, decisions
 
 
-def scrape(url: str) -> list[tuple[dict, float]]:
+def by_path(url: str, name: str) -> dict[str, float]:
+    """A /metrics counter summed by its path label."""
     from prometheus_client.parser import text_string_to_metric_families
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return [(s.labels, s.value) for fam in text_string_to_metric_families(text)
-            for s in fam.samples if s.name == "deepserve_storage_read_bytes_total"]
+    out = {"prefill": 0.0, "decode": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                out[s.labels["path"]] += s.value
+    return out
 
 
 def test_dualpath_de_fail_drill(node):

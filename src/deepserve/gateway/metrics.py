@@ -104,6 +104,10 @@ class GatewayMetrics:
             "deepserve_storage_read_bytes", "KV bytes a TE read from the disk tier (its storage "
             "NIC), by DualPath's read path: prefill (for itself) or decode (for its prefill TE)",
             ["te_id", "path"], registry=r)
+        self.dualpath_decisions = Counter(
+            "deepserve_dualpath_decisions", "DualPath's read-path choices, counted by the decode "
+            "TEs that took the tasks: prefill (the prefill TE reads its hits) or decode (the "
+            "decode TE stages them for it)", ["path"], registry=r)
         self.storage_queue = Gauge("deepserve_storage_read_queue_tokens", "Tokens of KV a TE "
                                    "still has to read from the disk tier", ["te_id"], registry=r)
         self.tenant_queued = Gauge(
@@ -181,6 +185,9 @@ class GatewayMetrics:
         for path, total in report.storage_read_bytes.items():
             self.storage_read_bytes.labels(te_id=report.te_id, path=path).inc(
                 _new(self._reads_seen, (report.te_id, path), total))
+        for path, total in report.read_paths.items():
+            self.dualpath_decisions.labels(path=path).inc(
+                _new(self._reads_seen, (report.te_id, "decisions", path), total))
 
     def observe_tiers(self, tiers: TierReport | None, reports: Mapping[str, TEReport]) -> None:
         """deepserve_cache_bytes per tier and live contexts, when /metrics is scraped."""

@@ -88,6 +88,7 @@ class TEReport(msgspec.Struct, tag="te_report", **_STRUCT):
     storage_read_bytes: dict[str, int] = {}  # cumulative disk reads by path: prefill, decode
     num_free_tokens: int = 0  # tokens its KV pool can still take
     tier_fetch_seconds: dict[str, list[float]] = {}  # fetches since the last report, per tier
+    read_paths: dict[str, int] = {}  # cumulative decode tasks taken, by DualPath's read path
 
 
 ToClusterManager = TEUp | TEDown | TEReport | ModelDemand | ScaleEvent | TierReport

@@ -24,7 +24,7 @@ from deepserve.supervisor.health_log import EVENTS, SEVERITY, parse_line, read_e
 
 POLL_S = 0.2
 ENV_PATH = "DEEPSERVE_HEALTH_LOG"
-COLORS = {"info": "\x1b[32m", "warning": "\x1b[33m", "error": "\x1b[31m"}
+COLORS = {"debug": "\x1b[2m", "info": "\x1b[32m", "warning": "\x1b[33m", "error": "\x1b[31m"}
 RESET = "\x1b[0m"
 
 

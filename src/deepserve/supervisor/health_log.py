@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
-INFO, WARNING, ERROR = "info", "warning", "error"
+DEBUG, INFO, WARNING, ERROR = "debug", "info", "warning", "error"
 
 SEVERITY: dict[str, str] = {
     "started": INFO,
@@ -52,6 +52,7 @@ SEVERITY: dict[str, str] = {
     "pool_ready": INFO,
     "cache_block_corrupt": WARNING,
     "cache_tier_disabled": ERROR,
+    "dualpath_decision": DEBUG,  # only from a job executor logging at DEBUG
 }
 
 EVENTS: frozenset[str] = frozenset(SEVERITY)

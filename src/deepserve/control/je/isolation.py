@@ -79,11 +79,13 @@ class Isolation:
             try:  # back on a TE it crashed if that one is up: the others stay untouched
                 te_id, prefill_te, path = self.route(
                     held.ids, held.msg.salt, held.msg.model,
-                    exclude=busy | (set(self.listed()) - crashed))
+                    exclude=busy | (set(self.listed()) - crashed),
+                    request_id=held.msg.request_id)
             except NoTEAvailable:
                 try:
                     te_id, prefill_te, path = self.route(held.ids, held.msg.salt,
-                                                         held.msg.model, exclude=busy)
+                                                         held.msg.model, exclude=busy,
+                                                         request_id=held.msg.request_id)
                 except NoTEAvailable:
                     continue
             self.held.remove(held)

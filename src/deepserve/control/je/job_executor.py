@@ -53,7 +53,6 @@ import msgspec.structs
 import zmq
 
 from deepserve.actor import run_main
-from deepserve.config.node import RouterSection
 from deepserve.control.je.context_jobs import ContextJobs
 from deepserve.control.je.fair_share import FairShare, num_tokens, tenant_of
 from deepserve.control.je.contexts import ContextBook
@@ -66,7 +65,7 @@ from deepserve.control.je.tasks import CRASHED, EventSink, Task, crashed_text, n
 from deepserve.control.je.te_links import TELinks
 from deepserve.control.je.turns import TurnBook, request_ids
 from deepserve.control.je.routing.dualpath import DualPathScheduler, engine_loads
-from deepserve.control.je.routing.pd_policy import PDPolicy
+from deepserve.control.je.routing.pd_policy import PDPolicy, pd_policy_of
 from deepserve.control.je.routing.router import NoTEAvailable, PromptHashes, Router
 from deepserve.errors import InvalidRequestError
 from deepserve.ipc.outboxes import Outboxes
@@ -217,7 +216,8 @@ class JobExecutor:
             if not self.links.has_list:
                 raise NoTEAvailable("no TE list from the cluster manager yet")
             te_id, prefill_te, path = self._route(ids, msg.salt, msg.model, exclude=full,
-                                                  max_tokens=msg.sampling.max_tokens)
+                                                  max_tokens=msg.sampling.max_tokens,
+                                                  request_id=msg.request_id)
         except NoTEAvailable as e:
             te_model = self.book.te_model(self.book.name_of(msg.model))
             if full and self.share.is_saturated(full, self.router.tes.values(), te_model):
@@ -235,11 +235,12 @@ class JobExecutor:
         return True
 
     def _route(self, ids: list[int], salt: str | None, model: str | None,
-               exclude: frozenset[str] = frozenset(), max_tokens: int | None = None
-               ) -> tuple[str, str | None, str | None]:
+               exclude: frozenset[str] = frozenset(), max_tokens: int | None = None,
+               request_id: str = "") -> tuple[str, str | None, str | None]:
         """(TE, prefill TE or None, read path or None) for a job of `model`,
         never on a TE in `exclude`; with [router] dualpath, DualPath's
-        scheduler picks the pair and the side that reads storage."""
+        scheduler picks the pair and the side that reads storage (at debug
+        level each choice and what it compared goes to the health log)."""
         te_model = self.book.te_model(self.book.name_of(model))  # None: every TE serves it
         if self._job_layout(ids, exclude, max_tokens, te_model) != "disaggregated":
             return self.router.route(ids, salt, exclude=exclude, model=te_model), None, None
@@ -249,6 +250,9 @@ class JobExecutor:
                 for t in ("prefill", "decode")))
             if d is None:
                 raise NoTEAvailable("every prefill TE is past beta or no decode TE has room")
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("request %s: %s", request_id, d.reason)
+                self.events("dualpath_decision", request_id=request_id, **d.details())
             return d.decode_te, d.prefill_te, d.read_path
         hashes = PromptHashes(ids, salt)  # hashed once for both decisions
         prefill_te = self.router.route(ids, salt, "prefill", exclude, te_model, hashes)
@@ -376,15 +380,6 @@ class JobExecutor:
     def close(self) -> None:
         for sock in [self.inbox, self.cm, self.links, self.replies]:
             sock.close()
-
-
-def pd_policy_of(r: RouterSection) -> PDPolicy | None:
-    """[router]'s PD policy, its files read; None: none set (colocated while a
-    colocated TE exists, else disaggregated: _job_layout)."""
-    if r.pd_policy is None:
-        return None
-    return PDPolicy.from_files(r.pd_policy, r.pd_heatmap, r.pd_predictor,
-                               **msgspec.structs.asdict(r.pd_options))
 
 
 def main(argv: list[str] | None = None) -> None:

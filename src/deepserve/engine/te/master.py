@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from contextlib import ExitStack
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -107,6 +107,7 @@ class Master:
         self.forward_spans: deque[tuple[float, float]] = deque(maxlen=100_000)
         self.encoder = msgspec.msgpack.Encoder()
         self.staging: dict[int, tuple[str, str]] = {}  # decode seq -> (request id, prefill TE)
+        self.read_paths: Counter[str] = Counter()  # DualPath's choices for the tasks taken
         self.num_steps = self.num_tokens = 0
         self.timeline = Timeline(f"{spec.te_id}/master", spec.config.timeline_dir)
         now = time.monotonic
@@ -255,6 +256,7 @@ class Master:
             seq.pin_context, seq.keep_kv = msg.pin_context, True  # freed once pinned
         if is_decode_task:  # the JE names the prefill TE by its inbox
             prefill_from = pd_address(msg.prefill_from)
+            self.read_paths.update([msg.read_path] if msg.read_path else [])
             if msg.read_path == DECODE_PATH:  # DualPath: read here (no tiers: staged at once)
                 self.staging[seq.seq_id] = (msg.request_id, prefill_from)
                 self.tier.stage(seq)
@@ -376,7 +378,8 @@ class Master:
 
     def _maybe_report(self) -> None:
         self.to_cm.maybe_send(time.monotonic(), lambda: build_report(
-            self.spec.te_id, self.core, self.pd, self.tier, self.spec.config.tp * self.block_bytes))
+            self.spec.te_id, self.core, self.pd, self.tier, self.spec.config.tp * self.block_bytes,
+            read_paths=dict(self.read_paths)))
 
     def close(self) -> None:
         self.timeline.close()

@@ -33,9 +33,11 @@ def remaining_tokens(seq: Sequence) -> int:
             + max(0, seq.sampling.max_tokens - seq.num_output_tokens))
 
 
-def build_report(te_id: str, core, pd, tier, block_bytes: int = 0) -> TEReport:
+def build_report(te_id: str, core, pd, tier, block_bytes: int = 0,
+                 read_paths: dict[str, int] | None = None) -> TEReport:
     """core: the StepCore; pd: the PDCoordinator; tier: the TierLink or the
-    NoTierLink (engine/tiers/link.py); block_bytes: one block's KV over all ranks."""
+    NoTierLink (engine/tiers/link.py); block_bytes: one block's KV over all
+    ranks; read_paths: the decode tasks taken so far by DualPath's read path."""
     kv, scheduler = core.kv, core.scheduler
     inserted, evicted = kv.tree.pop_events()
     transfer_bytes, transfer_seconds = pd.pop_transfer_stats()
@@ -48,7 +50,7 @@ def build_report(te_id: str, core, pd, tier, block_bytes: int = 0) -> TEReport:
         finished=core.pop_finished(), kv_transfer_bytes=transfer_bytes,
         kv_transfer_seconds=transfer_seconds,
         kv_cached_bytes=kv.tree.num_nodes * block_bytes,
-        num_free_tokens=kv.num_free_blocks * kv.block_size,
+        num_free_tokens=kv.num_free_blocks * kv.block_size, read_paths=read_paths or {},
         **tier.report(core.num_device_hits, kv.block_size))
 
 

@@ -45,6 +45,14 @@ class DualPathDecision:
     decode_te: str
     read_path: str
     reason: str
+    pe_read_queue: int = 0  # what was compared: each side's read queue (tokens) ...
+    de_read_queue: int = 0
+    pe_reads: int = 0  # ... and, on a tie, the tokens each was given to read so far
+    de_reads: int = 0
+
+    def details(self) -> dict:
+        """The decision and what it compared (the JE's dualpath_decision event)."""
+        return {k: v for k, v in vars(self).items() if k != "reason"}
 
 
 def engine_loads(tes: Iterable[TEInfo], reports: Mapping[str, TEReport], te_type: str,
@@ -100,8 +108,8 @@ class DualPathScheduler:
         de = self.choose_decode(prompt_len + max_tokens, [self._now(e) for e in des])
         if pe is None or de is None:
             return None
-        by_queue = (de.read_queue, self.total_reads[de.te_id]) < \
-            (pe.read_queue, self.total_reads[pe.te_id])
+        pe_reads, de_reads = self.total_reads[pe.te_id], self.total_reads[de.te_id]
+        by_queue = (de.read_queue, de_reads) < (pe.read_queue, pe_reads)
         path = DECODE_PATH if by_queue and self.read_paths == "both" else PREFILL_PATH
         reader = de if path == DECODE_PATH else pe
         self.total_reads[reader.te_id] += prompt_len
@@ -112,7 +120,8 @@ class DualPathScheduler:
         return DualPathDecision(pe.te_id, de.te_id, path,
                                 f"PE {pe.te_id} (tok {pe.tokens}, read_q {pe.read_queue}), "
                                 f"DE {de.te_id} (tok {de.tokens}, read_q {de.read_queue}): "
-                                f"read on the {path} side")
+                                f"read on the {path} side",
+                                pe.read_queue, de.read_queue, pe_reads, de_reads)
 
     def choose_prefill(self, prompt_len: int, pes: list[EngineLoad]) -> EngineLoad | None:
         """C2 (short read queue, not overloaded) first, then C3; C1 never."""

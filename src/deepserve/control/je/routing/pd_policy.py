@@ -32,10 +32,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Sequence
+from typing import TYPE_CHECKING, Collection, Sequence
+
+import msgspec.structs
 
 from deepserve.control.je.routing.decode_predictor import DecodeLengthPredictor
 from deepserve.control.je.routing.pd_heatmap import Heatmap, PDConfigError
+
+if TYPE_CHECKING:
+    from deepserve.config.node import RouterSection
 
 MODES = ("heatmap", "threshold", "colocated", "disaggregated")
 
@@ -143,3 +148,12 @@ class PDPolicy:
             return d
         return PDDecision(other, "fallback", f"no {d.te_type} TEs; {d.rule} said: {d.reason}",
                           d.prompt_len, d.decode_len, d.heatmap_value)
+
+
+def pd_policy_of(r: RouterSection) -> PDPolicy | None:
+    """[router]'s PD policy, its files read; None: none set (the job executor
+    then goes colocated while a colocated TE exists, else disaggregated)."""
+    if r.pd_policy is None:
+        return None
+    return PDPolicy.from_files(r.pd_policy, r.pd_heatmap, r.pd_predictor,
+                               **msgspec.structs.asdict(r.pd_options))
