@@ -7,8 +7,10 @@ storage limits, side by side on an agent trace shaped like DualPath's Table 2.
     python tools/bench_dualpath.py --offline [--rounds 3] [--json rows.json] [...]
 
 The node is conf/dualpath.toml (2 prefill + 2 decode TEs, the disk tier as
-the KV storage, a storage_read_gbps bucket per TE) with device pools that
-hold about one agent's context and a small host tier (--host-mib: a couple of
+the KV storage, a storage_read_gbps bucket per TE) with prefill pools that
+hold about one agent's context (--decode-blocks: the decode pools, by
+default as small; the scheduler sends a decode TE only what fits, so they
+also bound how many requests decode at once) and a small host tier (--host-mib: a couple of
 contexts, far below the agents' working set), so almost every turn's context
 comes back from storage (Table 2's shape scaled to this machine: long
 contexts, short appends, many turns, a high hit rate). On one node the host
@@ -67,7 +69,7 @@ import traces  # noqa: E402
 
 MODES = ("pe_only", "dualpath", "oracle")
 ONLINE_GBPS = 0.01
-OFFLINE_GBPS = 0.005  # storage binds PE-only here (conf/dualpath.toml says how it was seen)
+OFFLINE_GBPS = 0.005  # PE-only's read queues stay long while the CPUs idle (conf/dualpath.toml)
 
 
 def node_config(mode: str, args, disk: Path):
@@ -76,7 +78,8 @@ def node_config(mode: str, args, disk: Path):
         "host_cache_bytes": int(args.host_mib * (1 << 20)), "disk_cache_dir": str(disk)})
     gbps = None if mode == "oracle" else args.storage_gbps
     tes = tuple(msgspec.structs.replace(te, options={
-        **te.options, "num_kv_blocks": args.device_blocks, "storage_read_gbps": gbps})
+        **te.options, "storage_read_gbps": gbps, "num_kv_blocks":
+            args.decode_blocks if te.te_type == "decode" else args.device_blocks})
         for te in config.tes)
     dualpath = msgspec.structs.replace(config.router.dualpath,
                                        read_paths="prefill" if mode == "pe_only" else "both")
@@ -306,7 +309,11 @@ def parse_args(argv=None):
     ap.add_argument("--context", type=int, default=1200)
     ap.add_argument("--append", type=traces.parse_range, default=(40, 80))
     ap.add_argument("--max-tokens", type=int, default=12)
-    ap.add_argument("--device-blocks", type=int, default=160)
+    ap.add_argument("--device-blocks", type=int, default=160,
+                    help="a prefill TE's pool: about one context, so hits come from below")
+    ap.add_argument("--decode-blocks", type=int, default=160,
+                    help="a decode TE's pool (the scheduler sends a decode TE only what fits: "
+                    "160 blocks take one context at a time)")
     ap.add_argument("--host-mib", type=float, default=4.0,
                     help="the node's host tier: the decode engines' staging buffer, and a cache")
     ap.add_argument("--storage-gbps", type=float, default=None,

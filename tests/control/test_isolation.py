@@ -22,7 +22,7 @@ def _rig(te_ids, clock):
     listed = {t: TEInfo(te_id=t, model="m", address=f"ipc:///tmp/{t}") for t in te_ids}
     sent, failed, migrated = [], [], []
 
-    def route(ids, salt, model, exclude=frozenset()):
+    def route(ids, salt, model, exclude=frozenset(), request_id=""):
         free = [t for t in listed if t not in exclude]
         if not free:
             raise NoTEAvailable("every TE excluded")
