@@ -129,6 +129,7 @@ class GatewayMetrics:
             buckets=(0.0, 0.01, 0.05) + _STAGE_BUCKETS[3:] + (60.0, 120.0), registry=r)
         self._hits_seen: dict[tuple[str, str], int] = {}
         self._reads_seen: dict[tuple[str, str], int] = {}
+        self._decisions_seen: dict[tuple[str, str], int] = {}
 
     def count_request(self, path: str, status: int) -> None:
         endpoint = path if path in ENDPOINTS else "other"
@@ -187,7 +188,7 @@ class GatewayMetrics:
                 _new(self._reads_seen, (report.te_id, path), total))
         for path, total in report.read_paths.items():
             self.dualpath_decisions.labels(path=path).inc(
-                _new(self._reads_seen, (report.te_id, "decisions", path), total))
+                _new(self._decisions_seen, (report.te_id, path), total))
 
     def observe_tiers(self, tiers: TierReport | None, reports: Mapping[str, TEReport]) -> None:
         """deepserve_cache_bytes per tier and live contexts, when /metrics is scraped."""

@@ -256,7 +256,8 @@ class Master:
             seq.pin_context, seq.keep_kv = msg.pin_context, True  # freed once pinned
         if is_decode_task:  # the JE names the prefill TE by its inbox
             prefill_from = pd_address(msg.prefill_from)
-            self.read_paths.update([msg.read_path] if msg.read_path else [])
+            if msg.read_path is not None:  # DualPath chose the side that reads storage
+                self.read_paths[msg.read_path] += 1
             if msg.read_path == DECODE_PATH:  # DualPath: read here (no tiers: staged at once)
                 self.staging[seq.seq_id] = (msg.request_id, prefill_from)
                 self.tier.stage(seq)
