@@ -28,7 +28,8 @@ from deepserve.messages.health import HealthEvent, Heartbeat
 from deepserve.messages.pd import KVEndpoint, KVTransferOrder
 from deepserve.messages.step import SHUTDOWN_STEP_ID, StepBatch, StepOutput
 from deepserve.worker.kv_sender import KVSender
-from deepserve.worker.worker_actor import WorkerSpec, _Worker
+from deepserve.worker.spec import WorkerSpec
+from deepserve.worker.worker_actor import _Worker
 
 
 class FakeRing:

@@ -39,7 +39,6 @@ import logging
 import os
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -63,23 +62,9 @@ from deepserve.model.llama import CausalLM
 from deepserve.model.loader import load_model
 from deepserve.model.parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from deepserve.worker.model_runner import ModelRunner
+from deepserve.worker.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    run_id: str
-    rank: int
-    config: EngineConfig  # resolved: num_kv_blocks and max_model_len are set
-    ring_name: str
-    ring_overflow: str
-    step_done_address: str
-    dist_init_method: str
-    te_id: str = "te"
-    # the node's weight cache root; None: $DEEPSERVE_WEIGHT_CACHE of this process
-    # (a forkserver child has the forkserver's environment, not the launcher's)
-    weight_cache: str | None = None
 
 
 def worker_main(spec: WorkerSpec, death_pipe: Connection, ready_pipe: Connection) -> None:

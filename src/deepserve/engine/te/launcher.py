@@ -6,7 +6,10 @@
     └─ worker 0..tp-1 worker_main (SPMD)
 
 Children are forked from a forkserver that preloaded torch and the actors'
-modules (no shared state: it has done nothing but import). Every child gets
+modules (no shared state: it has done nothing but import). The launcher
+itself imports no torch: it names each child's entry point by module and
+function (_child_main imports it in the child), so a TE server or a
+pre-warmed pod pays for one torch import, its forkserver's. Every child gets
 a death pipe (it exits when this process dies) and a ready
 pipe (it says "ready" or why not). The launcher notices dead children by
 their sentinels. Everything of a run lives under names derived from its run
@@ -16,6 +19,7 @@ id: a short run directory for the ipc:// sockets and shared-memory segments
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -29,20 +33,24 @@ from pathlib import Path
 
 from deepserve.cache.weight_cache import ENV_VAR as WEIGHT_CACHE_ENV
 from deepserve.config import EngineConfig
-from deepserve.engine.te.master import MasterSpec, master_main
-from deepserve.engine.te.tokenizer_actor import TokenizerSpec, tokenizer_main
+from deepserve.engine.te.master import MasterSpec
+from deepserve.engine.te.tokenizer_actor import TokenizerSpec
 from deepserve.errors import EngineDeadError
 from deepserve.ipc.segments import free_run_id, list_segments, segment_name, unlink_segment
 from deepserve.ipc.sockets import free_port, ipc_address
 from deepserve.messages.pd import pd_address
 from deepserve.model.config import load_model_config
-from deepserve.worker.worker_actor import WorkerSpec, worker_main
+from deepserve.worker.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
-PRELOAD = ["torch", "torch._dynamo", "deepserve.worker.worker_actor",
-            "deepserve.engine.te.master", "deepserve.engine.te.tokenizer_actor"]
-"""torch._dynamo: the first module init on the meta device imports it (~2.5 s
-per worker on 2 cores, in its weight load) unless the forkserver has."""
+PRELOAD = ["torch", "deepserve.worker.worker_actor", "deepserve.engine.te.master",
+           "deepserve.engine.te.tokenizer_actor", "deepserve.engine.te.launcher"]
+"""What the forkserver imports once for all its children (each child's entry
+point, and this module for _child_main). Not torch._dynamo: nothing in a
+TE imports it (model/llama.py keeps the meta-device init from doing so)."""
+ENTRY = {"tokenizer": "deepserve.engine.te.tokenizer_actor:tokenizer_main",
+         "master": "deepserve.engine.te.master:master_main",
+         "worker": "deepserve.worker.worker_actor:worker_main"}
 
 
 @dataclass
@@ -98,11 +106,11 @@ class TELauncher:
         started = time.perf_counter()
         self.ready_details = {}
         try:
-            self._spawn("tokenizer", tokenizer_main, self._tokenizer_spec())
-            self._spawn("master", master_main, self._master_spec())
+            self._spawn("tokenizer", ENTRY["tokenizer"], self._tokenizer_spec())
+            self._spawn("master", ENTRY["master"], self._master_spec())
             init = f"tcp://127.0.0.1:{free_port()}"
             for rank in range(self.config.tp):
-                self._spawn(f"worker{rank}", worker_main, self._worker_spec(rank, init))
+                self._spawn(f"worker{rank}", ENTRY["worker"], self._worker_spec(rank, init))
             self.spawn_s = time.perf_counter() - started
             self._wait_ready()
             self.ready_s = time.perf_counter() - started
@@ -110,10 +118,10 @@ class TELauncher:
             self.shutdown()
             raise
 
-    def _spawn(self, name: str, target, spec) -> None:
+    def _spawn(self, name: str, entry: str, spec) -> None:
         death_r, death_w = self._mp.Pipe(duplex=False)
         ready_r, ready_w = self._mp.Pipe(duplex=False)
-        process = self._mp.Process(target=target, args=(spec, death_r, ready_w),
+        process = self._mp.Process(target=_child_main, args=(entry, spec, death_r, ready_w),
                                    name=f"deepserve-{name}", daemon=False)
         process.start()
         death_r.close()
@@ -179,3 +187,10 @@ class TELauncher:
         return WorkerSpec(self.run_id, rank, self.config, segment_name(self.run_id, "steps"),
                           self.address["ring"], self.address["steps"], init_method, self.te_id,
                           os.environ.get(WEIGHT_CACHE_ENV, ""))
+
+
+def _child_main(entry: str, spec, death_pipe, ready_pipe) -> None:
+    """A child's first call: import its entry point ("module:function", from
+    the forkserver's preload: no time) and run it."""
+    module, function = entry.split(":")
+    getattr(importlib.import_module(module), function)(spec, death_pipe, ready_pipe)

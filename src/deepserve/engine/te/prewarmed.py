@@ -1,15 +1,16 @@
 """A pre-warmed TE process: everything a TE needs before it knows its model.
 
     node ──python -m deepserve.engine.te.te_server --te-id pool3 --pool──> this process:
-        imports torch and the TE's modules, starts the forkserver that forks
-        the TE's tokenizer, master and workers (it preloads the same modules),
-        binds its inbox, says Ready(component=pool3) to the supervisor, waits
+        starts the forkserver that forks the TE's tokenizer, master and
+        workers (it imports torch and their modules, once: this process
+        imports neither), binds its inbox, says Ready(component=pool3) to
+        the supervisor, waits
     supervisor ──Assign(te_id, model, run_id)──> inbox ──> te_server (run_main) as that TE
 
 DeepServe's Scaler-Pre and TE-Pre-Load, moved off the critical path: a
 scale-out (or the replacement of a crashed TE) that finds one ready skips
-the interpreter start, the imports and the forkserver start (~2-3 s on 2
-cores). It is model-agnostic and parallelism-agnostic: the Assign names the
+the interpreter start, the imports and the forkserver start (1.8 s on 2
+idle cores, 3.4 s with both busy: tools in the issue 25 note). It is model-agnostic and parallelism-agnostic: the Assign names the
 model, and the workers (tp of them) are forked only then. It holds no shared
 memory until it is assigned; it exits when its parent (the node) is gone,
 or on SIGTERM (default action: nothing to clean up yet).
