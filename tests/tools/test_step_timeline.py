@@ -63,4 +63,11 @@ def test_a_te_of_processes_writes_its_timeline(tiny_model, tmp_path):
     r = step_timeline.analyse(spans, 4)
     assert r["steps"] >= 8
     assert all(v is not None and v >= 0 for v in r["parts"].values())
-    assert r["period_s"] >= r["parts"]["worker/forward"] > 0
+    assert r["period_s"] > 0 and r["parts"]["worker/forward"] > 0
+    # a step's period covers its forward: the worker's forwards never overlap.
+    # (Per step, not as medians: the period's median is over consecutive
+    # pairs, the forward's over every step, and under load they can cross.)
+    worker = next(v for c, v in spans.items() if c.endswith("worker0"))
+    fwd = {step: (a, b) for part, step, a, b, _ in worker if part == "forward"}
+    pairs = [(fwd[s], fwd[s + 1]) for s in fwd if s + 1 in fwd]
+    assert len(pairs) >= 8 and all(nxt[0] >= cur[1] for cur, nxt in pairs)
