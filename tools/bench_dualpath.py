@@ -160,7 +160,8 @@ async def sample_load(client, url: str, every_s: float = 0.5) -> dict:
 
 def storage_reads(url: str) -> dict[tuple[str, str], float]:
     """(te id, path) -> storage bytes read, ("hits", tier) -> cached tokens by
-    tier, ("decisions", path) -> requests by DualPath's read path."""
+    tier, ("decisions", path) -> requests by DualPath's read path,
+    ("lookups", outcome) -> the TEs' lookups below the device by outcome."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     out = {}
     for fam in text_string_to_metric_families(text):
@@ -171,6 +172,8 @@ def storage_reads(url: str) -> dict[tuple[str, str], float]:
                 out[("decisions", s.labels["path"])] = s.value
             elif s.name == "deepserve_cache_hit_tokens_total":
                 out[("hits", s.labels["tier"])] = s.value
+            elif s.name == "deepserve_tier_lookups_total":
+                out[("lookups", s.labels["outcome"])] = s.value
     return out
 
 
@@ -194,7 +197,8 @@ def run_mode(mode: str, args, rate: float | None, seed: int) -> dict:
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     hits = {tier: v for (kind, tier), v in delta.items() if kind == "hits"}
     decisions = {path: v for (kind, path), v in delta.items() if kind == "decisions"}
-    reads = {k: v for k, v in delta.items() if k[0] not in ("hits", "decisions")}
+    lookups = {outcome: v for (kind, outcome), v in delta.items() if kind == "lookups"}
+    reads = {k: v for k, v in delta.items() if k[0] not in ("hits", "decisions", "lookups")}
     per_te: dict[str, float] = {}
     for (te, _), v in reads.items():
         per_te[te] = per_te.get(te, 0) + v
@@ -209,6 +213,7 @@ def run_mode(mode: str, args, rate: float | None, seed: int) -> dict:
             "bytes_decode_path": sum(v for (_, p), v in reads.items() if p == "decode"),
             "balance_max_over_mean": max(loads) / statistics.mean(loads) if any(loads) else None,
             "bytes_per_te": per_te, "hit_tokens_by_tier": hits, "decisions": decisions,
+            "tier_lookups": lookups,
             **load}
 
 

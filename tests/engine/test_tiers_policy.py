@@ -99,6 +99,68 @@ def test_no_answer_is_a_miss_and_late_hits_are_released(env):
     assert late.sends == [TierRelease(lease_id=9, model_key="m")] and not late.ready
 
 
+def _fill(kv, keep_free: int) -> int:
+    """A running sequence takes all but keep_free blocks; its seq id."""
+    assert kv.allocate(99, list(range(900, 900 + BS * (32 - keep_free))), BS * (32 - keep_free))
+    return 99
+
+
+def test_hits_with_no_room_wait_holding_nothing_then_look_again(env):
+    kv, tiers = env
+    hog = _fill(kv, keep_free=2)  # 2 free blocks: the 4 hits do not fit
+    s = seq()
+    lookup = tiers.admit(s, 0.0).sends[0]
+    effects = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=7,
+                                     slots=[ON_DISK] * 4, disk_dir="/d"), 0.1)
+    # not computed (that would need the blocks and the compute), lease let go
+    assert not effects.ready and not effects.ops
+    assert TierRelease(lease_id=7, model_key="m") in effects.sends
+    assert tiers.lookups_by_outcome["no_room"] == 1 and tiers.has_work
+    assert not tiers.poll(0.2).sends  # still no room: no new lookup
+    kv.free(hog)
+    again = tiers.poll(0.3).sends
+    assert [type(m) for m in again] == [TierLookup] and again[0].hashes == lookup.hashes
+    ops = tiers.on_hits(TierHits(lookup_id=again[0].lookup_id, lease_id=8,
+                                 slots=[ON_DISK] * 4, disk_dir="/d"), 0.4).ops
+    assert tiers.lookups_by_outcome["fetch"] == 1 and len(ops[0].block_ids) == 4
+    for op in ops:
+        tiers.on_ops_done(done(op), 0.5)
+    assert tiers.on_ops_done(done(ops[0], rank=1), 0.5).ready == [s]
+    kv.free(s.holder_seq_id)
+
+
+def test_waiting_for_room_ends_at_the_deadline_in_a_recompute(env):
+    kv, tiers = env
+    hog = _fill(kv, keep_free=2)
+    s, other = seq(), seq(seq_id=2, salt="u")
+    for r, lease in ((s, 7), (other, 8)):
+        lookup = tiers.admit(r, 0.0).sends[0]
+        tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=lease,
+                               slots=[ON_DISK] * 4, disk_dir="/d"), 0.0)
+    other.status = type(other.status).FINISHED  # aborted while waiting: dropped quietly
+    deadline = tiers.channel.op_timeout_s
+    assert not tiers.poll(deadline - 0.1).ready
+    effects = tiers.poll(deadline + 0.1)
+    assert effects.ready == [s] and not effects.sends
+    assert tiers.lookups_by_outcome["room_timeout"] == 1 and not tiers.has_work
+    kv.free(hog)
+
+
+def test_room_is_counted_once_for_the_requests_it_lets_look_again(env):
+    kv, tiers = env
+    hog = _fill(kv, keep_free=2)
+    waiting = [seq(seq_id=i, salt=f"s{i}") for i in (1, 2, 3)]
+    for r in waiting:
+        lookup = tiers.admit(r, 0.0).sends[0]
+        tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=r.seq_id,
+                               slots=[ON_DISK] * 4, disk_dir="/d"), 0.0)
+    kv.free(hog)
+    assert kv.allocate(98, list(range(800, 800 + BS * 23)), BS * 23)  # 9 free
+    # 4 blocks each: two fit in 9 (each counted once), the third waits
+    assert len(tiers.poll(0.1).sends) == 2 and len(tiers.waiting) == 1
+    kv.free(98)
+
+
 def test_new_tree_blocks_are_written_through_and_pinned_until_copied(env):
     kv, tiers = env
     s = seq(9)

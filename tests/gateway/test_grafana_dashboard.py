@@ -93,7 +93,8 @@ def families():
                       tier_fetch_seconds={"host": [0.002], "disk": [0.01]},
                       kv_cached_bytes=1 << 20, cost_model={"prefill_tokens_per_s": 500.0},
                       storage_queue_tokens=64, storage_read_bytes={"prefill": 10, "decode": 20},
-                      read_paths={"prefill": 1, "decode": 2})
+                      read_paths={"prefill": 1, "decode": 2},
+                      tier_lookups={"fetch": 3, "no_room": 1})
     metrics.observe_te_report(report)
     metrics.observe_tiers(TierReport(host_bytes=1 << 20, disk_bytes=1 << 22, num_contexts=1),
                           {"m-0": report})

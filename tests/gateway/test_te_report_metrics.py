@@ -1,6 +1,7 @@
 """The counters a TEReport carries cumulatively become Prometheus counters
 that grow by what is new: per TE, across reports and across a TE restart."""
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from deepserve.gateway.metrics import GatewayMetrics
@@ -36,3 +37,15 @@ def test_decisions_and_read_bytes_keep_separate_books():
     assert _samples(m, "deepserve_dualpath_decisions_total") == {(("path", "decode"),): 6.0}
     assert _samples(m, "deepserve_storage_read_bytes_total") == {
         (("path", "decode"), ("te_id", "d0")): 150.0}
+
+
+def test_tier_lookups_count_new_outcomes_per_te():
+    m = GatewayMetrics()
+    base = _report("p0", {})
+    m.observe_te_report(msgspec.structs.replace(base, tier_lookups={"fetch": 2, "no_room": 5}))
+    m.observe_te_report(msgspec.structs.replace(base, tier_lookups={"fetch": 3, "no_room": 5,
+                                                                    "room_timeout": 1}))
+    m.observe_te_report(msgspec.structs.replace(_report("p1", {}), tier_lookups={"fetch": 4}))
+    assert _samples(m, "deepserve_tier_lookups_total") == {
+        (("outcome", "fetch"),): 7.0, (("outcome", "no_room"),): 5.0,
+        (("outcome", "room_timeout"),): 1.0}

@@ -108,6 +108,12 @@ class GatewayMetrics:
             "deepserve_dualpath_decisions", "DualPath's read-path choices, counted by the decode "
             "TEs that took the tasks: prefill (the prefill TE reads its hits) or decode (the "
             "decode TE stages them for it)", ["path"], registry=r)
+        self.tier_lookups = Counter(
+            "deepserve_tier_lookups", "A TE's lookups below its device pool for a new "
+            "request's prefix, by outcome: fetch, none (no tier holds it), recompute (the "
+            "cost model's choice), no_room (no device blocks to load it into now: it waits for "
+            "them and looks again), room_timeout (waited too long: computed), gap, timeout (the "
+            "tier service did not answer in time)", ["outcome"], registry=r)
         self.storage_queue = Gauge("deepserve_storage_read_queue_tokens", "Tokens of KV a TE "
                                    "still has to read from the disk tier", ["te_id"], registry=r)
         self.tenant_queued = Gauge(
@@ -130,6 +136,7 @@ class GatewayMetrics:
         self._hits_seen: dict[tuple[str, str], int] = {}
         self._reads_seen: dict[tuple[str, str], int] = {}
         self._decisions_seen: dict[tuple[str, str], int] = {}
+        self._lookups_seen: dict[tuple[str, str], int] = {}
 
     def count_request(self, path: str, status: int) -> None:
         endpoint = path if path in ENDPOINTS else "other"
@@ -189,6 +196,9 @@ class GatewayMetrics:
         for path, total in report.read_paths.items():
             self.dualpath_decisions.labels(path=path).inc(
                 _new(self._decisions_seen, (report.te_id, path), total))
+        for outcome, total in report.tier_lookups.items():
+            self.tier_lookups.labels(outcome=outcome).inc(
+                _new(self._lookups_seen, (report.te_id, outcome), total))
 
     def observe_tiers(self, tiers: TierReport | None, reports: Mapping[str, TEReport]) -> None:
         """deepserve_cache_bytes per tier and live contexts, when /metrics is scraped."""

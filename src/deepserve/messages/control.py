@@ -89,6 +89,10 @@ class TEReport(msgspec.Struct, tag="te_report", **_STRUCT):
     num_free_tokens: int = 0  # tokens its KV pool can still take
     tier_fetch_seconds: dict[str, list[float]] = {}  # fetches since the last report, per tier
     read_paths: dict[str, int] = {}  # cumulative decode tasks taken, by DualPath's read path
+    tier_lookups: dict[str, int] = {}  # cumulative lookups below the device, by outcome:
+    # fetch, none (no tier holds the prefix), recompute (the cost model's choice), no_room
+    # (no device blocks to load into: it waits for them, then looks again), room_timeout
+    # (it waited op_timeout_s: computed), gap, timeout (the tier service did not answer)
 
 
 ToClusterManager = TEUp | TEDown | TEReport | ModelDemand | ScaleEvent | TierReport

@@ -8,7 +8,9 @@ ids, the storage queue):
   admit (here; the sched-enqueue stage: the request waits, the batch does not):
       device match -> TierLookup of the hashes past it -> TierHits
       -> cost model (tiers/cost_model.py): fetch the first k hits or none
-      -> a holder pseudo-sequence gets blocks for them -> CacheOps load_host /
+      -> a holder pseudo-sequence gets blocks for them (none free now: the
+         request waits, holding nothing, until that many are, then looks
+         again; after op_timeout_s it is computed instead) -> CacheOps load_host /
          load_disk -> every rank's CacheOpsDone -> commit the blocks that came
          up into the prefix tree -> the request is queued (the holder keeps
          them until the scheduler admits it) -> TierRelease
@@ -35,6 +37,7 @@ op_timeout_s more have passed (the workers of a TE die together).
 from __future__ import annotations
 
 import logging
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from deepserve.cache.kv_manager import KVCacheManager
@@ -57,6 +60,18 @@ class _Lookup:
     seq: Sequence
     num_device: int
     hashes: list[int]
+    deadline: float
+    room_deadline: float | None = None  # it waited for room before this lookup: until then
+
+
+@dataclass
+class _WaitingForRoom:
+    """A request whose hits found no device blocks to load into: it holds
+    nothing (its lease is released) and looks again once num_blocks are free.
+    Recomputing it instead would take as many blocks, and the compute too."""
+
+    seq: Sequence
+    num_blocks: int
     deadline: float
 
 
@@ -86,13 +101,15 @@ class TierCoordinator:
         self.lookups: dict[int, _Lookup] = {}
         self.loads: dict[int, _Load] = {}  # by op id of each of its ops
         self.stalled: list[tuple[int, float]] = []  # (holder seq id, free after)
+        self.waiting: deque[_WaitingForRoom] = deque()  # oldest first
         self.hit_tokens = {HOST: 0, DISK: 0}
+        self.lookups_by_outcome: Counter[str] = Counter()  # LOOKUP_OUTCOMES, cumulative
         self.fetch_seconds: dict[str, list[float]] = {HOST: [], DISK: []}
         self.num_events = 0  # progress: tier events handled
 
     @property
     def has_work(self) -> bool:
-        return bool(self.lookups or self.loads or self.writes.has_work
+        return bool(self.lookups or self.loads or self.waiting or self.writes.has_work
                     or self.staging.has_work)
 
     # -- the other pipelines' entries --------------------------------------------------
@@ -118,15 +135,20 @@ class TierCoordinator:
     def admit(self, seq: Sequence, now: float) -> TierEffects:
         """A new request: look below the device for its prefix, or queue it now."""
         effects = TierEffects()
+        self._look(seq, now, effects)
+        return effects
+
+    def _look(self, seq: Sequence, now: float, effects: TierEffects,
+              room_deadline: float | None = None) -> None:
         found = lookup_below(self.kv, self.channel, seq)
         if found is None:
             effects.ready.append(seq)
-            return effects
+            return
         lookup, num_device = found
         self.lookups[lookup.lookup_id] = _Lookup(seq, num_device, lookup.hashes,
-                                                 now + self.channel.lookup_timeout_s)
+                                                 now + self.channel.lookup_timeout_s,
+                                                 room_deadline)
         effects.sends.append(lookup)
-        return effects
 
     def on_hits(self, msg: TierHits, now: float) -> TierEffects:
         effects = TierEffects()
@@ -142,23 +164,36 @@ class TierCoordinator:
         plan = self.cost.plan(tiers)
         log.debug("seq %d: %d device + %s below; plan %s (%s)", seq.seq_id, lookup.num_device,
                   tiers, plan, self.cost.snapshot())
-        if plan.num_blocks == 0 or not self._start_load(lookup, msg, plan.num_blocks, now,
-                                                        effects):
+        if not tiers:
+            outcome = "none"
+        elif plan.num_blocks == 0:
+            outcome = "recompute"
+        else:
+            outcome = self._start_load(lookup, msg, plan.num_blocks, now, effects)
+        self.lookups_by_outcome[outcome] += 1
+        if outcome != "fetch":
             self.channel.release(msg.lease_id, effects)
+        if outcome == "no_room":
+            deadline = lookup.room_deadline or now + self.channel.op_timeout_s
+            self.waiting.append(_WaitingForRoom(
+                seq, lookup.num_device + plan.num_blocks, deadline))
+        elif outcome != "fetch":
             effects.ready.append(seq)
         return effects
 
     def _start_load(self, lookup: _Lookup, msg: TierHits, k: int, now: float,
-                    effects: TierEffects) -> bool:
+                    effects: TierEffects) -> str:
+        """"fetch" (started), or why not: "no_room" (no device blocks for
+        them now), "gap" (device blocks evicted meanwhile, or it has them all)."""
         seq, bs = lookup.seq, self.block_size
         holder = self.new_seq_id()
         if not self.kv.allocate(holder, seq.token_ids, (lookup.num_device + k) * bs, seq.salt):
-            return False
+            return "no_room"
         first = self.kv.num_shared_blocks(holder)
         skip = first - lookup.num_device  # blocks the device got meanwhile
         if skip < 0 or skip >= k:  # device blocks evicted meanwhile (a gap), or nothing left
             self.kv.free(holder)
-            return False
+            return "gap"
         table = self.kv.block_table(holder)
         ops: list[CacheOp] = []
         for i in range(skip, k):  # runs of one tier each, in block order
@@ -178,7 +213,7 @@ class TierCoordinator:
         for op in ops:
             self.loads[op.op_id] = load
         effects.ops.extend(ops)
-        return True
+        return "fetch"
 
     def _finish_load(self, load: _Load, now: float, effects: TierEffects) -> None:
         for op_id, _, _ in load.ops:
@@ -237,6 +272,7 @@ class TierCoordinator:
         for lookup_id, lookup in list(self.lookups.items()):
             if now > lookup.deadline:  # the tier service is slow or gone: a miss
                 del self.lookups[lookup_id]
+                self.lookups_by_outcome["timeout"] += 1
                 if not lookup.seq.is_finished:
                     effects.ready.append(lookup.seq)
         for load in {id(v): v for v in self.loads.values()}.values():
@@ -249,6 +285,7 @@ class TierCoordinator:
                 self.stalled.append((load.holder, now + self.channel.op_timeout_s))
                 if not load.seq.is_finished:
                     effects.ready.append(load.seq)
+        self._poll_waiting(now, effects)
         self.writes.poll(now, effects)
         self.staging.poll(now, effects)
         for holder, after in [s for s in self.stalled if now > s[1]]:
@@ -256,6 +293,21 @@ class TierCoordinator:
             if self.kv.has_seq(holder):
                 self.kv.free(holder)
         return effects
+
+    def _poll_waiting(self, now: float, effects: TierEffects) -> None:
+        """Requests waiting for room look again, oldest first, while the free
+        blocks cover them (each counted once: the lookups are answered later);
+        past its deadline, a request is computed instead."""
+        for w in [w for w in self.waiting if w.seq.is_finished or now > w.deadline]:
+            self.waiting.remove(w)
+            if not w.seq.is_finished:
+                self.lookups_by_outcome["room_timeout"] += 1
+                effects.ready.append(w.seq)
+        free = self.kv.num_free_blocks
+        while self.waiting and free >= self.waiting[0].num_blocks:
+            w = self.waiting.popleft()
+            free -= w.num_blocks
+            self._look(w.seq, now, effects, w.deadline)
 
     def pop_stats(self) -> tuple[dict[str, int], dict[str, list[float]]]:
         """Cumulative hit tokens per tier; fetch seconds since the last call."""

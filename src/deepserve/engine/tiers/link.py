@@ -111,7 +111,8 @@ class TierLink:
                     tier_fetch_seconds={t: s for t, s in fetch_seconds.items() if s},
                     cost_model=self.tiers.cost.snapshot(),
                     storage_queue_tokens=self.tiers.storage.num_blocks * block_size,
-                    storage_read_bytes=dict(self.tiers.storage.bytes_read))
+                    storage_read_bytes=dict(self.tiers.storage.bytes_read),
+                    tier_lookups=dict(self.tiers.lookups_by_outcome))
 
     # -- what the master calls ---------------------------------------------------------
     def admit(self, seq: Sequence) -> None:
