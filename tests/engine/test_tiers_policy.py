@@ -231,11 +231,15 @@ def test_a_decode_task_stages_its_disk_blocks_up_then_orders_the_prefill(env):
     assert not tiers.on_ops_done(CacheOpsDone(rank=1, op_id=op.op_id, num_ok=0), 0.3)
     effects = tiers.on_ops_done(CacheOpsDone(rank=0, op_id=op.op_id, num_ok=1, nbytes=64), 0.3)
     assert effects.staged == [s]
-    assert effects.sends == [TierCommit(lease_id=6, model_key="m", slots=[7]),
-                             TierRelease(lease_id=5, model_key="m")]
+    # committed and held: the staged slot and the lookup's host block stay
+    # pinned for the prefill TE until the task's KV arrives
+    assert effects.sends == [TierCommit(lease_id=6, model_key="m", slots=[7], hold=True)]
     assert tiers.storage.num_blocks == 0 and not tiers.has_work
     assert tiers.storage.bytes_read == {"prefill": 0, "decode": 64}
     assert kv.num_free_blocks == 32  # staging takes no device blocks
+    assert tiers.unstage(s.seq_id).sends == [TierRelease(lease_id=5, model_key="m"),
+                                             TierRelease(lease_id=6, model_key="m")]
+    assert not tiers.unstage(s.seq_id).sends  # once
 
 
 def test_a_stage_whose_copy_never_ends_orders_the_prefill_and_commits_nothing(env):
@@ -248,5 +252,23 @@ def test_a_stage_whose_copy_never_ends_orders_the_prefill_and_commits_nothing(en
                                           slots=[1, 2, 3, 4], segment="seg"), 0.0).ops
     assert tiers.storage.num_blocks == 4 and not tiers.poll(10.0).staged
     effects = tiers.poll(10.1)  # op_timeout_s (10) past
-    assert effects.staged == [s] and effects.sends == [TierRelease(lease_id=5, model_key="m")]
+    assert effects.staged == [s] and not effects.sends  # the lookup's lease is held
     assert tiers.storage.num_blocks == 0 and not tiers.has_work
+    assert tiers.unstage(s.seq_id).sends == [TierRelease(lease_id=5, model_key="m")]
+
+
+def test_a_task_that_ends_while_staging_holds_nothing(env):
+    kv, tiers = env
+    s = seq()
+    lookup = tiers.stage(s, 0.0).sends[0]
+    [reserve] = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=5,
+                                       slots=[ON_DISK] * 4, disk_dir="/d"), 0.0).sends
+    [op] = tiers.on_reserved(TierReserved(reserve_id=reserve.reserve_id, lease_id=6,
+                                          slots=[1, 2, 3, 4], segment="seg"), 0.0).ops
+    s.status = type(s.status).FINISHED  # aborted meanwhile
+    tiers.on_ops_done(CacheOpsDone(rank=1, op_id=op.op_id, num_ok=0), 0.1)
+    effects = tiers.on_ops_done(CacheOpsDone(rank=0, op_id=op.op_id, num_ok=4, nbytes=256), 0.1)
+    assert not effects.staged
+    assert effects.sends == [TierCommit(lease_id=6, model_key="m", slots=[1, 2, 3, 4]),
+                             TierRelease(lease_id=5, model_key="m")]
+    assert not tiers.staging.held

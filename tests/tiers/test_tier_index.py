@@ -73,6 +73,40 @@ def test_commit_of_part_frees_the_rest_and_ignores_foreign_slots(idx):
     assert idx.commit(lease, [slots[0]]) == []  # a second commit is a no-op
 
 
+def test_a_held_commit_keeps_its_slots_read_pinned_until_released():
+    idx = TierIndex(num_slots=5, block_bytes=B)
+    lease, slots, _ = idx.reserve([1, 2], 0.0)
+    idx.commit(lease, slots, hold=True)  # a decode TE's staged blocks
+    assert [idx.state[s] for s in slots] == [VALID, VALID]
+    reader, hits = idx.lookup([1, 2], 0.1)  # readable by the prefill TE meanwhile
+    assert hits == slots
+    idx.release(reader)
+    for h in (3, 4, 5, 6):  # the other three slots fill and turn over; the held two stay
+        write(idx, [h])
+    assert 3 not in idx.slot_of and idx.slot_of[1] == slots[0] and idx.slot_of[2] == slots[1]
+    idx.release(lease)  # now they are ordinary LRU blocks again
+    assert idx.readers[slots[0]] == idx.readers[slots[1]] == 0
+    idx.check_integrity()
+
+
+def test_a_commit_holds_only_while_half_the_slots_are_free_of_readers():
+    idx = TierIndex(num_slots=4, block_bytes=B)
+    first, slots, _ = idx.reserve([1, 2], 0.0)
+    idx.commit(first, slots, hold=True)  # 2 of 4: held
+    second, more, _ = idx.reserve([3], 0.0)
+    idx.commit(second, more, hold=True)  # would be 3 of 4: committed, not held
+    assert first in idx.leases and second not in idx.leases
+    assert idx.readers[more[0]] == 0
+    idx.check_integrity()
+
+
+def test_a_held_commit_lapses_with_its_lease(idx):
+    lease, slots, _ = idx.reserve([1], 0.0)
+    idx.commit(lease, slots, hold=True)
+    idx.expire(now=idx.lease_s + 1, wall_now=0.0)
+    assert lease not in idx.leases and idx.readers[slots[0]] == 0
+
+
 def test_disk_write_through_and_disk_lru():
     idx = TierIndex(num_slots=2, block_bytes=B, disk_budget=2 * B)
     _, to_disk = write(idx, [1, 2])

@@ -109,6 +109,10 @@ class TierCommit(msgspec.Struct, tag="tier_commit", **_STRUCT):
     slots: list[int]
     reply_to: str = ""
     reserve_id: int = 0
+    hold: bool = False
+    """Keep the written slots read-pinned under the same lease until its
+    TierRelease (or its expiry): a decode TE's staged blocks wait there for
+    its prefill TE to load them, whatever else the host tier takes meanwhile."""
 
 
 class TierCommitted(msgspec.Struct, tag="tier_committed", **_STRUCT):

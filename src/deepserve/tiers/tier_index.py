@@ -146,14 +146,20 @@ class TierIndex:
             return 0, out, None
         return self._add_lease(lease), out, None
 
-    def commit(self, lease_id: int, written: list[int]) -> list[tuple[int, int]]:
+    def commit(self, lease_id: int, written: list[int],
+               hold: bool = False) -> list[tuple[int, int]]:
         """The lease's `written` slots are VALID; its other reserved slots go
         back. Returns (slot, hash) to copy to disk, each read-pinned until
-        disk_written."""
+        disk_written. hold: the lease lives on (same id, same expiry) as a
+        read pin of the written slots, until released; only while at most
+        half the slots would be read-pinned (the write-through needs room)."""
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return []
-        to_disk = []
+        if hold:
+            busy = sum(1 for r in self.readers if r)
+            hold = busy + len(written) <= self.num_slots // 2
+        to_disk, held = [], Lease(lease.expires_at)
         for slot in written:
             if slot not in lease.writing:
                 continue  # not this lease's (a forged or late commit)
@@ -164,6 +170,9 @@ class TierIndex:
             if self.disk_enabled and h not in self.disk:
                 self.readers[slot] += 1
                 to_disk.append((slot, h))
+            if hold:
+                self.readers[slot] += 1
+                held.slots.append(slot)
         for slot in lease.slots:
             self.readers[slot] -= 1
         for h in lease.disk:
@@ -171,6 +180,8 @@ class TierIndex:
         for slot in lease.writing:
             self._free_slot(slot)
         self.reaped += self._reap([self.hash_of[s] for s in lease.slots] + lease.disk)
+        if held.slots:
+            self.leases[lease_id] = held
         return to_disk
 
     def disk_written(self, slot: int, h: int, nbytes: int, ok: bool) -> list[int]:

@@ -154,7 +154,7 @@ class TierServer:
             pool = self.pools.get(msg.model_key)
             ok = pool is not None
             if ok:
-                for slot, h in pool.index.commit(msg.lease_id, msg.slots):
+                for slot, h in pool.index.commit(msg.lease_id, msg.slots, msg.hold):
                     self._writes.put((pool.key, slot, h))
                 self._delete(pool, pool.index.reaped)
                 pool.index.reaped = []

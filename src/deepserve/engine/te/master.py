@@ -115,7 +115,7 @@ class Master:
             AddRequest: self._add, GetStats: self._send_stats,
             FinishRequest: lambda m: self.finish(m.request_id, m.reason),
             PrefillOrder: self._add_prefill,
-            KVReady: lambda m: self._apply(self.pd.on_kv_ready(m)),
+            KVReady: self._on_kv_ready,
             KVAck: lambda m: self._apply(self.pd.on_kv_ack(m)),
             CancelOrder: lambda m: self._apply(self.pd.on_cancel(m, now())),
             StepDone: self._on_step_done, WorkerFailed: self._worker_failed,
@@ -303,7 +303,16 @@ class Master:
             return
         self._apply(self.pd.add_prefill(order, self.core.new_seq_id()))
 
+    def _on_kv_ready(self, msg: KVReady) -> None:
+        seq = self.core.seqs.get(msg.request_id)
+        if seq is not None:  # its prefill TE is done with what we staged for it
+            self.tier.unstage(seq.seq_id)
+        self._apply(self.pd.on_kv_ready(msg))
+
     def finish(self, request_id: str, reason: str) -> None:
+        seq = self.core.seqs.get(request_id)
+        if seq is not None:
+            self.tier.unstage(seq.seq_id)
         effects = self.pd.drop_decode(request_id, time.monotonic())
         if effects is not None:
             self._apply(effects)

@@ -120,6 +120,11 @@ class TierCoordinator:
     def stage(self, seq: Sequence, now: float) -> TierEffects:
         return self.staging.stage(seq, now)
 
+    def unstage(self, seq_id: int) -> TierEffects:
+        effects = TierEffects()
+        self.staging.unstage(seq_id, effects)
+        return effects
+
     def on_committed(self, msg: TierCommitted, now: float) -> TierEffects:
         self.num_events += 1
         return self.writes.on_committed(msg, now)

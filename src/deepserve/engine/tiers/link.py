@@ -158,6 +158,10 @@ class TierLink:
         """DualPath's decode read path: the prompt's disk blocks up to host first."""
         self._apply(self.tiers.stage(seq, time.monotonic()))
 
+    def unstage(self, seq_id: int) -> None:
+        """A staged decode task's KV arrived, or the task ended: let its blocks go."""
+        self._apply(self.tiers.unstage(seq_id))
+
     def take_ops(self) -> list[CacheOp]:
         ops, self.pending_ops = self.pending_ops, []
         return ops
@@ -203,6 +207,8 @@ class NoTierLink:
 
     def stage(self, seq: Sequence) -> None:
         self._staged.append(seq)
+
+    def unstage(self, seq_id: int) -> None: ...  # nothing was held
 
     def take(self):
         """(ready, staged, ended, failed) as TierLink.take: only staged decode tasks."""

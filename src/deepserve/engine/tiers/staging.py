@@ -11,7 +11,15 @@ instead of reading storage through its own bucket:
     TierLookup (every cacheable block: the prefill TE needs them, whatever this TE
     holds) ──TierHits──> the ON_DISK ones
     ──TierReserve──> host slots ──CacheOp stage (rank 0: file -> slot, bucket)──>
-    CacheOpsDone ──TierCommit──> staged: the master orders the prefill now
+    CacheOpsDone ──TierCommit(hold)──> staged: the master orders the prefill now
+    ... its KV arrives (or the task ends) ──TierRelease of both leases──> unpinned
+
+Both leases (the lookup's, pinning the prompt's blocks already in host
+memory, and the staged slots' own) are held until the prefill TE has loaded
+them: released when the task's KV arrives, or when it ends (unstage), else
+when they expire. The host tier is small beside the working set, and its
+write-through and the other stagings would otherwise evict staged blocks
+before a busy prefill TE loads them, which then reads them from storage again.
 
 On one node the decode engine's buffer is a host-tier slot and the "stream"
 to the prefill engine is its cache executor reading that slot (shared
@@ -50,6 +58,7 @@ class TierStaging:
     def __init__(self, kv: KVCacheManager, channel: TierChannel, storage: StorageQueue):
         self.kv, self.channel, self.storage = kv, channel, storage
         self.stages: dict[int, _Stage] = {}  # by lookup id, then reserve id, then op id
+        self.held: dict[int, list[int]] = {}  # seq id -> leases held for its prefill TE
 
     @property
     def has_work(self) -> bool:
@@ -123,12 +132,22 @@ class TierStaging:
         return True
 
     def _end(self, st: _Stage, effects: TierEffects, written=()) -> None:
+        hold = bool(written) and not st.seq.is_finished
         if st.lease_id:
             effects.sends.append(TierCommit(lease_id=st.lease_id, model_key=self.channel.key,
-                                            slots=list(written)))
-        self.channel.release(st.lookup_lease, effects)
-        if not st.seq.is_finished:
-            effects.staged.append(st.seq)
+                                            slots=list(written), hold=hold))
+        if st.seq.is_finished:
+            self.channel.release(st.lookup_lease, effects)
+            return
+        held = [lease for lease in (st.lookup_lease, st.lease_id if hold else 0) if lease]
+        if held:
+            self.held[st.seq.seq_id] = held
+        effects.staged.append(st.seq)
+
+    def unstage(self, seq_id: int, effects: TierEffects) -> None:
+        """The task's prefill TE has what it needed (or the task ended)."""
+        for lease in self.held.pop(seq_id, []):
+            self.channel.release(lease, effects)
 
     def poll(self, now: float, effects: TierEffects) -> None:
         for key, st in list(self.stages.items()):
