@@ -8,15 +8,16 @@ storage limits, side by side on an agent trace shaped like DualPath's Table 2.
 
 The node is conf/dualpath.toml (2 prefill + 2 decode TEs, the disk tier as
 the KV storage, a storage_read_gbps bucket per TE) with prefill pools that
-hold about one agent's context (--decode-blocks: the decode pools, by
-default as small; the scheduler sends a decode TE only what fits, so they
-also bound how many requests decode at once) and a small host tier (--host-mib: a couple of
-contexts, far below the agents' working set), so almost every turn's context
-comes back from storage (Table 2's shape scaled to this machine: long
-contexts, short appends, many turns, a high hit rate). On one node the host
-tier is also the decode engines' staging buffer (engine/tiers/staging.py): it
-must hold the contexts being staged at once, or a staged block is evicted
-before its prefill engine reads it and the read is paid twice.
+hold about one agent's context (--device-blocks), decode pools that hold
+several (--decode-blocks: the scheduler sends a decode TE only what fits, so
+a small one serializes the batch and binds before storage does), and a host
+tier of about a third of the agents' working set (--host-mib), so most turns'
+contexts come back from storage (Table 2's shape scaled to this machine:
+long contexts, short appends, many turns, a high hit rate). On one node the
+host tier is also the decode engines' staging buffer (engine/tiers/staging.py):
+staged blocks stay pinned there until their prefill engine has them, up to
+half of it. These defaults are the storage-bound regime conf/dualpath.toml
+describes: PE-only's prefill engines idle on their read queues.
 
 Modes (one node each, one at a time):
   pe_only   [router] dualpath.read_paths = "prefill": the prefill TE always reads
@@ -35,11 +36,12 @@ pe_only, ...); tables are medians over rounds.
 --offline is DualPath's rollout experiment: the same fixed batch of agents
 all start at once and run to completion; jct_s is the batch's completion
 time. --json then writes a list of rows, one per mode and round (mode,
-round, jct_s, ...). At its default storage bandwidth (OFFLINE_GBPS) PE-only's
-read queues stay long while the CPUs idle, though the small decode pools bind
-too (conf/dualpath.toml); every row carries the evidence, sampled each
-0.5 s during the run: the machine's mean CPU use (cpu_busy_pct) and the TEs'
-summed storage read queues (read_queue_tokens_mean).
+round, jct_s, ...). At its defaults (storage bandwidth OFFLINE_GBPS) PE-only's
+read queues stay long while the CPUs idle (conf/dualpath.toml); every row
+carries the evidence, sampled each 0.5 s during the run: the machine's mean
+CPU use (cpu_busy_pct) and the TEs' summed storage read queues
+(read_queue_tokens_mean), and what the TEs' lookups below the device came to
+(tier_lookups: deepserve_tier_lookups_total).
 """
 
 from __future__ import annotations
@@ -320,10 +322,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--device-blocks", type=int, default=160,
                     help="a prefill TE's pool: about one context, so hits come from below")
-    ap.add_argument("--decode-blocks", type=int, default=160,
+    ap.add_argument("--decode-blocks", type=int, default=768,
                     help="a decode TE's pool (the scheduler sends a decode TE only what fits: "
-                    "160 blocks take one context at a time)")
-    ap.add_argument("--host-mib", type=float, default=4.0,
+                    "160 blocks take one context at a time, and then bind before storage)")
+    ap.add_argument("--host-mib", type=float, default=16.0,
                     help="the node's host tier: the decode engines' staging buffer, and a cache")
     ap.add_argument("--storage-gbps", type=float, default=None,
                     help=f"per TE (default {ONLINE_GBPS:g}; --offline: {OFFLINE_GBPS:g})")
