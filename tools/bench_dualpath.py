@@ -105,21 +105,24 @@ def agents(args, seed: int) -> list[list[list[int]]]:
 
 async def run_agent(client, url: str, turns, max_tokens: int, delay: float) -> dict:
     await asyncio.sleep(delay)
-    t0, ids, prompt, cached, ok = time.perf_counter(), [], 0, 0, True
+    t0, ids, prompt, cached, error = time.perf_counter(), [], 0, 0, None
     for append in turns:
         ids = ids + append
         body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
                 "logprobs": 0}
+        r = None
         try:
             r = (await client.post(f"{url}/v1/completions", json=body, timeout=600)).json()
             out = [int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
-        except (httpx.HTTPError, KeyError, ValueError):
-            ok = False
+        except (httpx.HTTPError, KeyError, ValueError) as e:  # the first failure ends the agent
+            reply = r.get("error") if isinstance(r, dict) else None
+            error = reply.get("message") if isinstance(reply, dict) else f"{type(e).__name__}: {e}"
             break
         prompt += r["usage"]["prompt_tokens"]
         cached += r["usage"]["prompt_tokens_details"]["cached_tokens"]
         ids = ids + out
-    return {"jct": time.perf_counter() - t0, "ok": ok, "prompt": prompt, "cached": cached}
+    return {"jct": time.perf_counter() - t0, "ok": error is None, "error": error,
+            "prompt": prompt, "cached": cached}
 
 
 async def run_load(url: str, trace, rate: float | None, max_tokens: int, seed: int
@@ -206,9 +209,11 @@ def run_mode(mode: str, args, rate: float | None, seed: int) -> dict:
         per_te[te] = per_te.get(te, 0) + v
     loads = [per_te.get(te.te_id, 0.0) for te in node.config.tes]
     ok = [r for r in results if r["ok"]]
+    errors = sorted({r["error"] for r in results if not r["ok"]})
     jcts = [r["jct"] for r in ok]
     return {"mode": mode, "rate": rate, "seed": seed, "wall_s": wall, "agents_ok": len(ok),
-            "agents_failed": len(results) - len(ok), "agents_per_s": len(ok) / wall,
+            "agents_failed": len(results) - len(ok), "errors": errors[:3],
+            "agents_per_s": len(ok) / wall,
             "jct_p50_s": percentile(jcts, 50), "jct_p90_s": percentile(jcts, 90),
             "hit_rate": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
             "bytes_prefill_path": sum(v for (_, p), v in reads.items() if p == "prefill"),
