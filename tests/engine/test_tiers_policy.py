@@ -146,6 +146,19 @@ def test_waiting_for_room_ends_at_the_deadline_in_a_recompute(env):
     kv.free(hog)
 
 
+def test_hits_larger_than_the_whole_pool_do_not_wait():
+    kv = KVCacheManager(3, BS, collect_new_nodes=True)
+    tiers = TierCoordinator(kv, model_key="m", geometry=GEOM, address="ipc://me",
+                            cost=CostModel(block_bytes=64, block_size=BS, enabled=False), tp=1,
+                            new_seq_id=iter(range(1000, 2000)).__next__)
+    s = seq()  # 4 cacheable blocks: more than the pool has
+    lookup = tiers.admit(s, 0.0).sends[0]
+    effects = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=7,
+                                     slots=[ON_DISK] * 4, disk_dir="/d"), 0.1)
+    assert effects.ready == [s] and not tiers.waiting  # computed now, as before
+    assert tiers.lookups_by_outcome["no_room"] == 1
+
+
 def test_room_is_counted_once_for_the_requests_it_lets_look_again(env):
     kv, tiers = env
     hog = _fill(kv, keep_free=2)

@@ -103,7 +103,7 @@ class TierCoordinator:
         self.stalled: list[tuple[int, float]] = []  # (holder seq id, free after)
         self.waiting: deque[_WaitingForRoom] = deque()  # oldest first
         self.hit_tokens = {HOST: 0, DISK: 0}
-        self.lookups_by_outcome: Counter[str] = Counter()  # LOOKUP_OUTCOMES, cumulative
+        self.lookups_by_outcome: Counter[str] = Counter()  # cumulative: TEReport.tier_lookups
         self.fetch_seconds: dict[str, list[float]] = {HOST: [], DISK: []}
         self.num_events = 0  # progress: tier events handled
 
@@ -178,10 +178,10 @@ class TierCoordinator:
         self.lookups_by_outcome[outcome] += 1
         if outcome != "fetch":
             self.channel.release(msg.lease_id, effects)
-        if outcome == "no_room":
+        need = lookup.num_device + plan.num_blocks
+        if outcome == "no_room" and need <= self.kv.num_blocks:  # it can fit: wait for room
             deadline = lookup.room_deadline or now + self.channel.op_timeout_s
-            self.waiting.append(_WaitingForRoom(
-                seq, lookup.num_device + plan.num_blocks, deadline))
+            self.waiting.append(_WaitingForRoom(seq, need, deadline))
         elif outcome != "fetch":
             effects.ready.append(seq)
         return effects
