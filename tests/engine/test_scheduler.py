@@ -126,3 +126,45 @@ def test_a_request_that_ends_at_its_first_token_still_caches_its_prompt():
     _step(s)
     assert seq.is_finished and seq.finish_reason == "length"
     assert s.kv.num_cached_tokens(seq.token_ids[:10] + [1]) == 8  # before: 0, nothing kept
+
+
+def _tenant(seq: Sequence, tenant: str | None) -> Sequence:
+    seq.tenant = tenant
+    return seq
+
+
+def test_a_light_tenant_gets_a_step_of_its_own():
+    s = _scheduler(budget=16)
+    a1, a2 = _tenant(_seq(1, 3, max_tokens=8), "A"), _tenant(_seq(2, 3, max_tokens=8), "A")
+    s.add(a1)
+    s.add(a2)
+    assert _step(s) == {1: 3, 2: 3}
+    a3 = _tenant(_seq(3, 5, max_tokens=8), "A")  # A's own next request: shares the step
+    s.add(a3)
+    assert _step(s) == {1: 1, 2: 1, 3: 5}
+    b = _tenant(_seq(4, 6), "B")  # B has nothing running: its prefill runs alone
+    s.add(b)
+    assert _step(s) == {4: 6}
+    assert b.num_output_tokens == 1 and a1.num_output_tokens == 2  # A waited one step
+    b2 = _tenant(_seq(5, 2), "B")  # B is running now: not light, an ordinary step
+    s.add(b2)
+    assert _step(s) == {1: 1, 2: 1, 3: 1, 4: 1, 5: 2}
+
+
+def test_without_tenants_nobody_is_light():
+    s = _scheduler(budget=16)
+    s.add(_seq(1, 3, max_tokens=8))
+    assert _step(s) == {1: 3}
+    s.add(_seq(2, 3))  # tenant None, as the running one: shares the step
+    assert _step(s) == {1: 1, 2: 3}
+
+
+def test_a_light_tenant_that_cannot_get_blocks_does_not_stop_the_others():
+    s = _scheduler(num_blocks=4, budget=16)  # 16 tokens of KV in all
+    a = _tenant(_seq(1, 8, max_tokens=8), "A")
+    s.add(a)
+    assert _step(s) == {1: 8}
+    b = _tenant(_seq(2, 12), "B")  # needs 3 blocks, 1 is free
+    s.add(b)
+    assert _step(s) == {1: 1}  # A decodes; B waits for blocks
+    assert b.status is SequenceStatus.WAITING

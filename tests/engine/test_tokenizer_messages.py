@@ -78,3 +78,10 @@ def test_a_caller_that_takes_no_reply_gets_its_request_aborted(t, stalled, monke
     assert "r" not in t.actor.states and t.actor.num_undeliverable == 1
     t.send(StepTokens(items=[NewTokens("r", [6])]))  # steps already in flight: ignored
     assert drain(t.master, 0.1) == []
+
+
+def test_the_tenant_goes_on_to_the_master(t):
+    """The master's scheduler gives a light tenant a step of its own."""
+    t.send(SubmitRequest(request_id="r", prompt="hello", sampling=PARAMS, tenant="B"))
+    [add] = drain(t.master)
+    assert isinstance(add, AddRequest) and add.tenant == "B"

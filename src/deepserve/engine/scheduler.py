@@ -8,6 +8,13 @@ Each step:
   2. if nothing was preempted, waiting sequences are admitted in arrival
      order while the budget, max_num_seqs and free blocks allow, each reusing
      its cached prefix.
+But first, a light tenant: when a waiting sequence's tenant has nothing
+running while others do, the step is theirs alone: such sequences are
+admitted and nothing else runs in it (the others' decodes wait one step).
+A tenant that sends little thus gets its first token as if the TE were idle
+but for the step already under way, instead of sharing a step with a
+flooding tenant's batch; one that keeps sequences running is not light.
+Sequences without a tenant (None) are one tenant.
 A sequence may arrive with a holder (engine/tiers/coordinator.py): a pseudo-sequence
 holding the blocks a lower tier (host, disk) filled for its prefix, so they
 are prefix-cache hits when it is admitted; the holder is freed then (or
@@ -104,10 +111,27 @@ class Scheduler:
     # -- schedule ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self._schedule_light(out):
+            return out
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
+
+    def _schedule_light(self, out: SchedulerOutput) -> bool:
+        """A step of light tenants' waiting sequences alone; False if none got in."""
+        busy = {s.tenant for s in self.running}
+        if not busy or all(s.tenant in busy for s in self.waiting):
+            return False
+        budget = self.max_num_batched_tokens
+        for seq in [s for s in self.waiting if s.tenant not in busy]:
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            num_new = self._admit(seq, out, budget)
+            if num_new is None:
+                break
+            budget -= num_new
+        return not out.is_empty
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.seq_id)):
@@ -129,22 +153,31 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            num_new = self._admit(self.waiting[0], out, budget)
+            if num_new is None:
+                break
+            budget -= num_new
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
+        """Move a waiting sequence to running with up to budget new tokens
+        scheduled; their number, or None if the pool cannot take it."""
+        num_cached = self.kv.num_cached_tokens(seq.token_ids, seq.salt)
+        num_new = min(seq.num_tokens - num_cached, budget)
+        while not self.kv.allocate(seq.seq_id, seq.token_ids, num_cached + num_new, seq.salt):
+            if not self._release_holders():
+                return None
+            # the holders' blocks are evictable now: try again
             num_cached = self.kv.num_cached_tokens(seq.token_ids, seq.salt)
             num_new = min(seq.num_tokens - num_cached, budget)
-            if not self.kv.allocate(seq.seq_id, seq.token_ids, num_cached + num_new, seq.salt):
-                if not self._release_holders():
-                    break
-                continue  # the holders' blocks are evictable now: try again
-            self.waiting.popleft()
-            self._free_holder(seq)
-            seq.num_computed_tokens = num_cached
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = num_cached
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled[seq.seq_id], out.seqs[seq.seq_id] = num_new, seq
-            budget -= num_new
+        self.waiting.remove(seq)
+        self._free_holder(seq)
+        seq.num_computed_tokens = num_cached
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = num_cached
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled[seq.seq_id], out.seqs[seq.seq_id] = num_new, seq
+        return num_new
 
     def _release_holders(self) -> bool:
         """The pool is short for the head of the queue: let every waiting

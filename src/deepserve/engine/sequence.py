@@ -38,6 +38,7 @@ class Sequence:
         self.tier_tokens: dict[str, int] = {}  # prompt tokens fetched per lower tier
         self.kv_from_peer = False  # a decode task: its prompt's KV came from a prefill TE
         self.pin_context = None  # a ContextPin: its blocks are pinned before it ends
+        self.tenant: str | None = None  # who pays (the scheduler's light-tenant steps)
         self.finish_reason: str | None = None
         self.logprobs: list = []
 

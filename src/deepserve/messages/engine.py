@@ -85,6 +85,7 @@ class AddRequest(msgspec.Struct, tag="add", **_STRUCT):
     prefill_from: str | None = None
     pin_context: ContextPin | None = None
     read_path: str | None = None
+    tenant: str | None = None
 
 
 class FinishRequest(msgspec.Struct, tag="finish", **_STRUCT):

@@ -182,7 +182,8 @@ class TokenizerActor:
         self.to_master.put(AddRequest(request_id=msg.request_id, prompt_token_ids=ids,
                                       sampling=msg.sampling, salt=msg.salt,
                                       prefill_from=msg.prefill_from,
-                                      pin_context=msg.pin_context, read_path=msg.read_path))
+                                      pin_context=msg.pin_context, read_path=msg.read_path,
+                                      tenant=msg.tenant))
 
     def _tokens(self, item: NewTokens) -> None:
         state = self.states.get(item.request_id)
