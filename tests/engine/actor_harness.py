@@ -13,8 +13,9 @@ import zmq
 from deepserve.actor import ActorLife
 from deepserve.config import EngineConfig
 from deepserve.engine.pd.coordinator import PDCoordinator
-from deepserve.engine.te.master import Master, MasterSpec
-from deepserve.engine.te.tokenizer_actor import TokenizerActor, TokenizerSpec
+from deepserve.engine.te.master import Master
+from deepserve.engine.te.specs import MasterSpec, TokenizerSpec
+from deepserve.engine.te.tokenizer_actor import TokenizerActor
 from deepserve.ipc.segments import segment_name
 from deepserve.ipc.sockets import PullSocket, PushSocket, ipc_address
 from deepserve.messages.engine import ToClient, ToMaster, ToTokenizer

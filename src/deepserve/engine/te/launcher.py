@@ -33,8 +33,7 @@ from pathlib import Path
 
 from deepserve.cache.weight_cache import ENV_VAR as WEIGHT_CACHE_ENV
 from deepserve.config import EngineConfig
-from deepserve.engine.te.master import MasterSpec
-from deepserve.engine.te.tokenizer_actor import TokenizerSpec
+from deepserve.engine.te.specs import MasterSpec, TokenizerSpec
 from deepserve.errors import EngineDeadError
 from deepserve.ipc.segments import free_run_id, list_segments, segment_name, unlink_segment
 from deepserve.ipc.sockets import free_port, ipc_address

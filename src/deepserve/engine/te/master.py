@@ -24,7 +24,6 @@ import logging
 import time
 from collections import Counter, deque
 from contextlib import ExitStack
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -37,6 +36,7 @@ from deepserve.engine.pd.effects import Effects
 from deepserve.engine.scheduler import SchedulerOutput
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.step_core import StepCore, check_request
+from deepserve.engine.te.specs import MasterSpec
 from deepserve.engine.te.te_report import (NoReportLink, ReportLink, answers, build_report,
                                            new_tokens)
 from deepserve.engine.tiers.channel import DECODE_PATH
@@ -56,23 +56,6 @@ from deepserve.messages.step import CACHE_ONLY_STEP_ID, SHUTDOWN_STEP_ID, StepBa
 from deepserve.model.config import load_model_config
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class MasterSpec:
-    config: EngineConfig  # resolved
-    ring_name: str
-    ring_overflow: str
-    requests_address: str
-    steps_address: str
-    tokenizer_address: str
-    client_address: str
-    pd_address: str  # peers' masters reach this one here: pd_address(the TE's inbox)
-    te_id: str = "te"
-    report_address: str | None = None  # the cluster manager's inbox, if any
-    report_interval_s: float = 0.5
-    tier_address: str = ""  # the node's KV tier service ("": no host / disk tier)
-    cache_cost_model: bool = True  # [node] cache_cost_model
 
 
 def master_main(spec: MasterSpec, death_pipe: Connection, ready_pipe: Connection) -> None:

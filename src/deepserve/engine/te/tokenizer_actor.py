@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import zmq
@@ -29,6 +28,7 @@ from deepserve.actor import ActorLife
 from deepserve.config import EngineConfig
 from deepserve.engine.output_processor import RequestState
 from deepserve.engine.step_core import check_request
+from deepserve.engine.te.specs import TokenizerSpec
 from deepserve.errors import InvalidRequestError, PromptTooLongError
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, PushSocket
@@ -41,15 +41,6 @@ from deepserve.model.config import load_model_config
 from deepserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TokenizerSpec:
-    config: EngineConfig  # resolved
-    listen_address: str
-    master_address: str
-    client_address: str
-    te_id: str = "te"
 
 
 def tokenizer_main(spec: TokenizerSpec, death_pipe: Connection, ready_pipe: Connection) -> None:

@@ -76,7 +76,7 @@ class TierLink:
     @classmethod
     def of_master(cls, ctx: zmq.Context, spec, kv: KVCacheManager, model_config,
                   block_bytes: int, new_seq_id, events) -> "TierLink":
-        """A master's link (spec: its MasterSpec; model_config: its model's)."""
+        """A master's link (spec: its MasterSpec, engine/te/specs.py; model_config: its model's)."""
         m, cfg = model_config, spec.config
         geometry = BlockGeometry(m.num_layers, m.num_kv_heads, cfg.block_size, m.head_dim,
                                  str(m.dtype).removeprefix("torch."))
