@@ -255,14 +255,21 @@ def test_a_decode_task_stages_its_disk_blocks_up_then_orders_the_prefill(env):
     assert not tiers.unstage(s.seq_id).sends  # once
 
 
-def test_a_stage_whose_copy_never_ends_orders_the_prefill_and_commits_nothing(env):
-    kv, tiers = env
-    s = seq()
+def _staging_of_four_disk_blocks(tiers, s):
+    """s staged: its 4 blocks on disk (lookup lease 5), reserved in slots
+    1-4 (lease 6); the stage op the workers get."""
     lookup = tiers.stage(s, 0.0).sends[0]
     [reserve] = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=5,
                                        slots=[ON_DISK] * 4, disk_dir="/d"), 0.0).sends
     [op] = tiers.on_reserved(TierReserved(reserve_id=reserve.reserve_id, lease_id=6,
                                           slots=[1, 2, 3, 4], segment="seg"), 0.0).ops
+    return op
+
+
+def test_a_stage_whose_copy_never_ends_orders_the_prefill_and_commits_nothing(env):
+    kv, tiers = env
+    s = seq()
+    op = _staging_of_four_disk_blocks(tiers, s)
     assert tiers.storage.num_blocks == 4 and not tiers.poll(10.0).staged
     effects = tiers.poll(10.1)  # op_timeout_s (10) past
     assert effects.staged == [s] and not effects.sends  # the lookup's lease is held
@@ -273,11 +280,7 @@ def test_a_stage_whose_copy_never_ends_orders_the_prefill_and_commits_nothing(en
 def test_a_task_that_ends_while_staging_holds_nothing(env):
     kv, tiers = env
     s = seq()
-    lookup = tiers.stage(s, 0.0).sends[0]
-    [reserve] = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=5,
-                                       slots=[ON_DISK] * 4, disk_dir="/d"), 0.0).sends
-    [op] = tiers.on_reserved(TierReserved(reserve_id=reserve.reserve_id, lease_id=6,
-                                          slots=[1, 2, 3, 4], segment="seg"), 0.0).ops
+    op = _staging_of_four_disk_blocks(tiers, s)
     s.status = type(s.status).FINISHED  # aborted meanwhile
     tiers.on_ops_done(CacheOpsDone(rank=1, op_id=op.op_id, num_ok=0), 0.1)
     effects = tiers.on_ops_done(CacheOpsDone(rank=0, op_id=op.op_id, num_ok=4, nbytes=256), 0.1)

@@ -119,12 +119,14 @@ class Scheduler:
         return out
 
     def _schedule_light(self, out: SchedulerOutput) -> bool:
-        """A step of light tenants' waiting sequences alone; False if none got in."""
-        busy = {s.tenant for s in self.running}
-        if not busy or all(s.tenant in busy for s in self.waiting):
+        """A step of light tenants' waiting sequences alone; False if none got in.
+        (Every step asks: with nothing waiting it costs one truth test.)"""
+        if not self.waiting or not self.running:
             return False
+        busy = {s.tenant for s in self.running}
+        light = [s for s in self.waiting if s.tenant not in busy]
         budget = self.max_num_batched_tokens
-        for seq in [s for s in self.waiting if s.tenant not in busy]:
+        for seq in light:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             num_new = self._admit(seq, out, budget)
