@@ -243,13 +243,15 @@ def test_a_crashed_te_is_recovered_once_it_is_listed_again(make_harness):
     h.spawn("te2", lambda n: "crash" if n == 0 else "beat", component="te2/master", is_te=True)
     h.sup.start()
     h.wait_for("te2", "te2", "started", count=2)
-    time.sleep(0.3)  # until it is listed, the new incarnation's beats are not heard
-    assert h.seq("te2")[-1] == ("te2", "started")
+    # the new incarnation is watched from its first beat (its pid is the new host's)
+    master = h.wait_for("te2", "te2/master", "started")[0]
+    time.sleep(0.3)
+    assert h.seq("te2")[-1] == ("te2/master", "started")  # not recovered: not listed yet
     h.cm_pub.put(TEList(tes=[TEInfo(te_id="te2", model="m", address="ipc://x")]))
     recovered = h.wait_for("te2", "te2", "recovered")[0]
-    h.wait_for("te2", "te2/master", "started")  # watched again from its next beat
     assert h.seq("te2") == [("te2", "started"), ("te2", "crashed"), ("te2", "restarting"),
-                            ("te2", "started"), ("te2", "recovered"), ("te2/master", "started")]
+                            ("te2", "started"), ("te2/master", "started"), ("te2", "recovered")]
+    assert master["pid"] == h.table.pid("te2")
     assert recovered["pid"] == h.table.pid("te2") and recovered["details"]["recover_s"] >= 0.2
     assert h.sup.incidents == {} and h.te_downs() == ["te2"]
 
@@ -282,7 +284,8 @@ def test_a_stalled_te_is_hung_and_replaced(make_harness):
     time.sleep(2 * PROGRESS_S)
     assert h.seq("te3") == [
         ("te3", "started"), ("te3/master", "started"), ("te3/master", "hung"),
-        ("te3", "restarting"), ("te3", "killed"), ("te3", "started")]
+        ("te3", "restarting"), ("te3", "killed"), ("te3", "started"),
+        ("te3/master", "started")]  # the new incarnation, watched before it is listed
     hung = h.events("te3")[2]
     detect_s = _epoch(hung) - h.fault_time("te3")
     assert PROGRESS_S <= detect_s <= PROGRESS_S + SLACK_S, detect_s
@@ -325,6 +328,28 @@ def test_a_te_worker_that_hangs_is_killed_before_its_host(make_harness):
     assert events[4]["details"]["how"] == "terminated"  # the host obeyed SIGTERM
     assert not _is_alive(events[1]["pid"])  # the stopped worker got SIGKILL first
     assert h.te_downs() == ["te4"]
+
+
+def test_a_restarted_te_whose_worker_stalls_before_it_is_listed_is_hung_and_restarted(
+        make_harness):
+    # incarnation 0 crashes; 1 is a host whose worker stalls in its warm-up (it
+    # is never listed); 2 behaves. Before, 1's worker went unheard until listed:
+    # only the TE's own start timeout (60 s) ended it.
+    h = make_harness()
+    h.spawn("te6", lambda n: ("crash", "host:stall", "host:beat")[min(n, 2)], is_te=True)
+    h.sup.start()
+    h.wait_for("te6", "te6", "started", count=3)
+    events = h.events("te6")
+    assert [(e["component"], e["event"]) for e in events] == [
+        ("te6", "started"), ("te6", "crashed"), ("te6", "restarting"), ("te6", "started"),
+        ("te6/worker0", "started"), ("te6/worker0", "hung"), ("te6", "restarting"),
+        ("te6", "killed"), ("te6", "started")]
+    host, worker, hung = events[3], events[4], events[5]
+    assert hung["pid"] == worker["pid"] and hung["details"]["progress"] == {"steps": 7}
+    detect_s = _epoch(hung) - h.fault_time("te6", 1)
+    assert PROGRESS_S <= detect_s <= PROGRESS_S + SLACK_S, detect_s
+    assert not _is_alive(worker["pid"]) and not _is_alive(host["pid"])
+    assert h.te_downs() == ["te6", "te6"]
 
 
 def test_events_are_forwarded_and_unknown_ones_dropped(make_harness):

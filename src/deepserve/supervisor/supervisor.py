@@ -20,8 +20,10 @@ node-level processes beat from their start (`watched`).
 The restart unit of a TE is the whole TE (host, tokenizer, master, workers):
 its processes share a KV pool and a step ring, so one of them alone cannot be
 replaced. A TE's internal processes ("te0/worker0") are watched from their
-first heartbeat on (a restarted TE's, once it is listed again: until then
-a late message of the old incarnation could not be told from a new one);
+first heartbeat on; a restarted TE's from the first one whose pid descends
+from the TE's new host (a late message of the old incarnation's does not),
+so a fault before the TE is listed again (a worker stalled in its warm-up)
+is judged as any other and restarts it again;
 the `watched` node-level processes (gateway, job executor, cluster manager)
 from their spawn, with the startup grace; every child of the table also by
 its exit. One thread runs all of this (`run`),
@@ -38,6 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Container, Iterable
 
+import psutil
 import zmq
 
 from deepserve.ipc.sockets import PullSocket, PushSocket, SubSocket
@@ -141,7 +144,7 @@ class Supervisor:
                 # stop; a TE waiting for a warming pod is still its dead old process
             self._log(name, "crashed", popen.pid, exit_code=popen.returncode,
                       while_recovering=incident is not None)
-            self._fail(name, now, popen.pid)
+            self._fail(name, now, popen.pid, part="host")
         for name, incident in list(self.incidents.items()):
             if not incident.restarted and incident.restart_at is not None \
                     and now >= incident.restart_at:
@@ -158,9 +161,11 @@ class Supervisor:
             self._log(msg.component, msg.event, msg.pid, **msg.details)
             return
         owner = msg.component.split("/")[0]
-        if owner in self.incidents or owner in self.failed or owner not in self.table \
+        if owner in self.failed or owner not in self.table \
                 or (self.scaler is not None and self.scaler.is_retiring(owner)):
-            return  # a late message from a TE being replaced or retired, or from no child
+            return  # a TE given up on or retired, or no child of ours
+        if owner in self.incidents and not self._is_restarted_process(owner, msg.pid):
+            return  # a late message from a TE being replaced
         if msg.component not in self.watchdog or self.watchdog.pid_of(msg.component) != msg.pid:
             if "/" not in msg.component:
                 return  # node-level processes are registered when spawned
@@ -170,6 +175,20 @@ class Supervisor:
             self._log(msg.component, "started", msg.pid)
         if isinstance(msg, (Heartbeat, Ready)):
             self.watchdog.on_message(msg, now)
+
+    def _is_restarted_process(self, owner: str, pid: int) -> bool:
+        """pid is the restarted `owner`'s process or one of its descendants: a
+        new incarnation's (the old one's were stopped before the restart, and
+        a pid reused since is no descendant), so it is watched before the TE
+        is listed again: a worker that stalls in its warm-up is found hung."""
+        incident = self.incidents[owner]
+        if not incident.restarted:
+            return False
+        host = self.table.pid(owner)
+        try:
+            return pid == host or any(p.pid == host for p in psutil.Process(pid).parents())
+        except psutil.Error:
+            return False
 
     def _on_te_list(self, listed: set[str], now: float) -> None:
         if self.scaler is not None:
@@ -185,20 +204,22 @@ class Supervisor:
 
     def _on_fault(self, fault: Fault, now: float) -> None:
         owner = fault.component.split("/")[0]
-        if owner in self.incidents or owner in self.failed:
-            return
+        incident = self.incidents.get(owner)
+        if owner in self.failed or (incident is not None and not incident.restarted):
+            return  # given up on, or its processes are being stopped already
         self._log(fault.component, fault.kind, fault.pid, latency_s=round(fault.latency_s, 3),
                   **fault.detail)
-        self._fail(owner, now, fault.pid)
+        self._fail(owner, now, fault.pid, part=fault.component.partition("/")[2] or "host")
 
     # -- acting ------------------------------------------------------------------------
-    def _fail(self, name: str, now: float, faulty_pid: int | None) -> None:
-        """Take `name` (a TE or a node process) down and schedule its restart."""
+    def _fail(self, name: str, now: float, faulty_pid: int | None, part: str = "") -> None:
+        """Take `name` (a TE or a node process) down and schedule its restart;
+        part: which of a TE's processes failed (TEDown.part)."""
         incident = self.incidents[name] = _Incident(now)
         if name in self.tes:
             try:
-                self.to_cm.put(TEDown(te_id=name, reason="supervisor: process fault",
-                                      address=self.te_address(name)), timeout=1)
+                self.to_cm.put(TEDown(te_id=name, reason=f"supervisor: {part or 'process'} fault",
+                                      address=self.te_address(name), part=part), timeout=1)
             except TimeoutError:  # no CM (it is being replaced): its TE timeout drops the TE
                 log.warning("TEDown %s: the cluster manager does not listen", name)
         pid = self.table.pid(name)
