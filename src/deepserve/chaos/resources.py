@@ -8,7 +8,8 @@ its shared memory, its disk tier; and how much that grew.
                 --role; the root: "node")
         /dev/shm: segments whose names start with the run's prefixes (st_blocks: real use)
         disk tier: bytes of files under [node] disk_cache_dir, if set
-    growth(samples, after_s) ──> last sample minus the first at/after after_s
+    growth(samples, after_s) ──> per component: its last minus its first sample at/after
+                                 after_s in its usual shape (process count)
 
 The root is the process that runs the node: bin/deepserve-chaos itself (the
 node's supervisor is a thread of it, drill-style), so "node" includes the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -134,22 +136,30 @@ def _used(path: Path) -> int:
 
 
 def growth(samples: list[Sample], after_s: float) -> dict:
-    """The last sample minus the first taken at or after `after_s`: rss,
-    fds, shm, disk (totals) and rss / fds by component (present in both).
+    """From the first sample taken at or after `after_s` to the last: shm and
+    disk (totals); per component, rss and fds from its first to its last
+    sample *in its usual shape* (the process count it shows most often), so
+    a TE caught mid-restart (its host alone, or a pod not yet adopted) is not
+    read as memory freed or leaked; rss / fds totals are the components' sums.
     Empty when no sample is that late."""
     later = [s for s in samples if s.t >= after_s]
     if not later:
         return {}
     first, last = later[0], later[-1]
-    comps = sorted(set(first.by_component) & set(last.by_component))
+    by_component = {}
+    for comp in sorted({c for s in later for c in s.by_component}):
+        seen = [s.by_component[comp] for s in later if comp in s.by_component]
+        counts = Counter(v[2] for v in seen)
+        usual = max(counts, key=lambda n: (counts[n], n))
+        shaped = [v for v in seen if v[2] == usual]
+        by_component[comp] = {"rss_bytes": shaped[-1][0] - shaped[0][0],
+                              "num_fds": shaped[-1][1] - shaped[0][1]}
     return {"from_s": first.t, "to_s": last.t,
-            "rss_bytes": last.rss_bytes - first.rss_bytes,
-            "num_fds": last.num_fds - first.num_fds,
+            "rss_bytes": sum(g["rss_bytes"] for g in by_component.values()),
+            "num_fds": sum(g["num_fds"] for g in by_component.values()),
             "shm_bytes": last.shm_bytes - first.shm_bytes,
             "disk_bytes": last.disk_bytes - first.disk_bytes,
-            "by_component": {c: {"rss_bytes": last.by_component[c][0] - first.by_component[c][0],
-                                 "num_fds": last.by_component[c][1] - first.by_component[c][1]}
-                             for c in comps}}
+            "by_component": by_component}
 
 
 def growth_after_s(duration_s: float) -> float:
