@@ -50,6 +50,9 @@ class FaultTask:
     def is_done(self) -> bool:
         return not self._thread.is_alive() and self._thread.ident is not None
 
+    def shares_hooks_with(self, other: "FaultTask") -> bool:
+        return shares_hooks(self.planned, other.planned)
+
     @property
     def bound_s(self) -> float:
         """How long after injection it watches at most (the drill's recovery bound)."""
@@ -105,3 +108,21 @@ class FaultTask:
 
 def _delta(at: float | None, since: float) -> float | None:
     return None if at is None else round(at - since, 3)
+
+
+def hook_key(planned: PlannedFault) -> tuple[str, str] | None:
+    """(hook fault, its TE or "*" for every TE of a type) for a fault made of hook
+    files, else None (signals, node processes)."""
+    s = get_scenario(planned.scenario)
+    if s.is_signal or s.node_process:
+        return None
+    return s.fault, "*" if s.every_te_of_type else (planned.te or "")
+
+
+def shares_hooks(a: PlannedFault, b: PlannedFault) -> bool:
+    """The two would write the same hook files: the first one's cleanup would
+    lift the second (seen: overlapping poison faults whose requests completed)."""
+    ka, kb = hook_key(a), hook_key(b)
+    if ka is None or kb is None or ka[0] != kb[0]:
+        return False
+    return ka[1] == kb[1] or "*" in (ka[1], kb[1])

@@ -6,7 +6,9 @@ samples for the duration, then every request checked.
     -> oracle: every key the workload may send, once, greedy, before any fault
     -> t0: load thread (load.py), resource sampler (resources.py)
     -> main loop, every POLL_S, until t0 + duration and every fault settled:
-         a planned fault's time come: FaultTask(...).start()   (faults.py)
+         a planned fault's time come: FaultTask(...).start()   (faults.py),
+         unless an open fault writes the same hook files: then once that one ended
+         (else the first one's cleanup would lift the second's files)
        (past the end: no new fault; open ones watched up to their own bound)
     -> stop load (open requests end or are lost at their deadline), last sample
     -> verdicts (checks.py), faults' outcomes, the report dict (report.py)
@@ -46,7 +48,9 @@ class ChaosRun:
         self.shm_prefixes, self.names = shm_prefixes, names
         self.oracle = Oracle()
         self.notes: list[str] = []
-        self.tasks: list[FaultTask] = []
+        self.tasks: list[FaultTask] = []  # started
+        self.due: list[FaultTask] = []  # their time came; waiting for hook files to free up
+        self.waiting_noted: set[FaultTask] = set()
         self.t0: float | None = None
         self.sampler: ResourceSampler | None = None
 
@@ -103,7 +107,8 @@ class ChaosRun:
         while thread.is_alive():
             t = time.time()
             while pending and t >= self.t0 + pending[0].at_s and t < end:
-                self._start(pending.pop(0))
+                self.due.append(self._task(pending.pop(0)))
+            self._start_due()
             open_tasks = [task for task in self.tasks if not task.is_done]
             if t >= end and not open_tasks:
                 time.sleep(SETTLE_S)
@@ -117,15 +122,29 @@ class ChaosRun:
     def _bound(self) -> float:
         return max((task.bound_s for task in self.tasks), default=0.0) + 60.0
 
-    def _start(self, planned: PlannedFault) -> None:
-        self.echo(f"+{time.time() - self.t0:.1f} s fault {planned.scenario}"
-                  f"{' -> ' + planned.te if planned.te else ''}")
-        task = FaultTask(planned, url=self.url, model=self.workload.model, config=self.config,
+    def _task(self, planned: PlannedFault) -> FaultTask:
+        return FaultTask(planned, url=self.url, model=self.workload.model, config=self.config,
                          log_dir=self.log_dir, drill_dir=self.drill_dir,
                          driver=self._fault_driver(), records=self.load.records, t0=self.t0,
                          echo=self.echo)
-        self.tasks.append(task)
-        task.start()
+
+    def _start_due(self) -> None:
+        """Start the due faults, in order, except one that would write the hook
+        files of a fault still open (then it waits for that one to end)."""
+        for task in list(self.due):
+            p = task.planned
+            busy = [t for t in self.tasks if not t.is_done and t.shares_hooks_with(task)]
+            if busy:
+                if task not in self.waiting_noted:
+                    self.waiting_noted.add(task)
+                    self.echo(f"+{time.time() - self.t0:.1f} s fault {p.scenario} waits: "
+                              f"its hook files are another open fault's")
+                continue
+            self.due.remove(task)
+            self.echo(f"+{time.time() - self.t0:.1f} s fault {p.scenario}"
+                      f"{' -> ' + p.te if p.te else ''}")
+            self.tasks.append(task)
+            task.start()
 
     def _fault_driver(self):
         """The driver a fault sends its own requests with (cache probe, poison): the first
