@@ -24,6 +24,7 @@ from collections import Counter
 import statistics
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import click
@@ -102,8 +103,16 @@ def node_config(args: dict) -> NodeConfig:
     config = NodeConfig.build(model=str(args["model"]), served_model="bench", port=free_port(),
                               startup_timeout_s=300, te_timeout_s=60, api_keys=KEYS,
                               tes=(TESpec("te0", "colocated",
-                                          {"max_num_seqs": args["te_slots"]}),))
+                                          {"max_num_seqs": args["te_slots"],
+                                           **dict(args["te_option"])}),))
     return msgspec.structs.replace(config, tenants=TenantsSection())
+
+
+def _option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise click.BadParameter(f"{text!r}: KEY=VALUE")
+    return key.strip(), tomllib.loads(f"v = {value}")["v"]
 
 
 def _spread(values: list) -> dict:
@@ -137,6 +146,8 @@ def summarize(rows: list[dict]) -> dict:
 @click.option("--flood-factor", type=float, default=20.0, help="A's rate / B's rate")
 @click.option("--max-tokens", type=int, default=16)
 @click.option("--te-slots", type=int, default=4, help="the TE's max_num_seqs")
+@click.option("--te-option", multiple=True, callback=lambda c, p, v: [_option(o) for o in v],
+              metavar="KEY=VALUE", help="another TE option, as in [[te]] (TOML value)")
 @click.option("--grace", type=float, default=30.0, help="seconds past a phase for its requests")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None)
 def main(**args):

@@ -54,8 +54,10 @@ def make_rig(tiny_model):
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _publish(rig, tes):
-    rig["cm"].put(TEList(tes=[TEInfo(te_id=t, model="m", address=rig["addr"][t]) for t in tes]))
+def _publish(rig, tes, down=None):
+    """A TE list of `tes`; down: TE id -> the part it went down with."""
+    rig["cm"].put(TEList(tes=[TEInfo(te_id=t, model="m", address=rig["addr"][t]) for t in tes],
+                         down=down or {}))
 
 
 def _pump(rig, until, timeout=5.0):

@@ -125,16 +125,18 @@ def test_a_stale_te_up_right_after_te_down_does_not_relist_the_te(ctx, tmp_path)
     try:
         wire.te.put(_te_up("te0"))
         assert [te.te_id for te in wire.run(0.3)[-1].tes] == ["te0"]
-        wire.te.put(TEDown(te_id="te0", reason="supervisor: process fault"))
-        assert wire.run(0.3)[-1].tes == []
+        wire.te.put(TEDown(te_id="te0", reason="supervisor: worker0 fault", part="worker0"))
+        down = wire.run(0.3)[-1]
+        assert down.tes == [] and down.down == {"te0": "worker0"}  # the part: for the JE
         now[0] = 0.3
         wire.te.put(_te_up("te0"))  # stale
         assert wire.run(0.3) == []  # no change: nothing published
         now[0] = 1.5  # a republish
-        assert [lst.tes for lst in wire.run(0.3)] == [[]]
+        assert [(lst.tes, lst.down) for lst in wire.run(0.3)] == [([], {"te0": "worker0"})]
         now[0] = cluster_manager.REUP_FENCE_S + 0.1
         wire.te.put(_te_up("te0"))  # the restarted TE
-        assert [te.te_id for te in wire.run(0.3)[-1].tes] == ["te0"]
+        relisted = wire.run(0.3)[-1]
+        assert [te.te_id for te in relisted.tes] == ["te0"] and relisted.down == {}
     finally:
         wire.close()
 

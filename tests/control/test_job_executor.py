@@ -119,11 +119,30 @@ def test_a_request_in_flight_at_two_te_crashes_is_quarantined(rig):
     assert (failed.request_id, failed.error) == ("p", "request_crashed_engine")
     assert "te0" not in failed.message and "te1" not in failed.message  # no topology
     assert _quarantined(rig) == [{"request_id": "p", "crashed_tes": ["te0", second],
-                                 "crashes": 2}]
+                                 "crashed_parts": ["", ""], "crashes": 2}]
     _submit(rig, "p", "the poison prompt", attempt=2)  # resubmitted anyway
     failed = _pump(rig, lambda: _recv(rig["gw"]))
     assert (failed.request_id, failed.error) == ("p", "request_crashed_engine")
     assert not _tasks_of(rig, "te0") and not _tasks_of(rig, "te1")
+
+
+def test_two_crashes_of_different_parts_resume_and_a_third_quarantines(rig):
+    """The CM's TE list says which part of a TE failed: a request caught in a
+    worker crash and then in a killed tokenizer is resumed again (a request of
+    death fails the same part each time); a third crash of any part convicts."""
+    rig["je"].isolate_suspects = False
+    _pump(rig, lambda: _publish(rig, ["te0"]) or (rig["je"].te_sockets or None))
+    for attempt, part, error in ((0, "worker0", "te_lost"), (1, "tokenizer", "te_lost"),
+                                 (2, "master", "request_crashed_engine")):
+        _submit(rig, "r", "an innocent prompt", attempt=attempt)
+        assert _pump(rig, lambda: _recv(rig["te"]["te0"])).attempt == attempt
+        _publish(rig, [], down={"te0": part})
+        failed = _pump(rig, lambda: _recv(rig["gw"]))
+        assert (failed.request_id, failed.error) == ("r", error)
+        _pump(rig, lambda: _publish(rig, ["te0"]) or (rig["je"].te_sockets or None))
+    assert _quarantined(rig) == [{"request_id": "r", "crashed_tes": ["te0"] * 3,
+                                 "crashed_parts": ["worker0", "tokenizer", "master"],
+                                 "crashes": 3}]
 
 
 def test_without_isolation_a_suspect_resumes_at_once_and_a_second_crash_quarantines(rig):
@@ -147,7 +166,7 @@ def test_without_isolation_a_suspect_resumes_at_once_and_a_second_crash_quaranti
     failed = _pump(rig, lambda: _recv(rig["gw"]))
     assert (failed.request_id, failed.error) == ("p", "request_crashed_engine")
     assert _quarantined(rig) == [{"request_id": "p", "crashed_tes": [crashed, other],
-                                 "crashes": 2}]
+                                 "crashed_parts": ["", ""], "crashes": 2}]
 
 
 def test_suspects_resume_one_at_a_time_with_a_spare_and_are_not_quarantined(rig):

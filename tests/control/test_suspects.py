@@ -1,4 +1,4 @@
-"""SuspectBook: crashes per request id, quarantine at the second, bounded memory."""
+"""SuspectBook: crashes per request id, quarantine at the second of one part, bounded memory."""
 
 import pytest
 
@@ -25,6 +25,25 @@ def test_one_crash_is_a_suspect_two_are_quarantine_and_completion_forgets():
     book.crashed("s", "te1")
     book.forget("s")
     assert book.crashes("s") == [] and len(book) == 1
+
+
+def test_crashes_of_different_parts_do_not_convict_a_third_of_any_does():
+    # seen in a chaos run with overlapping faults: a request resumed after a
+    # poison request's worker crash was in flight when a drill killed the
+    # tokenizer; it was quarantined though it had caused neither
+    book = SuspectBook(clock=Clock())
+    book.crashed("r", "te0", "worker0")
+    assert book.crashed("r", "te0", "tokenizer") == ["te0", "te0"]
+    assert book.is_suspect("r") and not book.is_quarantined("r")
+    assert book.parts("r") == ["worker0", "tokenizer"]
+    book.crashed("r", "te1", "master")  # a third crash, whatever its part
+    assert book.is_quarantined("r") and not book.is_suspect("r")
+    book.crashed("p", "te0", "worker0")  # a request of death: the same part twice
+    book.crashed("p", "te0", "worker0")
+    assert book.is_quarantined("p")
+    book.crashed("u", "te0", "worker0")  # a part not known (a CM restarted between)
+    book.crashed("u", "te0", "")         # counts as any part: as before parts were told
+    assert book.is_quarantined("u")
 
 
 def test_memory_is_bounded_by_age_and_count():

@@ -58,6 +58,10 @@ class TEDown(msgspec.Struct, tag="te_down", **_STRUCT):
     address: str = ""
     """The inbox of the TE going down, when the sender knows it ("": the
     supervisor's, trusted): a TEDown for another TE of that id is ignored."""
+    part: str = ""
+    """The TE's process that failed: worker0, master, tokenizer, host (the TE
+    server itself); "" when not known. The JE tells a request of death, which
+    fails the same part each time, from one caught in two unrelated faults."""
 
 
 class TEReport(msgspec.Struct, tag="te_report", **_STRUCT):
@@ -112,6 +116,10 @@ class TEList(msgspec.Struct, tag="te_list", **_STRUCT):
     tes: list[TEInfo]
     cm_incarnation: str = ""
     is_complete: bool = True
+    down: dict[str, str] = {}
+    """TE id -> the part it went down with (TEDown.part), for the TEs this CM
+    removed that are not listed again; a TE missing here went down for a
+    reason this CM does not know."""
 
 
 FromClusterManager = TEList | TEReport | ScaleEvent | TierReport

@@ -83,6 +83,7 @@ class ClusterManager:
         self.tes: dict[str, TEInfo] = {}
         self.last_seen: dict[str, float] = {}
         self.down_at: dict[str, float] = {}  # te id -> its last TEDown (the re-up fence)
+        self.down_parts: dict[str, str] = {}  # te id -> the part it went down with (TEList)
         self.down_incarnation: dict[str, str] = {}  # te id -> the incarnation that went
         self.last_published: float | None = None
         self.conflicts: set[tuple[str, str]] = set()  # (te id, address) refused (logged once)
@@ -154,7 +155,7 @@ class ClusterManager:
                       msg.te_id, msg.address, listed.address)
             return
         self.down_at[msg.te_id] = self.clock()
-        self._remove(msg.te_id, msg.reason)
+        self._remove(msg.te_id, msg.reason, msg.part)
 
     def _on_report(self, msg: TEReport) -> None:
         """Relayed from a listed TE, or from any while no TE list is out yet."""
@@ -200,9 +201,11 @@ class ClusterManager:
             if now - seen > self.te_timeout_s:
                 self._remove(te_id, f"no report for {self.te_timeout_s} s")
 
-    def _remove(self, te_id: str, reason: str) -> None:
+    def _remove(self, te_id: str, reason: str, part: str = "") -> None:
         self.last_seen.pop(te_id, None)
         info = self.tes.get(te_id)
+        if info is not None:
+            self.down_parts[te_id] = part  # the first word on it (another TEDown is late)
         if info is not None:
             self.down_incarnation[te_id] = info.incarnation
         if info is not None and self.scaling is not None:
@@ -223,7 +226,10 @@ class ClusterManager:
             if self.events is not None:
                 self.events("te_list_complete", incarnation=self.incarnation,
                             num_tes=len(self.tes))
-        self.pub.put(TEList(tes=list(self.tes.values()), cm_incarnation=self.incarnation))
+        down = {te_id: part for te_id, part in self.down_parts.items() if te_id not in self.tes}
+        self.down_parts = down
+        self.pub.put(TEList(tes=list(self.tes.values()), cm_incarnation=self.incarnation,
+                            down=down))
         self.last_published = self.clock()
 
     def close(self) -> None:

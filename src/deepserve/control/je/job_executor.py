@@ -352,14 +352,14 @@ class JobExecutor:
         self.share.note_tes(live)
         self.isolation.note_listed([te.te_type for te in live])
         for te_id in left:
-            self._fail_tasks_of(te_id)
+            self._fail_tasks_of(te_id, msg.down.get(te_id, ""))
 
-    def _fail_tasks_of(self, te_id: str) -> None:
+    def _fail_tasks_of(self, te_id: str, part: str = "") -> None:
         for task in [t for t in self.tasks.values() if te_id in (t.te_id, t.prefill_te)]:
             self._end_task(task.request_id)
             if task.te_id != te_id:
                 self.links.put(task.te_id, AbortRequest(request_id=task.request_id))
-            crashes = self.suspects.crashed(task.request_id, te_id)
+            crashes = self.suspects.crashed(task.request_id, te_id, part)
             if self.suspects.is_quarantined(task.request_id):
                 self._quarantine(task, crashes)
                 continue
@@ -373,7 +373,7 @@ class JobExecutor:
         log.error("request %s quarantined: in flight at %d TE crashes (%s)", task.request_id,
                   len(crashes), ", ".join(crashes))
         self.events("request_quarantined", request_id=task.request_id, crashed_tes=crashes,
-                    crashes=len(crashes))
+                    crashed_parts=self.suspects.parts(task.request_id), crashes=len(crashes))
         self._reply(task.reply_to, RequestFailed(request_id=task.request_id, error=CRASHED,
                                                  message=crashed_text(crashes)))
 

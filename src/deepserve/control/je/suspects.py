@@ -7,15 +7,25 @@
 Whatever the cause, every request in flight on a TE when that TE left the
 TE list is a *suspect*: the TE may have died of it (a sampler NaN, a kernel
 fault) or of something else (OOM, a drill, a bad device). The JE cannot tell
-which, so the rule counts crashes per request id:
+which, so the rule counts crashes per request id, each with the part of the
+TE that failed (TEList.down: worker0, master, tokenizer, host; "" unknown):
 
-    crashes   state        the JE
-    0         -            routes it as usual
-    1         suspect      fails it as te_lost (the gateway resumes it) and
-                           runs the resumed attempt isolated (job_executor.py)
-    >= 2      quarantined  fails it as request_crashed_engine (final: not in
-                           RETRYABLE_ERRORS), logs `request_quarantined`, and
-                           refuses the id at once if it comes back
+    crashes                     state        the JE
+    0                           -            routes it as usual
+    1, or 2 of different parts  suspect      fails it as te_lost (the gateway
+                                             resumes it) and runs the resumed
+                                             attempt isolated (job_executor.py)
+    2 of one part (or one       quarantined  fails it as request_crashed_engine
+      unknown), or 3 of any                  (final: not in RETRYABLE_ERRORS), logs
+                                             `request_quarantined`, and refuses
+                                             the id at once if it comes back
+
+A request of death fails the same part each time (its worker's forward, its
+tokenizer's detokenize); a request caught in two unrelated faults close
+together (a poison request's crash, then a killed tokenizer) is not
+convicted for it: it resumes once more, and a third crash of any kind
+convicts it, so a request of death whose crashes differ still costs three
+restarts at most.
 
 A resumed suspect runs *isolated* (isolation.py: Isolation.hold / release):
 
@@ -56,7 +66,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 MAX_CRASHES = 2
-"""Crashes with one request that quarantine it (the issue: "resume once")."""
+"""Crashes of one part with one request that quarantine it (the issue: "resume
+once"); MAX_CRASHES + 1 of any parts do too."""
 TTL_S = 600.0
 """Seconds a request id's crashes are remembered after its last one."""
 CAPACITY = 10_000
@@ -77,33 +88,47 @@ class SuspectBook:
                              f"{max_crashes}, {ttl_s} and {capacity}")
         self.max_crashes, self.ttl_s, self.capacity, self.clock = (max_crashes, ttl_s,
                                                                    capacity, clock)
-        self._crashes: OrderedDict[str, tuple[float, list[str]]] = OrderedDict()
+        self._crashes: OrderedDict[str, tuple[float, list[tuple[str, str]]]] = OrderedDict()
+        """request id -> (its last crash, [(TE id, part)] oldest first)."""
 
     def __len__(self) -> int:
         self._expire()
         return len(self._crashes)
 
-    def crashed(self, request_id: str, te_id: str) -> list[str]:
-        """Note that `te_id` went down with the request; its crashes so far."""
+    def crashed(self, request_id: str, te_id: str, part: str = "") -> list[str]:
+        """Note that `te_id` went down with the request, `part` of it failing
+        ("" unknown); the TEs of its crashes so far."""
         self._expire()
-        _, tes = self._crashes.pop(request_id, (0.0, []))
-        tes = [*tes, te_id]  # a TE flapping back into the list is fenced (te_links.py)
-        self._crashes[request_id] = (self.clock(), tes)
+        _, crashes = self._crashes.pop(request_id, (0.0, []))
+        crashes = [*crashes, (te_id, part)]  # a TE flapping back is fenced (te_links.py)
+        self._crashes[request_id] = (self.clock(), crashes)
         while len(self._crashes) > self.capacity:
             self._crashes.popitem(last=False)
-        return list(tes)
+        return [te for te, _ in crashes]
 
-    def crashes(self, request_id: str) -> list[str]:
-        """The TEs that went down with the request (oldest first), if remembered."""
+    def _entry(self, request_id: str) -> list[tuple[str, str]]:
         self._expire()
         entry = self._crashes.get(request_id)
         return list(entry[1]) if entry is not None else []
 
+    def crashes(self, request_id: str) -> list[str]:
+        """The TEs that went down with the request (oldest first), if remembered."""
+        return [te for te, _ in self._entry(request_id)]
+
+    def parts(self, request_id: str) -> list[str]:
+        """The parts that failed in its crashes (oldest first; "" unknown)."""
+        return [part for _, part in self._entry(request_id)]
+
     def is_suspect(self, request_id: str) -> bool:
-        return 0 < len(self.crashes(request_id)) < self.max_crashes
+        return bool(self._entry(request_id)) and not self.is_quarantined(request_id)
 
     def is_quarantined(self, request_id: str) -> bool:
-        return len(self.crashes(request_id)) >= self.max_crashes
+        parts = self.parts(request_id)
+        if len(parts) > self.max_crashes:
+            return True
+        if "" in parts:  # not known: any part, as before parts were told
+            return len(parts) >= self.max_crashes
+        return any(parts.count(p) >= self.max_crashes for p in set(parts))
 
     def forget(self, request_id: str) -> None:
         self._crashes.pop(request_id, None)

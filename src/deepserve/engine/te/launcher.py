@@ -149,6 +149,10 @@ class TELauncher:
         return [f"{c.name} (exit {c.process.exitcode})" for c in self.children
                 if not c.process.is_alive()]
 
+    def dead_names(self) -> list[str]:
+        """The names of the children that have exited (worker0, master, ...)."""
+        return [c.name for c in self.children if not c.process.is_alive()]
+
     def shutdown(self, grace_s: float = 5.0) -> None:
         """SIGTERM every child, SIGKILL what is left after grace_s, then sweep
         the run's shared memory and run directory. Safe to call twice."""

@@ -169,10 +169,11 @@ class _Host:
         return True
 
     def close(self) -> None:
+        dead = self.launcher.dead_names()
         reason = "shutdown" if self.status == 0 else f"process died: {self.launcher.dead()}"
         try:
-            self.to_cm.put(TEDown(te_id=self.te_id, reason=reason,
-                                  address=self.up.info.address), timeout=1.0)
+            self.to_cm.put(TEDown(te_id=self.te_id, reason=reason, address=self.up.info.address,
+                                  part=dead[0] if self.status and dead else ""), timeout=1.0)
         except TimeoutError:
             pass  # the cluster manager is gone (node shutting down)
         self.launcher.shutdown()
