@@ -1,7 +1,7 @@
 """The scheduler as a pure object: no model, a fake step that emits token 7."""
 
 from deepserve.cache.kv_manager import KVCacheManager
-from deepserve.engine.scheduler import Scheduler
+from deepserve.engine.scheduler import LIGHT_TENANT_WINDOW_S, Scheduler
 from deepserve.engine.sequence import Sequence, SequenceStatus
 from deepserve.messages.sampling import SamplingParams
 from deepserve.messages.step import SampledToken
@@ -157,6 +157,22 @@ def test_without_tenants_nobody_is_light():
     assert _step(s) == {1: 3}
     s.add(_seq(2, 3))  # tenant None, as the running one: shares the step
     assert _step(s) == {1: 1, 2: 3}
+
+
+def test_a_recent_tenant_with_nothing_running_may_come_light_and_ages_out():
+    now = [0.0]
+    s = Scheduler(KVCacheManager(64, BS), 16, 8, 64, clock=lambda: now[0])
+    s.add(_tenant(_seq(1, 3, max_tokens=8), "A"))
+    _step(s)
+    assert not s.may_see_light_tenant()  # one tenant: the deep pipeline
+    b = _tenant(_seq(2, 3, max_tokens=8), "B")
+    s.add(b)
+    _step(s)
+    assert b.status is SequenceStatus.RUNNING and not s.may_see_light_tenant()  # both running: nobody is light
+    s.finish(b, "abort")
+    assert s.may_see_light_tenant()  # B has nothing running, A has
+    now[0] = LIGHT_TENANT_WINDOW_S + 0.5  # B's last request is too old to count
+    assert not s.may_see_light_tenant()
 
 
 def test_a_light_tenant_that_cannot_get_blocks_does_not_stop_the_others():

@@ -15,6 +15,13 @@ A tenant that sends little thus gets its first token as if the TE were idle
 but for the step already under way, instead of sharing a step with a
 flooding tenant's batch; one that keeps sequences running is not light.
 Sequences without a tenant (None) are one tenant.
+While a tenant seen in the last LIGHT_TENANT_WINDOW_S has nothing running
+and another has (may_see_light_tenant), the master schedules one step ahead
+at most instead of two: a light request then waits for the step under way
+only, not for one already queued behind it too (measured: B's TTFT p50
+under A's flood 1.2-1.3x alone with one step, 1.65-1.75x with two;
+tools/bench_tenants.py). One tenant alone, or tenants all running, keep
+the deeper pipeline.
 A sequence may arrive with a holder (engine/tiers/coordinator.py): a pseudo-sequence
 holding the blocks a lower tier (host, disk) filled for its prefix, so they
 are prefix-cache hits when it is admitted; the holder is freed then (or
@@ -34,12 +41,17 @@ token may already be in step N+1: that extra token is discarded.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from deepserve.messages.step import NewSeq, SampledToken, ScheduledSeq, StepBatch
+
+LIGHT_TENANT_WINDOW_S = 10.0
+"""Seconds a tenant counts as present after its last request (a light tenant
+sends now and then: at 1 request/s, one is always this recent)."""
 
 
 @dataclass
@@ -69,14 +81,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int):
-        self.kv = kv
+                 max_model_len: int, clock=time.monotonic):
+        self.kv, self.clock = kv, clock
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # seq_id order is arrival order
         self.num_preemptions = 0
+        self.tenants_seen: dict[str | None, float] = {}  # tenant -> its last request
 
     @property
     def has_unfinished(self) -> bool:
@@ -84,6 +97,17 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.tenants_seen[seq.tenant] = self.clock()
+
+    def may_see_light_tenant(self) -> bool:
+        """A tenant seen in the last LIGHT_TENANT_WINDOW_S has nothing running
+        while another tenant has: its next request would be light."""
+        if len(self.tenants_seen) < 2 or not self.running:
+            return False  # one tenant (the usual case): one truth test per step
+        since = self.clock() - LIGHT_TENANT_WINDOW_S
+        self.tenants_seen = {t: at for t, at in self.tenants_seen.items() if at >= since}
+        busy = {s.tenant for s in self.running}
+        return any(t not in busy for t in self.tenants_seen)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (stop, length or abort) and free its blocks."""

@@ -14,7 +14,8 @@
 
 Pipeline: with async scheduling up to two steps are in flight, so while the
 workers run step N the master has already built and sent N+1; synchronous
-mode keeps one. PD policy lives in engine/pd/coordinator.py; this loop only
+mode keeps one, and so does async while a light tenant may come
+(Scheduler.may_see_light_tenant: its request then waits for one step, not two). PD policy lives in engine/pd/coordinator.py; this loop only
 carries out the effects it returns (sends, streams, failures, releases).
 """
 
@@ -191,7 +192,8 @@ class Master:
         self._maybe_report()
 
     def _fill_pipeline(self) -> None:
-        while len(self.in_flight) < self.depth:
+        depth = 1 if self.scheduler.may_see_light_tenant() else self.depth
+        while len(self.in_flight) < depth:
             t0 = time.monotonic()
             step = self.core.schedule()
             if step is None:
