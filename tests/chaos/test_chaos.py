@@ -17,7 +17,9 @@ from deepserve.chaos.report import is_ok, rates
 from deepserve.chaos.resources import Sample, component_of, growth, growth_after_s, shm_bytes
 from deepserve.chaos.schedule import (GAP_S, SINGLE_NODE, PlannedFault, fault_menu,
                                       make_schedule, not_supported, parse_duration)
-from deepserve.chaos.workload import (CHAT, COMPLETION, HOSTILE, POISON, RequestSpec, Workload)
+from deepserve.chaos.__main__ import scaling_of
+from deepserve.chaos.workload import (CHAT, COMPLETION, HOSTILE, POISON, SCALED_BLOCK,
+                                      SCALED_EVERY, RequestSpec, Workload)
 from deepserve.drill.stream import COMPLETED, FAILED, LOST, RequestRecord
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,6 +107,39 @@ def test_workload_is_seeded_and_mixed():
     assert isinstance(raw, bytes)
     _, body, _ = w.request(RequestSpec(3, HOSTILE, False, tenant=0, hostile="foreign-context"))
     assert body["context_id"] == "ctx-b"  # tenant b's id, sent as tenant a
+    assert {s.model for s in specs} == {0}  # no scaled model
+
+
+def test_a_scaled_model_gets_blocks_of_requests_and_idles_between():
+    plain = Workload(3, "m", ["p0", "p1"], ["ka"])
+    w = Workload(3, "m", ["p0", "p1"], ["ka"], scaled_model="z")
+    w.contexts = {(0, "ctx-prompt"): "ctx-a", (0, "ctx-chat"): "ctx-c"}
+    plain.contexts = dict(w.contexts)
+    n = SCALED_BLOCK * SCALED_EVERY * 2
+    specs = [w.spec(i) for i in range(n)]
+    to_z = [s for s in specs if s.model == 1]
+    assert 0.1 < len(to_z) / (n / SCALED_EVERY) < 0.3  # about SCALED_SHARE of its blocks
+    assert all((s.id // SCALED_BLOCK) % SCALED_EVERY == 0 for s in to_z)  # idle in between
+    assert all(s.context is None for s in to_z)  # contexts are the node's model's
+    # the model is drawn last: apart from it, the requests are those without a scaled model
+    assert [s.__class__(**{**s.to_dict(), "model": 0}) for s in specs] == \
+        [plain.spec(i) for i in range(n)]
+    assert {s.key for s in specs if s.kind != HOSTILE} <= w.all_keys()
+    assert {k[3] for k in w.all_keys()} == {0, 1}
+    assert all(k[3] == 0 for k in w.all_keys() if k[2] is not None)
+    _, body, _ = w.request(to_z[0])
+    assert body["model"] == "z" and w.request(specs[1 + SCALED_BLOCK])[1]["model"] == "m"
+
+
+def test_scaling_of_counts_the_models_trips_to_zero_and_back():
+    def decision(model, direction, reason):
+        return {"event": "scale_decision", "details": {"model": model, "direction": direction,
+                                                       "reason": reason}}
+    events = [decision("z", "out", "demand_from_zero"), decision("z", "in", "idle"),
+              decision("z", "out", "queue"), decision("m", "in", "idle"),
+              {"event": "started", "details": {}}, decision("z", "out", "demand_from_zero")]
+    assert scaling_of("z", events) == {"model": "z", "decisions": 4, "to_zero": 1,
+                                       "from_zero": 2}
 
 
 # --- checks -----------------------------------------------------------------------------------
@@ -125,7 +160,7 @@ def _record(status=COMPLETED, choices=None, usage=None, **kw) -> RequestRecord:
 
 
 def _oracle() -> Oracle:
-    return Oracle({(COMPLETION, 0, None): list(REF)})
+    return Oracle({(COMPLETION, 0, None, 0): list(REF)})
 
 
 SPEC = RequestSpec(0, COMPLETION)
@@ -171,7 +206,7 @@ def test_checker_n_choices_failures_hostile_and_poison():
                      error_code="request_crashed_engine")
     assert o.check(RequestSpec(-1000, POISON), poison).outcome == EXPECTED
     with pytest.raises(RuntimeError):
-        o.add((CHAT, 0, None), _record(status=FAILED))
+        o.add((CHAT, 0, None, 0), _record(status=FAILED))
 
 
 def test_tally_partitions_by_status():
@@ -279,6 +314,8 @@ def test_chaos_run(tmp_path, tiny_model):
     assert report["lost"] == 0 and report["bad_streams"] == 0, report["examples"]
     assert report["hostile_accepted"] == 0, report["examples"]
     assert report["completed"] > 0 and report["by_kind"]["chat"]["completed"] > 0
+    assert report["by_model"]["deepserve-tiny-zero"]["completed"] > 0  # the scaled model
+    assert report["scaling"]["from_zero"] >= 1, report["scaling"]  # the oracle woke it
     assert len(report["faults"]) >= 2
     assert {f["kind"] for f in report["faults"]} == set(menu)
     for f in report["faults"]:

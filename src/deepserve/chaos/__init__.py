@@ -5,7 +5,8 @@ beside drill/: nothing below imports this package). The modules:
     __main__   the CLI: start the node, run, report, stop, /dev/shm check
     runner     one run: contexts, oracle, load + faults + samples, verdicts
     workload   the seeded request mix (chat / completions, streamed or not,
-               n > 1, contexts, two tenants, hostile requests)
+               n > 1, contexts, two tenants, hostile requests, a second
+               model that scales to zero between its blocks of requests)
     load       sending the mix, `concurrency` at a time (drill's LoadDriver.send)
     schedule   the seeded fault schedule; duration parsing
     faults     one scheduled fault, run by the drill's Drill (arm/inject/poll)

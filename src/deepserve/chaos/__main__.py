@@ -119,6 +119,7 @@ def _run(config, seed, duration, schedule, concurrency, max_tokens, request_time
 
     from deepserve.chaos.runner import ChaosRun
     from deepserve.chaos.workload import Workload
+    from deepserve.drill.health_events import HealthEvents
     from deepserve.drill.prompts import make_prompts, token_counter
     from deepserve.supervisor.node import Node
 
@@ -132,7 +133,9 @@ def _run(config, seed, duration, schedule, concurrency, max_tokens, request_time
         pd = config.router.pd_policy is not None
         prompts = make_prompts(config.router.pd_options.min_prompt_len if pd else None,
                                token_counter(config.model))
-        workload = Workload(seed, config.served_model, prompts, tenants, max_tokens)
+        scaled = next((m.name for m in config.models if m.idle_s is not None), None)
+        workload = Workload(seed, config.served_model, prompts, tenants, max_tokens,
+                            scaled_model=scaled)
         run = ChaosRun(url=node.url, config=config, log_dir=node.log_dir,
                        drill_dir=node.drill_dir, workload=workload, schedule=schedule,
                        duration_s=duration, concurrency=concurrency,
@@ -142,6 +145,8 @@ def _run(config, seed, duration, schedule, concurrency, max_tokens, request_time
         run.prepare(config.node.startup_timeout_s)
         echo(f"load for {duration:.0f} s, {len(schedule)} faults")
         report = run.run()
+        if scaled is not None:
+            report["scaling"] = scaling_of(scaled, HealthEvents(node.log_dir).events())
     finally:
         echo("stopping the node")
         node.stop()
@@ -154,6 +159,18 @@ def _run(config, seed, duration, schedule, concurrency, max_tokens, request_time
     report["resources"].update(interval_s=sample_every, growth_after_s=after,
                                growth=growth(samples, after) if samples else {})
     return report
+
+
+def scaling_of(model: str, events: list[dict]) -> dict:
+    """The model's scale decisions (health log): to zero is an idle scale-in (the
+    autoscaler takes every TE of an idle model), from zero a demand_from_zero scale-out."""
+    mine = [e["details"] for e in events if e.get("event") == "scale_decision"
+            and e.get("details", {}).get("model") == model]
+    return {"model": model, "decisions": len(mine),
+            "to_zero": sum(d.get("direction") == "in" and d.get("reason") == "idle"
+                           for d in mine),
+            "from_zero": sum(d.get("direction") == "out" and d.get("reason") == "demand_from_zero"
+                             for d in mine)}
 
 
 if __name__ == "__main__":

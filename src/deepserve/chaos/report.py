@@ -6,6 +6,9 @@ node held.
      "mismatched", "ok", "failed_expected", "failed_typed",       (checks.py's outcomes)
      "failed_typed_by_type", "failed_untyped", "hostile_accepted",
      "by_kind": {chat|completion|hostile|poison: {"sent", "completed", "failed", "lost"}},
+     "by_model": {model name: {"sent", "completed", "failed", "lost"}},
+     "scaling": {"model", "to_zero", "from_zero", "decisions"}   (the scaled model's
+                 scale decisions in the health log; __main__.py; absent without one)
      "faults": [{"kind", "planned_at_s", "at_s", "te", "components", "proven", "proof",
                  "detect_s", "recover_s", "state", "pid"}],
      "menu", "not_supported": {name: why}, "schedule": [...],
@@ -32,7 +35,8 @@ MAX_EXAMPLES = 20
 
 
 def build_report(*, pairs, verdicts: list[Verdict], faults: list[dict], samples, duration_s: float,
-                 load_s: float, t0: float, notes: list[str], completed_status: str) -> dict:
+                 load_s: float, t0: float, notes: list[str], completed_status: str,
+                 models: list[str]) -> dict:
     records = [r for _, r in pairs]
     report = {"duration_s": duration_s, "load_s": round(load_s, 3), **tally(verdicts, records)}
     by_kind: dict[str, Counter] = {}
@@ -40,6 +44,11 @@ def build_report(*, pairs, verdicts: list[Verdict], faults: list[dict], samples,
         by_kind.setdefault(spec.kind, Counter())["sent"] += 1
         by_kind[spec.kind][record.status] += 1
     report["by_kind"] = {k: dict(v) for k, v in sorted(by_kind.items())}
+    by_model: dict[str, Counter] = {}
+    for spec, record in pairs:
+        by_model.setdefault(models[spec.model], Counter())["sent"] += 1
+        by_model[models[spec.model]][record.status] += 1
+    report["by_model"] = {k: dict(v) for k, v in by_model.items()}
     report["faults"] = faults
     report["rates"] = rates(records, t0, completed_status)
     report["resources"] = {"samples": [s.to_dict() for s in samples]}
@@ -91,6 +100,12 @@ def to_text(report: dict) -> str:
              f"failed: expected {report['failed_expected']}  typed {report['failed_typed']} "
              f"{report['failed_typed_by_type'] or ''}  untyped {report['failed_untyped']}  "
              f"hostile accepted {report['hostile_accepted']}"]
+    for name, counts in (report.get("by_model") or {}).items():
+        lines.append(f"model {name}: " + "  ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    scaling = report.get("scaling")
+    if scaling:
+        lines.append(f"model {scaling['model']}: scaled to zero {scaling['to_zero']} times, "
+                     f"from zero {scaling['from_zero']}")
     for f in report["faults"]:
         lines.append(f"  fault {f['kind']:<15} at {_s(f['at_s'])} ({f['te']})  "
                      f"proven {'yes' if f['proven'] else 'NO'}  detect {_s(f['detect_s'])}  "

@@ -167,4 +167,4 @@ class ChaosRun:
         return build_report(pairs=pairs, verdicts=verdicts, faults=faults,
                             samples=self.sampler.samples(), duration_s=self.duration_s,
                             load_s=load_s, t0=self.t0, notes=self.notes,
-                            completed_status=COMPLETED)
+                            completed_status=COMPLETED, models=self.workload.models)

@@ -9,6 +9,10 @@
         tenant     uniform over the node's api_keys (none: one, no auth)
         prompt     uniform over the prompts (chat: over CHATS); the drill's
                    prompts, the long ones past the PD threshold when PD is on
+        model      the node's model; with a scaled model (a [[model]] with
+                   idle_s), 20 % of the requests without a context go to it in
+                   one block of SCALED_BLOCK requests out of SCALED_EVERY, so it
+                   idles between its blocks: scaled to zero and back, again
     Workload.request(spec) ──> (path, body | raw bytes, headers)
 
 Every non-hostile request is temperature 0 with logprobs, so its token ids
@@ -36,6 +40,11 @@ CONTEXT_MESSAGES = ({"role": "system", "content": "You are a careful assistant. 
 CONTEXTS = ("ctx-prompt", "ctx-chat")
 """A completion's context (a prompt) and a chat's (messages), one of each per tenant."""
 
+SCALED_BLOCK, SCALED_EVERY, SCALED_SHARE = 300, 3, 0.2
+"""Requests i with (i // SCALED_BLOCK) % SCALED_EVERY == 0 may go to the scaled model
+(SCALED_SHARE of them): at the chaos run's 10-15 requests/s, 20-30 s of use, then
+40-60 s idle, past conf/chaos.toml's idle_s."""
+
 CHAT, COMPLETION, HOSTILE, POISON = "chat", "completion", "hostile", "poison"
 PATHS = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions"}
 
@@ -56,11 +65,13 @@ class RequestSpec:
     context: str | None = None
     tenant: int = 0
     hostile: str | None = None
+    model: int = 0
+    """0: the node's model; 1: the scaled model."""
 
     @property
     def key(self) -> tuple:
         """What the greedy answer depends on: the oracle's key."""
-        return (self.kind, self.prompt, self.context)
+        return (self.kind, self.prompt, self.context, self.model)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -69,13 +80,15 @@ class RequestSpec:
 class Workload:
     """tenants: api keys (None: no auth), one per tenant, the first the oracle's.
     contexts: (tenant index, context name) -> context id, filled at setup;
-    empty: no context requests."""
+    empty: no context requests. scaled_model: a model that scales to zero, or None."""
 
     def __init__(self, seed: int, model: str, prompts: list[str], tenants: list[str | None],
-                 max_tokens: int = 16, hostile_share: float = 0.05):
+                 max_tokens: int = 16, hostile_share: float = 0.05,
+                 scaled_model: str | None = None):
         if not prompts or not tenants:
             raise ValueError("a workload needs prompts and at least one tenant")
         self.seed, self.model, self.prompts = seed, model, list(prompts)
+        self.models = [model] + ([scaled_model] if scaled_model else [])
         self.tenants, self.max_tokens = list(tenants), max_tokens
         self.hostile_share = hostile_share
         self.contexts: dict[tuple[int, str], str] = {}
@@ -103,20 +116,25 @@ class Workload:
         context = None
         if self.contexts and rng.random() < 0.2:
             context = CONTEXTS[1] if kind == CHAT else CONTEXTS[0]
-        return RequestSpec(i, kind, stream, n, prompt, context, tenant)
+        model = 0  # drawn last: without a scaled model, the same requests as before it
+        if len(self.models) > 1 and context is None \
+                and (i // SCALED_BLOCK) % SCALED_EVERY == 0 and rng.random() < SCALED_SHARE:
+            model = 1
+        return RequestSpec(i, kind, stream, n, prompt, context, tenant, model=model)
 
     def oracle_specs(self, keys) -> list[RequestSpec]:
         """One plain request per key (streamed, n = 1, the first tenant)."""
-        return [RequestSpec(-1 - j, kind, True, 1, prompt, context, 0)
-                for j, (kind, prompt, context) in enumerate(sorted(keys, key=repr))]
+        return [RequestSpec(-1 - j, kind, True, 1, prompt, context, 0, model=model)
+                for j, (kind, prompt, context, model) in enumerate(sorted(keys, key=repr))]
 
     def all_keys(self) -> set[tuple]:
         """Every key a run may send (the oracle asks them all up front)."""
-        keys = {(COMPLETION, p, None) for p in range(len(self.prompts))}
-        keys |= {(CHAT, p, None) for p in range(len(CHATS))}
-        if self.contexts:
-            keys |= {(COMPLETION, p, CONTEXTS[0]) for p in range(len(self.prompts))}
-            keys |= {(CHAT, p, CONTEXTS[1]) for p in range(len(CHATS))}
+        plain = {(COMPLETION, p, None) for p in range(len(self.prompts))}
+        plain |= {(CHAT, p, None) for p in range(len(CHATS))}
+        keys = {(*k, m) for k in plain for m in range(len(self.models))}
+        if self.contexts:  # contexts belong to the node's model
+            keys |= {(COMPLETION, p, CONTEXTS[0], 0) for p in range(len(self.prompts))}
+            keys |= {(CHAT, p, CONTEXTS[1], 0) for p in range(len(CHATS))}
         return keys
 
     # -- bodies ---------------------------------------------------------------------------
@@ -125,7 +143,8 @@ class Workload:
         headers = self.auth(spec.tenant)
         if spec.kind == HOSTILE:
             return self._hostile(spec, headers)
-        body: dict = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0.0,
+        body: dict = {"model": self.models[spec.model], "max_tokens": self.max_tokens,
+                      "temperature": 0.0,
                       "stream": spec.stream}
         if spec.kind == CHAT:
             body.update(messages=list(CHATS[spec.prompt]), logprobs=True)
