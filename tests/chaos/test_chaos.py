@@ -67,11 +67,14 @@ def test_menu_follows_the_node():
     assert "drop-cache" in fault_menu(TYPES)
     assert "drop-cache" not in fault_menu(TYPES, has_host_tier=True)
     assert "drop-cache" in not_supported(True) and "drop-cache" not in not_supported(False)
-    assert "kill-gateway" in not_supported(False) and "kill-kv-tier" in not_supported(False)
+    assert "kill-gateway" in not_supported(False) and "kill-gateway" in not_supported(True)
+    assert "kill-kv-tier" in not_supported(False) and "kill-kv-tier" not in not_supported(True)
+    assert "kill-kv-tier" in fault_menu(TYPES, has_host_tier=True)  # a tier service to kill
+    assert "kill-kv-tier" not in fault_menu(TYPES)
     assert fault_menu(TYPES, ["kill-je", "slow-worker"]) == ["slow-worker", "kill-je"]
     with pytest.raises(ValueError, match="kv-transfer-fail"):
         fault_menu(TYPES, ["kv-transfer-fail"])
-    assert set(fault_menu({**TYPES, "te2": "prefill"})) == set(SINGLE_NODE)
+    assert set(fault_menu({**TYPES, "te2": "prefill"})) == set(SINGLE_NODE) - {"kill-kv-tier"}
 
 
 def test_parse_duration():
@@ -284,14 +287,15 @@ def test_shm_bytes_and_components(tmp_path):
 
 @pytest.mark.slow
 def test_chaos_run(tmp_path, tiny_model):
-    """45 s of load with a fault every 12 s from two cheap kinds (the JE
-    restarts in seconds; slow-worker restarts nothing): nothing lost, no bad
-    stream, every fault proven, the report's schema, /dev/shm clean. About
-    80 s on a quiet 2-core machine (the node's start is half of it)."""
-    menu = ["slow-worker", "kill-je"]
+    """45 s of load with a fault every 10 s from three cheap kinds (the JE and
+    the KV tier service restart in seconds; slow-worker restarts nothing):
+    nothing lost, no bad stream, every fault proven, the report's schema,
+    /dev/shm clean, the second model woken from zero. About 80 s on a quiet
+    2-core machine (the node's start is half of it)."""
+    menu = ["slow-worker", "kill-je", "kill-kv-tier"]
     seed = next(s for s in range(100)
-                if len({f.scenario for f in make_schedule(s, 45, menu, ["te0", "te1"], 12)})
-                == 2)
+                if len({f.scenario for f in make_schedule(s, 45, menu, ["te0", "te1"], 10)})
+                == 3)
     out, png = tmp_path / "chaos.json", tmp_path / "chaos.png"
     conf = tmp_path / "chaos.toml"  # the shipped file, on the test's model
     text = (ROOT / "conf" / "chaos.toml").read_text()
@@ -300,7 +304,7 @@ def test_chaos_run(tmp_path, tiny_model):
     proc = subprocess.run(
         [sys.executable, "-m", "deepserve.chaos", "--duration", "45", "--seed", str(seed),
          "--conf", str(conf),
-         "--faults", ",".join(menu), "--fault-every", "12", "--sample-every", "5",
+         "--faults", ",".join(menu), "--fault-every", "10", "--sample-every", "5",
          "--json", str(out), "--png", str(png)],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     print(proc.stdout, proc.stderr[-4000:])
@@ -322,7 +326,7 @@ def test_chaos_run(tmp_path, tiny_model):
         assert set(f) >= {"kind", "at_s", "proven", "detect_s", "recover_s"}
         assert f["proven"] is True, f
         assert f["recover_s"] is not None, f
-        if f["kind"] == "kill-je":
+        if f["kind"] in ("kill-je", "kill-kv-tier"):
             assert f["detect_s"] is not None, f
     samples = report["resources"]["samples"]
     assert len(samples) >= 5 and all(s["rss_bytes"] > 0 and s["num_fds"] > 0 for s in samples)

@@ -20,10 +20,10 @@ import re
 from dataclasses import asdict, dataclass
 
 SINGLE_NODE = ("kill-worker", "kill-master", "kill-tokenizer", "hang-worker", "stall-worker",
-               "slow-worker", "drop-cache", "poison", "kill-cm", "kill-je", "kv-transfer-fail")
+               "slow-worker", "drop-cache", "poison", "kill-cm", "kill-je", "kill-kv-tier",
+               "kv-transfer-fail")
 """Drill scenarios (drill/scenarios.py) that run against one node."""
 NOT_SUPPORTED = {
-    "kill-kv-tier": "the drill package has no scenario for the KV tier service yet",
     "kill-gateway": "the drill package has no scenario for the gateway yet",
     "kill-node": "needs a cluster of nodes (drill/cluster.py), not one node",
     "dualpath-de-fail": "needs conf/dualpath.toml's DualPath decode TE",
@@ -64,6 +64,7 @@ class PlannedFault:
         return asdict(self)
 
 
+NEEDS_HOST_TIER = {"kill-kv-tier": "drawn on a node with a host KV tier (its tier service)"}
 NEEDS_NO_HOST_TIER = {"drop-cache": "its proof (the cache probe misses right after the drop) "
                                     "cannot be shown with a host KV tier: the probe's blocks "
                                     "may come back from the tier"}
@@ -71,7 +72,7 @@ NEEDS_NO_HOST_TIER = {"drop-cache": "its proof (the cache probe misses right aft
 
 def not_supported(has_host_tier: bool) -> dict[str, str]:
     """Scenario -> why a chaos run on this node does not draw it."""
-    return {**NOT_SUPPORTED, **(NEEDS_NO_HOST_TIER if has_host_tier else {})}
+    return {**NOT_SUPPORTED, **(NEEDS_NO_HOST_TIER if has_host_tier else NEEDS_HOST_TIER)}
 
 
 def fault_menu(te_types: dict[str, str], only: list[str] | None = None,
@@ -80,7 +81,8 @@ def fault_menu(te_types: dict[str, str], only: list[str] | None = None,
     SINGLE_NODE order; `only` narrows it (unknown or inapplicable names: ValueError)."""
     kinds = set(te_types.values())
     menu = [s for s in SINGLE_NODE if (s not in NEEDS_TE_TYPE or NEEDS_TE_TYPE[s] in kinds)
-            and not (has_host_tier and s in NEEDS_NO_HOST_TIER)]
+            and not (has_host_tier and s in NEEDS_NO_HOST_TIER)
+            and (has_host_tier or s not in NEEDS_HOST_TIER)]
     if only is None:
         return menu
     bad = [s for s in only if s not in menu]
@@ -113,5 +115,5 @@ def make_schedule(seed: int, duration_s: float, menu: list[str], tes: list[str],
     return faults
 
 
-_CHOOSES_OWN_TE = frozenset({"kill-cm", "kill-je", "kv-transfer-fail"})
+_CHOOSES_OWN_TE = frozenset({"kill-cm", "kill-je", "kill-kv-tier", "kv-transfer-fail"})
 """Node processes, and a fault whose TE is the first of a type."""

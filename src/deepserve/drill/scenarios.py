@@ -18,6 +18,8 @@ proving it proof.py.
                       te0's type        request ending in them (poison.py)
     kill-cm           cluster-manager   SIGKILL (node process)              heartbeat_deadline_s
     kill-je           job-executor      SIGKILL (node process)              heartbeat_deadline_s
+    kill-kv-tier      kv-cache          SIGKILL (node process; the node it  heartbeat_deadline_s
+                                        starts gets a 16 MiB host tier)
     dualpath-de-fail  <decode>/worker0  hook file <decode>.worker0.stage-die heartbeat_deadline_s
                       (conf/dualpath.toml; the worker exits 13 half-way through
                       staging a prompt's storage blocks for its prefill TE)
@@ -31,10 +33,11 @@ all of them), their requests resume on the other node, nothing restarts
 (the host is gone). Proof: every killed pid is gone and each of the node's
 TEs was removed. Recovery: a request that started after the detection completed.
 
-kill-cm / kill-je hit a node-level process (node_process: the target is the
-process itself, not a part of a TE). Detection is its "crashed" event; recovery
-is the replacement's recovered_event: the new CM's first complete TE list
-(te_list_complete), the new JE's "started". The verdict that matters is the
+kill-cm / kill-je / kill-kv-tier hit a node-level process (node_process: the
+target is the process itself, not a part of a TE). Detection is its "crashed"
+event; recovery is the replacement's recovered_event: the new CM's first
+complete TE list (te_list_complete), the new JE's or tier service's "started"
+(the tier service comes back empty: what it held is recomputed). The verdict that matters is the
 load's: lost = 0 and bad_streams = 0 (issue 11: control-plane restarts lose
 nothing).
 
@@ -154,6 +157,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("kill-je", "job-executor", "SIGKILL", HEARTBEAT, True, node_process=True,
              recovered_event="started",
              description="SIGKILL the job executor under load (nothing hangs or is refused)"),
+    Scenario("kill-kv-tier", "kv-cache", "SIGKILL", HEARTBEAT, True, node_process=True,
+             recovered_event="started", node_overrides=(("host_cache_bytes", 16 << 20),),
+             description="SIGKILL the node's KV tier service under load (its blocks are "
+                         "recomputed; nothing fails)"),
     Scenario("dualpath-de-fail", "worker0", "stage-die", HEARTBEAT, True, te_type="decode",
              conf="dualpath.toml", node_overrides=(("host_cache_bytes", 1 << 20),),
              prompt_tokens=640,
