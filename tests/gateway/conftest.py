@@ -46,10 +46,12 @@ class Stack:
 
 
 @contextmanager
-def running_stack(send_buffer: int | None = None, backend_type=FakeBackend, **overrides):
+def running_stack(send_buffer: int | None = None, backend_type=FakeBackend,
+                  healthy: bool = True, **overrides):
     """Yield a Stack; stop and join everything on the way out. send_buffer:
     SO_SNDBUF of the listening socket (accepted sockets inherit it);
-    backend_type(je_address, cm_address): what plays the JE, TEs and CM."""
+    backend_type(je_address, cm_address): what plays the JE, TEs and CM;
+    healthy=False: yield once uvicorn serves, before any TE list."""
     run_dir = tempfile.mkdtemp(prefix="dsgw-", dir="/tmp")
     backend = backend_type(ipc_address(run_dir, "je"), ipc_address(run_dir, "cm")).start()
     # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else ~40 ms a reply)
@@ -69,7 +71,7 @@ def running_stack(send_buffer: int | None = None, backend_type=FakeBackend, **ov
                                   name="gateway-uvicorn", daemon=True)
         thread.start()
         stack = Stack(backend, config, f"http://127.0.0.1:{port}", server)
-        _wait_healthy(stack, thread)
+        _wait_healthy(stack, thread, healthy)
         yield stack
     finally:
         if thread is not None:
@@ -81,13 +83,15 @@ def running_stack(send_buffer: int | None = None, backend_type=FakeBackend, **ov
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _wait_healthy(stack: Stack, thread: threading.Thread) -> None:
-    """Wait until uvicorn serves and the gateway has seen the fake CM's TE list."""
+def _wait_healthy(stack: Stack, thread: threading.Thread, healthy: bool = True) -> None:
+    """Wait until uvicorn serves and (healthy) the gateway has seen the fake CM's TE list."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     with stack.http(timeout=1.0) as http:
         while time.monotonic() < deadline:
             if not thread.is_alive():
                 raise RuntimeError("the gateway server thread exited during startup")
+            if stack.server.started and not healthy:
+                return
             if stack.server.started:
                 try:
                     if http.get("/health").status_code == 200:

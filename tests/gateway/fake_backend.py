@@ -93,6 +93,9 @@ class FakeBackend:
     delay_s: float = 0.0
     """Seconds between deltas of every request (tests may change it live)."""
     publish_interval_s: float = 0.1
+    first_publish_s: float = 0.0
+    """Seconds after start before the fake CM's first TE list (a gateway that
+    starts before it hears the CM, as one restarted beside a running node)."""
     te_ids: list[str] = field(default_factory=lambda: ["te-0"])
     """TEs the fake CM lists; assign a new list to change what it publishes."""
     submits: list[SubmitRequest] = field(default_factory=list)
@@ -176,7 +179,7 @@ class FakeBackend:
             ctx.term()
 
     def _loop(self, ctx: zmq.Context) -> None:
-        next_publish = 0.0
+        next_publish = time.monotonic() + self.first_publish_s
         while not self._stop.is_set():
             if self._inbox.poll(0.005):
                 self._handle(ctx, self._inbox.get(0))

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.conftest import MODEL
-from tests.gateway.fake_backend import CACHED_TOKENS
+from tests.gateway.fake_backend import CACHED_TOKENS, FakeBackend
 
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 
@@ -34,6 +34,19 @@ def test_health_follows_te_list(make_stack):
         stack.backend.te_ids = ["te-0", "te-1"]
         assert stack.backend.wait_for(lambda: http.get("/health").status_code == 200)
         assert http.get("/health").json() == {"status": "ok", "num_tes": 2}
+
+
+def test_a_gateway_that_has_not_heard_the_cm_yet_waits_for_it_instead_of_503(make_stack):
+    """Found by the chaos run: a restarted gateway answered 503 "no engine" to
+    every request until the CM's next TE list, while the node's TEs served."""
+    stack = make_stack(healthy=False, backend_type=lambda je, cm: FakeBackend(
+        je, cm, first_publish_s=1.5))
+    with stack.http() as http:
+        assert http.get("/health").status_code == 503  # no TE list yet: not healthy
+        resp = http.post("/v1/completions", json={"model": MODEL, "prompt": "early",
+                                                   "max_tokens": 2})
+        assert resp.status_code == 200, resp.text  # it waited for the first TE list
+        assert resp.json()["usage"]["completion_tokens"] == 2
 
 
 def test_tenants_get_their_own_salt(make_stack):

@@ -57,6 +57,7 @@ async def generate(request: Request, state: GatewayState,
         inputs = {"prompt": prompt, "prompt_token_ids": prompt_token_ids}
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", body.model,
                                       body.logprobs is not None, body.include_usage)
+    await state.client.cluster.first_view()  # a gateway just restarted: not 503 at once
     stream = state.client.submit(renderer.response_id, samplings, salt=tenant, model=body.model,
                                  context_id=body.context_id,
                                  is_disconnected=request.is_disconnected, **inputs)
