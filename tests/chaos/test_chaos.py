@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from deepserve.chaos.checks import (BAD, EXPECTED, HOSTILE_ACCEPTED, OK, TYPED, UNTYPED, Oracle,
-                                    tally)
+                                    explain_cuts, tally)
 from deepserve.chaos.faults import shares_hooks
 from deepserve.chaos.report import is_ok, rates
 from deepserve.chaos.resources import Sample, component_of, growth, growth_after_s, shm_bytes
@@ -20,7 +20,7 @@ from deepserve.chaos.schedule import (GAP_S, SINGLE_NODE, PlannedFault, fault_me
 from deepserve.chaos.__main__ import scaling_of
 from deepserve.chaos.workload import (CHAT, COMPLETION, HOSTILE, POISON, SCALED_BLOCK,
                                       SCALED_EVERY, RequestSpec, Workload)
-from deepserve.drill.stream import COMPLETED, FAILED, LOST, RequestRecord
+from deepserve.drill.stream import CONNECTION_ERROR, COMPLETED, FAILED, LOST, RequestRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 TYPES = {"te0": "colocated", "te1": "colocated"}
@@ -67,7 +67,7 @@ def test_menu_follows_the_node():
     assert "drop-cache" in fault_menu(TYPES)
     assert "drop-cache" not in fault_menu(TYPES, has_host_tier=True)
     assert "drop-cache" in not_supported(True) and "drop-cache" not in not_supported(False)
-    assert "kill-gateway" in not_supported(False) and "kill-gateway" in not_supported(True)
+    assert "kill-gateway" in fault_menu(TYPES) and "kill-node" in not_supported(True)
     assert "kill-kv-tier" in not_supported(False) and "kill-kv-tier" not in not_supported(True)
     assert "kill-kv-tier" in fault_menu(TYPES, has_host_tier=True)  # a tier service to kill
     assert "kill-kv-tier" not in fault_menu(TYPES)
@@ -210,6 +210,24 @@ def test_checker_n_choices_failures_hostile_and_poison():
     assert o.check(RequestSpec(-1000, POISON), poison).outcome == EXPECTED
     with pytest.raises(RuntimeError):
         o.add((CHAT, 0, None, 0), _record(status=FAILED))
+
+
+def test_connection_failures_while_a_killed_gateway_was_down_are_expected():
+    def failed(start, end, error_type):
+        r = _record(status=FAILED, choices={})
+        r.start, r.end, r.error_type, r.error = start, end, error_type, "x"
+        return r
+    o = _oracle()
+    records = [failed(9.0, 10.5, CONNECTION_ERROR),  # open when the gateway died at 10
+               failed(11.0, 11.0, CONNECTION_ERROR),  # refused while it was down
+               failed(13.0, 13.1, CONNECTION_ERROR),  # after it served again (12): not it
+               failed(10.5, 10.6, "service_unavailable")]  # typed: another story
+    verdicts = [o.check(SPEC, r) for r in records]
+    assert [v.outcome for v in verdicts] == [UNTYPED, UNTYPED, UNTYPED, TYPED]
+    explained = explain_cuts(records, verdicts, [(10.0, 12.0)])
+    assert [v.outcome for v in explained] == [EXPECTED, EXPECTED, UNTYPED, TYPED]
+    assert explained[0].reason == "cut by a gateway kill: connection_error"
+    assert explain_cuts(records, verdicts, []) == verdicts  # no gateway kill, no excuse
 
 
 def test_tally_partitions_by_status():

@@ -62,7 +62,7 @@ RESTART_DELAY_S = 2.0
 def test_scenarios_by_name_alias_and_mode():
     assert set(SCENARIOS) == {"kill-worker", "kill-master", "kill-tokenizer", "hang-worker",
                               "stall-worker", "slow-worker", "drop-cache", "kv-transfer-fail",
-                              "poison", "kill-cm", "kill-je", "kill-kv-tier", "dualpath-de-fail",
+                              "poison", "kill-cm", "kill-je", "kill-kv-tier", "kill-gateway", "dualpath-de-fail",
                               "kill-node"}
     assert get_scenario("kill-je").node_process and get_scenario("poison").every_te_of_type
     assert get_scenario("hang-worker").fault == "SIGSTOP"
@@ -451,7 +451,7 @@ def drill_node(tiny_model):
 # cheap ones first; restarting ones alternate te0 / te1 so no TE's restart budget is strained
 REAL_DRILLS = [("slow-worker", None), ("drop-cache", None), ("kv-transfer-fail", None),
                ("kill-worker", "te0"), ("hang-worker", "te1"), ("stall-worker", "te0"),
-               ("kill-master", "te1"), ("kill-tokenizer", "te0")]
+               ("kill-master", "te1"), ("kill-tokenizer", "te0"), ("kill-gateway", None)]
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@
                        gateway sends (protocol_error): a bad stream
     lost               no end before the client's deadline (drill/load.py)
     expected_failure   hostile: a 4xx with an OpenAI error body; poison: failed
-                       as request_crashed_engine
+                       as request_crashed_engine; any request whose connection
+                       failed while a killed gateway was down (explain_cuts)
     failed_typed       any other failure with an OpenAI error body (its type counts)
     failed_untyped     a failure without one: connection cut, a stream ended
                        without finish_reason, an HTTP error without an error body
@@ -100,6 +101,26 @@ class Oracle:
         if completed and counted is not None and counted != num_ids:
             return f"usage says {counted} completion tokens, the response had {num_ids}"
         return None
+
+
+CUT_ERRORS = frozenset({CONNECTION_ERROR, INCOMPLETE_STREAM})
+"""How a request the gateway died under (or one sent before it listens again) ends."""
+
+
+def explain_cuts(records: list[RequestRecord], verdicts: list[Verdict],
+                 windows: list[tuple[float, float]]) -> list[Verdict]:
+    """Verdicts with each connection failure of a request open in a window (epoch
+    start, end: a gateway killed, until a request was served after it) made an
+    expected failure: a gateway's open connections die with it, and the client
+    sees that (issue 25: they end with a connection error)."""
+    out = []
+    for record, verdict in zip(records, verdicts):
+        if verdict.outcome in (UNTYPED, HOSTILE_ACCEPTED) and record.error_type in CUT_ERRORS \
+                and any(record.start <= end and (record.end or record.start) >= start
+                        for start, end in windows):
+            verdict = Verdict(EXPECTED, f"cut by a gateway kill: {record.error_type}")
+        out.append(verdict)
+    return out
 
 
 def _hostile(spec: RequestSpec, record: RequestRecord) -> Verdict:

@@ -20,8 +20,8 @@ import threading
 import httpx
 
 from deepserve.chaos.workload import RequestSpec, Workload
-from deepserve.drill.load import LoadDriver
-from deepserve.drill.stream import RequestRecord, now
+from deepserve.drill.load import RECONNECT_S, LoadDriver
+from deepserve.drill.stream import CONNECTION_ERROR, RequestRecord, now
 
 
 class ChaosLoad:
@@ -75,7 +75,10 @@ class ChaosLoad:
         async with self.client() as client:
             async def worker() -> None:
                 while not self._stopped.is_set():
-                    await self.send(client, self.workload.spec(next(counter)), self._pairs)
+                    record = await self.send(client, self.workload.spec(next(counter)),
+                                             self._pairs)
+                    if record.error_type == CONNECTION_ERROR:  # as a client would: not
+                        await asyncio.sleep(RECONNECT_S)  # hundreds of refusals a second
 
             await asyncio.gather(*(worker() for _ in range(self.concurrency)))
 

@@ -11,7 +11,8 @@ samples for the duration, then every request checked.
          (else the first one's cleanup would lift the second's files)
        (past the end: no new fault; open ones watched up to their own bound)
     -> stop load (open requests end or are lost at their deadline), last sample
-    -> verdicts (checks.py), faults' outcomes, the report dict (report.py)
+    -> verdicts (checks.py; a connection failure while a killed gateway was down is
+       an expected one), faults' outcomes, the report dict (report.py)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import asyncio
 import threading
 import time
 
-from deepserve.chaos.checks import Oracle
+from deepserve.chaos.checks import Oracle, explain_cuts
 from deepserve.chaos.faults import FaultTask
 from deepserve.chaos.load import ChaosLoad
 from deepserve.chaos.report import build_report
@@ -155,6 +156,15 @@ class ChaosRun:
                           request_timeout_s=self.load.sender.request_timeout_s)
 
     # -- the verdict ----------------------------------------------------------------------
+    def _gateway_down(self, faults: list[dict]) -> list[tuple[float, float]]:
+        """(epoch start, end) of each gateway kill: until a request was served
+        after it (its recover_s), else its watch bound."""
+        return [(self.t0 + f["at_s"],
+                 self.t0 + f["at_s"] + (f["recover_s"] if f["recover_s"] is not None
+                                        else task.bound_s))
+                for task, f in zip(self.tasks, faults)
+                if f["kind"] == "kill-gateway" and f["at_s"] is not None]
+
     def _report(self, load_s: float) -> dict:
         pairs = self.load.pairs()
         for i, task in enumerate(self.tasks):
@@ -164,6 +174,7 @@ class ChaosRun:
         records = [r for _, r in pairs]
         faults = [task.outcome(records) for task in self.tasks]
         verdicts = [self.oracle.check(spec, record) for spec, record in pairs]
+        verdicts = explain_cuts(records, verdicts, self._gateway_down(faults))
         return build_report(pairs=pairs, verdicts=verdicts, faults=faults,
                             samples=self.sampler.samples(), duration_s=self.duration_s,
                             load_s=load_s, t0=self.t0, notes=self.notes,

@@ -21,10 +21,9 @@ from dataclasses import asdict, dataclass
 
 SINGLE_NODE = ("kill-worker", "kill-master", "kill-tokenizer", "hang-worker", "stall-worker",
                "slow-worker", "drop-cache", "poison", "kill-cm", "kill-je", "kill-kv-tier",
-               "kv-transfer-fail")
+               "kill-gateway", "kv-transfer-fail")
 """Drill scenarios (drill/scenarios.py) that run against one node."""
 NOT_SUPPORTED = {
-    "kill-gateway": "the drill package has no scenario for the gateway yet",
     "kill-node": "needs a cluster of nodes (drill/cluster.py), not one node",
     "dualpath-de-fail": "needs conf/dualpath.toml's DualPath decode TE",
 }
@@ -115,5 +114,6 @@ def make_schedule(seed: int, duration_s: float, menu: list[str], tes: list[str],
     return faults
 
 
-_CHOOSES_OWN_TE = frozenset({"kill-cm", "kill-je", "kill-kv-tier", "kv-transfer-fail"})
+_CHOOSES_OWN_TE = frozenset({"kill-cm", "kill-je", "kill-kv-tier", "kill-gateway",
+                             "kv-transfer-fail"})
 """Node processes, and a fault whose TE is the first of a type."""

@@ -32,6 +32,8 @@ __all__ = ["COMPLETED", "FAILED", "LOST", "LoadDriver", "RequestRecord", "first_
            "now", "run_load"]
 
 DEFAULT_DEADLINE_MARGIN_S = 5.0
+RECONNECT_S = 0.2
+"""A worker's pause after a connection error (a killed gateway) before its next request."""
 
 
 class LoadDriver:
@@ -118,6 +120,8 @@ class LoadDriver:
                                            max_tokens=self.max_tokens, start=now())
                     self.records.append(record)
                     await self._request(client, record)
+                    if record.error_type == CONNECTION_ERROR:  # as a client would: not
+                        await asyncio.sleep(RECONNECT_S)  # hundreds of refusals a second
 
             workers = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
             all_done = asyncio.ensure_future(asyncio.gather(*workers))

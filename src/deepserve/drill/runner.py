@@ -308,11 +308,12 @@ class Drill:
             want = len(self.config.tes) if self.config is not None else 1
             return (has_recovered(self.events, self.poison, fault_at, self.records())
                     and (num_tes(self.url) or 0) >= want)
-        if s.restarts:
-            return self.recovered is not None or self.gave_up is not None
-        if s.kills_node:  # nothing restarts: served by the others after the detection
+        if s.kills_node or s.served_again:  # served after the detection (by the other
+            # node; by the gateway that listens again)
             return self.detected is not None and first_success_after(
                 self.records(), self.detected["t"]) is not None
+        if s.restarts:
+            return self.recovered is not None or self.gave_up is not None
         if s.hold_s:  # slow: lift after hold_s, then one success after
             if inj.lifted_at is None and t >= fault_at + s.hold_s:
                 inj.lift()
@@ -347,15 +348,16 @@ class Drill:
         this one's)."""
         if self.detected is None and last_look:  # logged while the load drained
             self.detected = self._first_detection(fault_at)
-        if self.scenario.restarts:
+        if (self.scenario.kills_node or self.scenario.served_again) \
+                and self.detected is not None:
+            recovered_at = first_success_after(records, self.detected["t"])
+        elif self.scenario.restarts:
             if self.recovered is None:
                 self.recovered = self.events.first(fault_at, {self.scenario.recovered_event},
                                                    self.te)
             recovered_at = self.recovered["t"] if self.recovered is not None else None
         elif self.poison is not None:  # every restarted TE back, then a success (poison.py)
             recovered_at = self.done_at
-        elif self.scenario.kills_node and self.detected is not None:
-            recovered_at = first_success_after(records, self.detected["t"])
         else:
             recovered_at = first_success_after(records, fault_at)
         self.proof.finish(records)

@@ -18,6 +18,7 @@ proving it proof.py.
                       te0's type        request ending in them (poison.py)
     kill-cm           cluster-manager   SIGKILL (node process)              heartbeat_deadline_s
     kill-je           job-executor      SIGKILL (node process)              heartbeat_deadline_s
+    kill-gateway      gateway           SIGKILL (node process)              heartbeat_deadline_s
     kill-kv-tier      kv-cache          SIGKILL (node process; the node it  heartbeat_deadline_s
                                         starts gets a 16 MiB host tier)
     dualpath-de-fail  <decode>/worker0  hook file <decode>.worker0.stage-die heartbeat_deadline_s
@@ -33,11 +34,15 @@ all of them), their requests resume on the other node, nothing restarts
 (the host is gone). Proof: every killed pid is gone and each of the node's
 TEs was removed. Recovery: a request that started after the detection completed.
 
-kill-cm / kill-je / kill-kv-tier hit a node-level process (node_process: the
-target is the process itself, not a part of a TE). Detection is its "crashed"
-event; recovery is the replacement's recovered_event: the new CM's first
-complete TE list (te_list_complete), the new JE's or tier service's "started"
-(the tier service comes back empty: what it held is recomputed). The verdict that matters is the
+kill-cm / kill-je / kill-kv-tier / kill-gateway hit a node-level process
+(node_process: the target is the process itself, not a part of a TE).
+Detection is its "crashed" event; recovery is the replacement's
+recovered_event: the new CM's first complete TE list (te_list_complete), the
+new JE's or tier service's "started" (the tier service comes back empty: what
+it held is recomputed); for the gateway a request started after the
+detection that completed (served_again). The gateway's open requests end
+with a connection error the client sees (they are the load's failures, not
+lost), as do those sent until it listens again. The verdict that matters is the
 load's: lost = 0 and bad_streams = 0 (issue 11: control-plane restarts lose
 nothing).
 
@@ -120,6 +125,9 @@ class Scenario:
     """[node] keys set on a node the drill starts itself (never on --url's)."""
     prompt_tokens: int = 0
     """Long load prompts of this many tokens, each its own (0: the usual mix)."""
+    served_again: bool = False
+    """Recovered once a request that started after the detection completed (the
+    gateway: its process started is not yet a port that serves)."""
 
     @property
     def kills_node(self) -> bool:
@@ -157,6 +165,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("kill-je", "job-executor", "SIGKILL", HEARTBEAT, True, node_process=True,
              recovered_event="started",
              description="SIGKILL the job executor under load (nothing hangs or is refused)"),
+    Scenario("kill-gateway", "gateway", "SIGKILL", HEARTBEAT, True, node_process=True,
+             served_again=True,
+             description="SIGKILL the gateway under load (its open requests end with a "
+                         "connection error the client sees; the next ones are served)"),
     Scenario("kill-kv-tier", "kv-cache", "SIGKILL", HEARTBEAT, True, node_process=True,
              recovered_event="started", node_overrides=(("host_cache_bytes", 16 << 20),),
              description="SIGKILL the node's KV tier service under load (its blocks are "
