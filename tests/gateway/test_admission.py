@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from deepserve.gateway.http import generation
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_backend import CACHED_TOKENS, FakeBackend
 
@@ -21,19 +24,30 @@ def _is_error_body(body: dict) -> bool:
     return isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}
 
 
-def test_health_follows_te_list(make_stack):
+def test_health_follows_te_list(make_stack, monkeypatch):
     stack = make_stack()
     with stack.http() as http:
         assert http.get("/health").json() == {"status": "ok", "num_tes": 1}
         stack.backend.te_ids = []
         assert stack.backend.wait_for(lambda: http.get("/health").status_code == 503)
         assert _is_error_body(http.get("/health").json())
+        monkeypatch.setattr(generation, "NO_ENGINE_WAIT_S", 0.3)  # no TE came back in time
         with pytest.raises(openai.InternalServerError) as info:
             stack.openai().completions.create(model=MODEL, prompt="no te")
         assert info.value.status_code == 503 and info.value.code == "no_engine_available"
+        monkeypatch.setattr(generation, "NO_ENGINE_WAIT_S", 10.0)
+        # every TE down (restarting): a request waits for one instead of 503
+        # (found by the chaos tool: 747 refusals while both TEs restarted at once)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(http.post, "/v1/completions",
+                                  json={"model": MODEL, "prompt": "wait", "max_tokens": 2})
+            time.sleep(0.5)
+            assert not waiting.done()
+            stack.backend.te_ids = ["te-0"]
+            assert waiting.result(timeout=10).status_code == 200
         stack.backend.te_ids = ["te-0", "te-1"]
-        assert stack.backend.wait_for(lambda: http.get("/health").status_code == 200)
-        assert http.get("/health").json() == {"status": "ok", "num_tes": 2}
+        assert stack.backend.wait_for(
+            lambda: http.get("/health").json() == {"status": "ok", "num_tes": 2})
 
 
 def test_a_gateway_that_has_not_heard_the_cm_yet_waits_for_it_instead_of_503(make_stack):

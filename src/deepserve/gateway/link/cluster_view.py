@@ -3,17 +3,10 @@
     CM PUB ──TEList / TEReport / TierReport──> JobClient's SUB ──> ClusterView.on_message
         te_ids (admission, /health), addresses (aborts of orphaned attempts),
         reports and the KV tiers' state (metrics)
-
-A gateway that (re)starts knows no TE until the CM's next TE list (it
-republishes every REPUBLISH_S, 1 s): requests that come first wait
-for it (first_view, at most FIRST_VIEW_WAIT_S) instead of being refused 503
-while the node's TEs could serve them (a chaos run saw 123 such refusals
-after a gateway kill).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from deepserve.gateway.metrics import GatewayMetrics
@@ -23,12 +16,6 @@ from deepserve.messages.scaling import ScaleEvent
 
 REPORT_TTL_S = 10.0
 """Before the first TEList arrives, a TE that sent a TEReport this recently counts as up."""
-FIRST_VIEW_WAIT_S = 10.0
-"""How long a request waits for the gateway's first word from the CM: 10 of its
-republish intervals, as a loaded machine needed (a chaos run at 3 s: the first
-list came 2.6-3.7 s after the gateway's restart, and the requests that came
-first were refused). Only a gateway that never heard the CM waits."""
-FIRST_VIEW_POLL_S = 0.02
 
 
 class ClusterView:
@@ -61,18 +48,6 @@ class ClusterView:
             self._report_times[msg.te_id] = time.monotonic()
             if self.metrics is not None:
                 self.metrics.observe_te_report(msg)
-
-    @property
-    def has_heard(self) -> bool:
-        """A complete TE list came (reports alone name no model's TEs: te_ids_of)."""
-        return self._has_te_list
-
-    async def first_view(self, timeout_s: float = FIRST_VIEW_WAIT_S) -> None:
-        """Returns once a TE list came, or after timeout_s (then the caller's
-        check answers from what it has)."""
-        deadline = time.monotonic() + timeout_s
-        while not self.has_heard and time.monotonic() < deadline:
-            await asyncio.sleep(FIRST_VIEW_POLL_S)
 
     @property
     def te_ids(self) -> list[str]:

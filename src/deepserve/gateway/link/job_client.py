@@ -147,7 +147,7 @@ class JobClient:
         no TE, 429 past max_open_requests (but for a tenant under its share of
         it: open_share.py), 400 for text that cannot be sent.
         While no JE is linked the submissions wait in the PUSH's pipe."""
-        if not self._can_serve(model):
+        if not self.can_serve(model):
             raise APIError.unavailable("No engine is available to serve the request.")
         open_by = open_by_tenant(self._streams)
         if not admits(open_by, salt or "", len(samplings), self.config.max_open_requests):
@@ -266,7 +266,7 @@ class JobClient:
         return self._je.is_connected and (bool(self.te_ids)
                                           or bool(self.config.scalable_models))
 
-    def _can_serve(self, model: str | None) -> bool:
+    def can_serve(self, model: str | None) -> bool:
         """A TE of the model is listed, or the autoscaler starts one on demand."""
         if model is not None and model in self.config.scalable_models:
             return True
