@@ -24,11 +24,17 @@ def _start_host(model: Path, *flags: str) -> tuple[subprocess.Popen, dict]:
     return host, json.loads(line)
 
 
+def _is_running(pid: int) -> bool:
+    try:  # it may exit between two psutil calls (seen in CI: NoSuchProcess)
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in pids if _is_running(p)]
         if not alive:
             return []
         time.sleep(0.1)
