@@ -206,7 +206,6 @@ class ClusterManager:
         info = self.tes.get(te_id)
         if info is not None:
             self.down_parts[te_id] = part  # the first word on it (another TEDown is late)
-        if info is not None:
             self.down_incarnation[te_id] = info.incarnation
         if info is not None and self.scaling is not None:
             self.scaling.on_te_down(te_id, info.model, reason, self.clock())
