@@ -12,7 +12,8 @@ from deepserve.control.je import job_executor
 from deepserve.control.je.job_executor import JobExecutor
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.control import TEInfo, TEList, TEReport
-from deepserve.messages.engine import AbortRequest, RequestFailed, SubmitRequest, ToClient
+from deepserve.messages.engine import (AbortRequest, RequestFailed, SubmitRequest, TaskDone,
+                                       ToClient)
 from deepserve.messages.sampling import SamplingParams
 from deepserve.tokenizer import Tokenizer
 from tests.control.je_rig import _TE_IN, _publish, _pump, je_settings
@@ -80,6 +81,27 @@ def test_tasks_of_a_te_that_leaves_fail_retryable_until_attempts_run_out(rig):
                                    reply_to=rig["addr"]["gw"]))
     failed = _pump(rig, lambda: _recv(rig["gw"]))
     assert failed.error == "engine_dead" and "giving up after 3 attempts" in failed.message
+
+
+def test_a_task_its_master_finished_fails_if_its_tokenizer_dies_before_the_last_reply(rig):
+    """The master's TEReport.finished says the sequence ended, not that its
+    tokenizer sent the client the last delta: a tokenizer killed in between
+    (a 60-minute chaos run lost a request so) must still fail the task, so
+    the gateway resumes it. Only the tokenizer's TaskDone ends it."""
+    _pump(rig, lambda: _publish(rig, ["te0"]) or (rig["je"].te_sockets or None))
+    for rid in ("done", "cut"):
+        _submit(rig, rid, "some prompt")
+        assert _pump(rig, lambda: _recv(rig["te"]["te0"])).request_id == rid
+    rig["cm"].put(TEReport(te_id="te0", num_waiting=0, num_running=0, load_tokens=0,
+                           kv_usage=0.0, finished=["done", "cut"]))
+    _pump(rig, lambda: rig["je"].router.reports.get("te0"))
+    rig["to_je"].put(TaskDone(request_id="done"))  # its last delta went out
+    _pump(rig, lambda: "done" not in rig["je"].tasks or None)
+    assert "cut" in rig["je"].tasks
+    _publish(rig, [], down={"te0": "tokenizer"})
+    failed = _pump(rig, lambda: _recv(rig["gw"]))
+    assert (failed.request_id, failed.error) == ("cut", "te_lost")
+    assert _recv(rig["gw"]) is None  # "done" ended: nothing to fail
 
 
 def _tasks_of(rig, te, wait_s=0.3):
@@ -188,9 +210,7 @@ def test_suspects_resume_one_at_a_time_with_a_spare_and_are_not_quarantined(rig)
     for rid in "abc":
         tasks = _tasks_of(rig, "te0", 0.5) + _tasks_of(rig, "te1", 0.1)
         assert [(t.request_id, t.attempt) for t in tasks] == [(rid, 1)]  # one at a time
-        te = rig["je"].tasks[rid].te_id
-        rig["cm"].put(TEReport(te_id=te, num_waiting=0, num_running=0, load_tokens=0,
-                               kv_usage=0.0, finished=[rid]))
+        rig["to_je"].put(TaskDone(request_id=rid, attempt=1))  # its tokenizer: it ended
         _pump(rig, lambda: (rid not in rig["je"].tasks) or None)
     assert _quarantined(rig) == [] and len(rig["je"].suspects) == 0
     assert _recv(rig["gw"]) is None

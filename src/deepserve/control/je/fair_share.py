@@ -25,7 +25,8 @@ at once. Alone, a tenant uses every slot.
 The JE learns a request ended from its TE's tokenizer (TaskDone, sent to
 SubmitRequest.done_to the moment it ends), backed by the TE's next TEReport
 (finished) and by the TE leaving the TE list, whichever comes first; each
-frees the slot once (the task is popped once).
+frees the slot once (give() pops it once). Only TaskDone or the TE leaving
+ends the task itself (job_executor.py).
 
 Limits (config/tenants.py): a tenant's sub-requests admitted and not ended
 (queued, parked or running), and their tokens (prompt + max_tokens), at

@@ -166,6 +166,7 @@ class JobExecutor:
             task = self.tasks.get(msg.request_id)
             if task is not None and task.attempt == msg.attempt:
                 self._end_task(msg.request_id)
+                self.suspects.forget(msg.request_id)  # it completed: not poison
         else:
             {CreateContext: self.contexts.create, GetContext: self.contexts.get,
              DeleteContext: self.contexts.delete}[type(msg)](msg)
@@ -335,9 +336,12 @@ class JobExecutor:
             if self.dualpath is not None:
                 self.dualpath.on_report(msg.te_id)
             for request_id in msg.finished:
+                # The master is done with it (a slot frees), but the task ends
+                # with its tokenizer's TaskDone: a tokenizer killed before the
+                # last delta went out leaves it to fail with the TE (te_lost).
                 task = self.tasks.get(request_id)
                 if task is not None and task.te_id == msg.te_id:
-                    self._end_task(request_id)
+                    self.share.give(request_id)
                     self.suspects.forget(request_id)  # it completed: not poison
         elif isinstance(msg, TEList):
             self._update_tes(msg)
