@@ -98,3 +98,33 @@ def test_a_probe_waits_even_to_a_stalled_address_once_a_while(short_dir) -> None
         out.close()
         pull.close()
         ctx.term()
+
+
+def test_a_socket_not_put_to_for_idle_s_is_closed_and_reopens_on_the_next_put(short_dir) -> None:
+    """Peers come and go (a scaled TE, a pod): the tier service kept a socket,
+    one fd, per master it ever answered. Idle ones close; one in use stays."""
+    ctx = zmq.Context()
+    now = [0.0]
+    out = Outboxes(ctx, timeout_s=0.2, clock=lambda: now[0], idle_s=100.0)
+    pulls = {n: PullSocket(ctx, ipc_address(short_dir, n), bind=True, type=dict)
+             for n in ("gone0", "gone1", "busy")}
+    try:
+        for name, pull in pulls.items():
+            assert out.put(ipc_address(short_dir, name), {"to": name})
+            assert pull.get(timeout=2.0) == {"to": name}
+        assert len(out) == 3
+        now[0] = 60.0
+        assert out.put(ipc_address(short_dir, "busy"), {"to": "busy"})
+        assert len(out) == 3  # nothing idle for 100 s yet
+        now[0] = 130.0
+        assert out.put(ipc_address(short_dir, "busy"), {"to": "busy"})
+        assert len(out) == 1  # the two idle since 0 s closed; busy (60 s) kept
+        assert out.put(ipc_address(short_dir, "gone0"), {"to": "gone0", "again": True})
+        assert len(out) == 2
+        assert pulls["gone0"].get(timeout=2.0) == {"to": "gone0", "again": True}
+        assert [pulls["busy"].get(timeout=2.0) for _ in range(2)] == [{"to": "busy"}] * 2
+    finally:
+        out.close()
+        for pull in pulls.values():
+            pull.close()
+        ctx.term()

@@ -25,6 +25,14 @@ because the address comes from a message and the peer may be gone:
 
 put() returns False for a dropped message; the caller decides what that
 means (a stream the client no longer reads, a peer that will time out).
+
+A socket not put to for IDLE_S is closed (and reconnects on the next put):
+peers come and go under one sender's life (each scaled TE, pod and
+restarted TE has its own address) and nobody tells every sender; the tier
+service kept one socket, one fd, per master it ever answered (+48 fds in a
+60-minute chaos run, one per TE the autoscaler started), the gateway one
+per TE it ever aborted at. What an idle socket still queues has waited
+IDLE_S for a peer that took nothing: it is dropped with it.
 """
 
 from __future__ import annotations
@@ -39,13 +47,17 @@ from deepserve.ipc.sockets import PushSocket
 
 log = logging.getLogger(__name__)
 PROBE_WAIT_S, PROBE_EVERY_S = 0.2, 1.0
+IDLE_S = 120.0
+"""Seconds without a put after which an address's socket is closed (module doc)."""
 
 
 class Outboxes:
     def __init__(self, ctx: zmq.Context, timeout_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic):
-        self.ctx, self.timeout_s, self.clock = ctx, timeout_s, clock
+                 clock: Callable[[], float] = time.monotonic, idle_s: float = IDLE_S):
+        self.ctx, self.timeout_s, self.clock, self.idle_s = ctx, timeout_s, clock, idle_s
         self._sockets: dict[str, PushSocket] = {}
+        self._used: dict[str, float] = {}  # address -> its last put (oldest first)
+        self._swept_at = clock()
         self._refused: set[str] = set()
         self._stalled: set[str] = set()
         self._probed: dict[str, float] = {}  # stalled address -> its last probe
@@ -53,14 +65,17 @@ class Outboxes:
         """Messages not sent: refused address or a peer that did not take them in time."""
 
     def put(self, address: str, msg: Any, probe: bool = False) -> bool:
+        now = self.clock()
+        self._close_idle(now)
         sock = self._socket(address)
         if sock is None:
             self.num_dropped += 1
             return False
+        self._used.pop(address, None)
+        self._used[address] = now
         wait = self.timeout_s
         if address in self._stalled:
             wait = 0.0
-            now = self.clock()
             if probe and now - self._probed.get(address, -PROBE_EVERY_S) >= PROBE_EVERY_S:
                 wait, self._probed[address] = min(self.timeout_s, PROBE_WAIT_S), now
         try:
@@ -95,8 +110,19 @@ class Outboxes:
                 self._refused.add(address)
         return sock
 
+    def _close_idle(self, now: float) -> None:
+        """Close the sockets not put to for idle_s (checked at most every idle_s / 4)."""
+        if now - self._swept_at < self.idle_s / 4:
+            return
+        self._swept_at = now
+        for address, used in list(self._used.items()):  # oldest first
+            if now - used < self.idle_s:
+                break
+            self.forget(address)
+
     def forget(self, address: str) -> None:
         """Close the socket to `address` (its peer left for good)."""
+        self._used.pop(address, None)
         sock = self._sockets.pop(address, None)
         if sock is not None:
             sock.close()
@@ -106,4 +132,4 @@ class Outboxes:
     def close(self) -> None:
         for sock in self._sockets.values():
             sock.close()
-        self._sockets = {}
+        self._sockets, self._used = {}, {}
