@@ -59,6 +59,8 @@ def test_faults_that_write_the_same_hook_files_are_not_overlapped():
     assert not shares_hooks(f("stall-worker"), f("slow-worker"))
     assert not shares_hooks(f("kill-worker"), f("kill-worker"))  # signals write no file
     assert not shares_hooks(f("kill-je", None), f("kill-je", None))
+    assert shares_hooks(f("disk-full", None), f("disk-full", None))  # one tier, one hook
+    assert not shares_hooks(f("corrupt-disk", None), f("corrupt-disk", None))  # no hook
 
 
 def test_menu_follows_the_node():
@@ -74,7 +76,11 @@ def test_menu_follows_the_node():
     assert fault_menu(TYPES, ["kill-je", "slow-worker"]) == ["slow-worker", "kill-je"]
     with pytest.raises(ValueError, match="kv-transfer-fail"):
         fault_menu(TYPES, ["kv-transfer-fail"])
-    assert set(fault_menu({**TYPES, "te2": "prefill"})) == set(SINGLE_NODE) - {"kill-kv-tier"}
+    assert "disk-full" in not_supported(True) and "corrupt-disk" not in fault_menu(TYPES, None, True)
+    assert {"disk-full", "corrupt-disk"} <= set(fault_menu(TYPES, None, True, has_disk_tier=True))
+    assert "disk-full" not in not_supported(True, has_disk_tier=True)
+    assert set(fault_menu({**TYPES, "te2": "prefill"})) == set(SINGLE_NODE) - {
+        "kill-kv-tier", "disk-full", "corrupt-disk"}
 
 
 def test_parse_duration():
@@ -308,24 +314,25 @@ def test_shm_bytes_and_components(tmp_path):
 
 @pytest.mark.slow
 def test_chaos_run(tmp_path, tiny_model):
-    """45 s of load with a fault every 10 s from three cheap kinds (the JE and
-    the KV tier service restart in seconds; slow-worker restarts nothing):
-    nothing lost, no bad stream, every fault proven, the report's schema,
-    /dev/shm clean, the second model woken from zero. About 80 s on a quiet
-    2-core machine (the node's start is half of it)."""
-    menu = ["slow-worker", "kill-je", "kill-kv-tier"]
-    seed = next(s for s in range(100)
-                if len({f.scenario for f in make_schedule(s, 45, menu, ["te0", "te1"], 10)})
-                == 3)
+    """50 s of load with a fault every 8 s from four cheap kinds (the JE and
+    the KV tier service restart in seconds; a full disk and corrupt block
+    files restart nothing): nothing lost, no bad stream, every fault proven,
+    the report's schema, /dev/shm clean, the second model woken from zero.
+    About 85 s on a quiet 2-core machine (the node's start is half of it)."""
+    menu = ["kill-je", "kill-kv-tier", "disk-full", "corrupt-disk"]
+    seed = next(s for s in range(200)
+                if len({f.scenario for f in make_schedule(s, 50, menu, ["te0", "te1"], 8)})
+                == 4)
     out, png = tmp_path / "chaos.json", tmp_path / "chaos.png"
     conf = tmp_path / "chaos.toml"  # the shipped file, on the test's model
     text = (ROOT / "conf" / "chaos.toml").read_text()
-    assert '"models/tiny"' in text
-    conf.write_text(text.replace('"models/tiny"', f'"{tiny_model}"'))
+    assert '"models/tiny"' in text and '"var/chaos-kvcache"' in text
+    conf.write_text(text.replace('"models/tiny"', f'"{tiny_model}"')
+                    .replace('"var/chaos-kvcache"', f'"{tmp_path / "kvcache"}"'))
     proc = subprocess.run(
-        [sys.executable, "-m", "deepserve.chaos", "--duration", "45", "--seed", str(seed),
+        [sys.executable, "-m", "deepserve.chaos", "--duration", "50", "--seed", str(seed),
          "--conf", str(conf),
-         "--faults", ",".join(menu), "--fault-every", "10", "--sample-every", "5",
+         "--faults", ",".join(menu), "--fault-every", "8", "--sample-every", "5",
          "--json", str(out), "--png", str(png)],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     print(proc.stdout, proc.stderr[-4000:])
@@ -334,7 +341,7 @@ def test_chaos_run(tmp_path, tiny_model):
     for key in ("sent", "completed", "failed", "lost", "bad_streams", "seed", "duration_s",
                 "faults", "resources", "shm", "rates", "not_supported", "ok"):
         assert key in report, key
-    assert report["seed"] == seed and report["duration_s"] == 45
+    assert report["seed"] == seed and report["duration_s"] == 50
     assert report["sent"] == report["completed"] + report["failed"] + report["lost"]
     assert report["lost"] == 0 and report["bad_streams"] == 0, report["examples"]
     assert report["hostile_accepted"] == 0, report["examples"]
@@ -347,7 +354,7 @@ def test_chaos_run(tmp_path, tiny_model):
         assert set(f) >= {"kind", "at_s", "proven", "detect_s", "recover_s"}
         assert f["proven"] is True, f
         assert f["recover_s"] is not None, f
-        if f["kind"] in ("kill-je", "kill-kv-tier"):
+        if f["kind"] in ("kill-je", "kill-kv-tier", "disk-full", "corrupt-disk"):
             assert f["detect_s"] is not None, f
     samples = report["resources"]["samples"]
     assert len(samples) >= 5 and all(s["rss_bytes"] > 0 and s["num_fds"] > 0 for s in samples)

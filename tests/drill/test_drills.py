@@ -41,7 +41,7 @@ from deepserve.drill import __main__ as drill_main
 from deepserve.drill import prompts as drill_prompts
 from deepserve.drill.health_events import HealthEvents
 from deepserve.drill.injection import Injection, current_pid, hook_path
-from deepserve.drill.proof import (CacheMissed, HookFired, Proofs, SignalDetected,
+from deepserve.drill.proof import (CacheMissed, HookFired, Logged, Proofs, SignalDetected,
                                    TransferResumed)
 from deepserve.drill.report import KEYS, build_report
 from deepserve.drill.runner import run_drill
@@ -62,8 +62,8 @@ RESTART_DELAY_S = 2.0
 def test_scenarios_by_name_alias_and_mode():
     assert set(SCENARIOS) == {"kill-worker", "kill-master", "kill-tokenizer", "hang-worker",
                               "stall-worker", "slow-worker", "drop-cache", "kv-transfer-fail",
-                              "poison", "kill-cm", "kill-je", "kill-kv-tier", "kill-gateway", "dualpath-de-fail",
-                              "kill-node"}
+                              "poison", "kill-cm", "kill-je", "kill-kv-tier", "kill-gateway",
+                              "disk-full", "corrupt-disk", "dualpath-de-fail", "kill-node"}
     assert get_scenario("kill-je").node_process and get_scenario("poison").every_te_of_type
     assert get_scenario("hang-worker").fault == "SIGSTOP"
     assert get_scenario("hang-worker", "stall").name == "stall-worker"
@@ -220,6 +220,56 @@ def test_hook_injection_writes_and_removes_its_file(tmp_path):
         Injection(get_scenario("drop-cache"), "te0", ["te0/master"]).inject(None, None)
     with pytest.raises(RuntimeError, match="log-dir"):
         Injection(get_scenario("kill-master"), "te0", ["te0/master"]).inject(None, tmp_path)
+
+
+def test_corrupt_injection_flips_a_byte_of_every_block_file_and_keeps_its_size(tmp_path):
+    disk = tmp_path / "disk"
+    files = [disk / "m-1" / "ab" / f"{i:016x}.kv" for i in range(3)]
+    for i, f in enumerate(files):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(bytes([i]) * 100)
+    (disk / "m-1" / "notes.txt").write_bytes(b"not a block")
+    inj = Injection(get_scenario("corrupt-disk"), "kv-cache", ["kv-cache"], disk_dir=str(disk))
+    at = inj.inject(None, None)
+    assert at is not None and sorted(inj.corrupted) == sorted(files)
+    for i, f in enumerate(files):
+        data = f.read_bytes()
+        assert len(data) == 100 and data[:-1] == bytes([i]) * 99 and data[-1] == i ^ 0x55
+    assert (disk / "m-1" / "notes.txt").read_bytes() == b"not a block"
+    assert inj.notes == ["3 block files corrupted"]
+    with pytest.raises(RuntimeError, match="no disk tier"):
+        Injection(get_scenario("corrupt-disk"), "kv-cache", ["kv-cache"]).inject(None, None)
+
+
+def test_an_event_proof_pokes_once_after_its_first_part_and_fails_without_the_event(tmp_path):
+    """disk-full: once the hook fired, one fresh prompt (poke) makes a block
+    write fail; proven only by the tier service's cache_tier_disabled."""
+    t0 = time.time()
+    log = tmp_path / "health.jsonl"
+    log.write_text(_line(t0 - 1, "kv-cache", "cache_tier_disabled", 9, tier="disk"))  # old
+    events = HealthEvents(tmp_path)
+    fired = HookFired(events, ["kv-cache"], "disk-full", t0, bound_s=5.0)
+    pokes = []
+    proof = Proofs([fired, Logged(events, "cache_tier_disabled", "kv-cache", t0, after=fired,
+                                  poke=lambda: pokes.append(1))])
+    proof.poll(t0 + 0.1)
+    assert pokes == [] and not proof.is_settled  # the hook has not fired: no poke yet
+    with log.open("a") as f:
+        f.write(_line(t0 + 0.2, "kv-cache", "fault_injected", 9, fault="disk-full", value=""))
+    proof.poll(t0 + 0.3)
+    assert pokes == [1] and not proof.is_settled
+    proof.poll(t0 + 0.4)
+    assert pokes == [1]  # once
+    with log.open("a") as f:
+        f.write(_line(t0 + 0.5, "te0/master", "cache_tier_disabled", 7, tier="disk")
+                + _line(t0 + 0.6, "kv-cache", "cache_tier_disabled", 9, tier="disk"))
+    proof.poll(t0 + 0.7)
+    assert proof.is_proven and proof.evidence[-1].startswith("kv-cache cache_tier_disabled +0.")
+    never = Logged(events, "cache_block_corrupt", None, t0)
+    never.finish([])
+    assert not never.is_proven and "no cache_block_corrupt event" in never.failure
+    empty = Logged(events, "cache_block_corrupt", None, t0, failure="no block file to corrupt")
+    assert empty.is_settled and not empty.is_proven
 
 
 def test_long_prompts_pass_the_pd_threshold(tiny_model):

@@ -60,7 +60,7 @@ def _emitted_event_names() -> set[str]:
             owner = func.value if isinstance(func, ast.Attribute) else None
             is_health = isinstance(owner, ast.Attribute) and owner.attr == "health" or \
                 isinstance(owner, ast.Name) and owner.id == "health"
-            index = {"_log": 1, "event": 0, "events": 0}.get(name)
+            index = {"_log": 1, "event": 0, "_event": 0, "events": 0}.get(name)
             if name == "write" and is_health:
                 index = 1
             if index is not None and len(node.args) > index and \
@@ -74,7 +74,8 @@ def test_nothing_emits_an_event_outside_the_list() -> None:
 
     emitted = _emitted_event_names()
     # the scan sees the supervisor, the node, the job executor and the actor
-    assert {"restarting", "killed", "evicted", "request_migrated", "fault_injected"} <= emitted
+    assert {"restarting", "killed", "evicted", "request_migrated", "fault_injected",
+            "cache_tier_enabled"} <= emitted
     assert emitted <= EVENTS, sorted(emitted - EVENTS)
     assert set(FAULT_KINDS) <= EVENTS  # the watchdog's kinds are logged as they are
 

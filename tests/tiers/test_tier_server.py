@@ -87,3 +87,46 @@ def test_context_soak_ends_where_it_began(rig):
         while time.monotonic() < deadline and counts(service) != baseline:
             time.sleep(0.05)
         assert counts(service) == baseline, f"cycle {cycle}: {counts(service)} != {baseline}"
+
+
+def _until(fn, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := fn()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
+def test_a_full_disk_turns_the_tier_off_and_a_probe_turns_it_back_on(rig):
+    """Before: the first failed write turned the disk tier off until the
+    service restarted. Now a block-sized probe write every probe_s brings it
+    back once the disk has room, and the files written before are found again."""
+    service, out, back, reply = rig
+    service.call(lambda s: setattr(s.upkeep, "probe_s", 0.2))
+    write(service, out, back, reply, [1, 2, 3])
+    assert _until(lambda: counts(service)[1] == 3)
+    service.call(lambda s: setattr(s, "_drill_disk_full", True))  # the fault: ENOSPC
+    write(service, out, back, reply, [4])
+    assert _until(lambda: not service.call(lambda s: s.disk_enabled))
+    assert counts(service)[1] == 0 and service.call(lambda s: s.report().disk_capacity) == 0
+    time.sleep(0.6)  # probes fail while the disk is full
+    assert not service.call(lambda s: s.disk_enabled)
+    service.call(lambda s: setattr(s, "_drill_disk_full", False))  # room again
+    assert _until(lambda: service.call(lambda s: s.disk_enabled))
+    assert counts(service)[1] == 3  # 1-3 found on disk again; 4 was never written
+    write(service, out, back, reply, [5])
+    assert _until(lambda: counts(service)[1] == 4)
+
+
+def test_the_scrub_drops_and_deletes_a_corrupt_block_file_before_a_te_reads_it(rig):
+    service, out, back, reply = rig
+    write(service, out, back, reply, [21, 22, 23])
+    assert _until(lambda: counts(service)[1] == 3)
+    disk_dir = service.call(lambda s: s.pools["m"].disk_dir)
+    path = block_file.block_path(disk_dir, 22)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x55  # the fault: one payload byte flipped on disk
+    path.write_bytes(bytes(data))
+    assert _until(lambda: service.call(lambda s: s.num_corrupt) == 1)
+    assert not path.exists() and counts(service)[1] == 2
+    assert all(block_file.block_path(disk_dir, h).exists() for h in (21, 23))
+    assert service.call(lambda s: sorted(s.pools["m"].index.disk)) == [21, 23]

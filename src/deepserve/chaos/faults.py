@@ -111,11 +111,13 @@ def _delta(at: float | None, since: float) -> float | None:
 
 
 def hook_key(planned: PlannedFault) -> tuple[str, str] | None:
-    """(hook fault, its TE or "*" for every TE of a type) for a fault made of hook
-    files, else None (signals, node processes)."""
+    """(hook fault, its TE or "*" for every TE of a type, or the node process)
+    for a fault made of hook files, else None (signals, corrupt files)."""
     s = get_scenario(planned.scenario)
-    if s.is_signal or s.node_process:
+    if s.is_signal or s.fault == "corrupt":
         return None
+    if s.node_process:  # disk-full: a second one's tier_disabled would never come
+        return s.fault, s.part
     return s.fault, "*" if s.every_te_of_type else (planned.te or "")
 
 

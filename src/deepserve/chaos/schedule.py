@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 SINGLE_NODE = ("kill-worker", "kill-master", "kill-tokenizer", "hang-worker", "stall-worker",
                "slow-worker", "drop-cache", "poison", "kill-cm", "kill-je", "kill-kv-tier",
-               "kill-gateway", "kv-transfer-fail")
+               "kill-gateway", "kv-transfer-fail", "disk-full", "corrupt-disk")
 """Drill scenarios (drill/scenarios.py) that run against one node."""
 NOT_SUPPORTED = {
     "kill-node": "needs a cluster of nodes (drill/cluster.py), not one node",
@@ -69,19 +69,25 @@ NEEDS_NO_HOST_TIER = {"drop-cache": "its proof (the cache probe misses right aft
                                     "may come back from the tier"}
 
 
-def not_supported(has_host_tier: bool) -> dict[str, str]:
+NEEDS_DISK_TIER = {s: "drawn on a node with a disk KV tier ([node] disk_cache_dir)"
+                   for s in ("disk-full", "corrupt-disk")}
+
+
+def not_supported(has_host_tier: bool, has_disk_tier: bool = False) -> dict[str, str]:
     """Scenario -> why a chaos run on this node does not draw it."""
-    return {**NOT_SUPPORTED, **(NEEDS_NO_HOST_TIER if has_host_tier else NEEDS_HOST_TIER)}
+    return {**NOT_SUPPORTED, **(NEEDS_NO_HOST_TIER if has_host_tier else NEEDS_HOST_TIER),
+            **({} if has_disk_tier else NEEDS_DISK_TIER)}
 
 
 def fault_menu(te_types: dict[str, str], only: list[str] | None = None,
-               has_host_tier: bool = False) -> list[str]:
+               has_host_tier: bool = False, has_disk_tier: bool = False) -> list[str]:
     """The scenarios a node with these TEs (te id -> type) can take, in
     SINGLE_NODE order; `only` narrows it (unknown or inapplicable names: ValueError)."""
     kinds = set(te_types.values())
     menu = [s for s in SINGLE_NODE if (s not in NEEDS_TE_TYPE or NEEDS_TE_TYPE[s] in kinds)
             and not (has_host_tier and s in NEEDS_NO_HOST_TIER)
-            and (has_host_tier or s not in NEEDS_HOST_TIER)]
+            and (has_host_tier or s not in NEEDS_HOST_TIER)
+            and (has_disk_tier or s not in NEEDS_DISK_TIER)]
     if only is None:
         return menu
     bad = [s for s in only if s not in menu]

@@ -44,6 +44,8 @@ log = logging.getLogger("deepserve.drill")
 
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_CONF = ROOT / "conf" / "drill.toml"
+DRILL_DISK, DRILL_DISK_BYTES = ROOT / "var" / "drill-kvcache", 64 << 20
+"""The disk tier of a node a disk drill starts itself, when its conf has none."""
 
 
 def _describe(report: DrillReport) -> str:
@@ -185,6 +187,10 @@ def drill_config(config, scenario=None):
         config = replace(config, supervisor=replace(config.supervisor, drill=True))
     if scenario is not None and scenario.node_overrides:
         config = replace(config, node=replace(config.node, **dict(scenario.node_overrides)))
+    if scenario is not None and scenario.needs_disk and not config.node.disk_cache_dir:
+        config = replace(config, node=replace(  # a disk tier (and the host tier it needs)
+            config.node, disk_cache_dir=str(DRILL_DISK), disk_cache_bytes=DRILL_DISK_BYTES,
+            host_cache_bytes=config.node.host_cache_bytes or DRILL_DISK_BYTES // 4))
     return config
 
 

@@ -4,6 +4,8 @@
                     ──checked (alive, not reused, not a zombie)──> os.kill(pid, SIGKILL|SIGSTOP)
     hook faults     <drill_dir>/<component, "/" as ".">.<fault>   written via tmp + rename,
                     one file per target component
+    corrupt         every *.kv under the disk tier's directory: its last payload
+                    byte flipped in place (the size stays: only the checksum tells)
 
 The engine side of the hooks is deepserve/faults.py: it reads these files
 only when the node runs with drills on, and reports each firing as a
@@ -55,6 +57,10 @@ class Injection:
     """kill-node: kills the whole node; (its pids, the time just before)."""
     pids: list[int] = field(default_factory=list)
     """kill-node: every pid the kill went to."""
+    disk_dir: str | None = None
+    """corrupt: the node's [node] disk_cache_dir."""
+    corrupted: list[Path] = field(default_factory=list)
+    """corrupt: the block files it damaged."""
 
     @property
     def component(self) -> str:
@@ -69,6 +75,8 @@ class Injection:
             self.pids, self.at = self.killer()
         elif self.scenario.is_signal:
             self._send_signal(events, now)
+        elif self.scenario.fault == "corrupt":
+            self._corrupt_blocks(now)
         else:
             self._write_hooks(drill_dir, now)
         return self.at
@@ -83,6 +91,23 @@ class Injection:
         sig = signal.SIGKILL if s.fault == "SIGKILL" else signal.SIGSTOP
         self.at = now()
         os.kill(self.pid, sig)  # raises if the pid vanished since current_pid: no silent miss
+
+    def _corrupt_blocks(self, now) -> None:
+        if not self.disk_dir:
+            raise RuntimeError(f"{self.scenario.name}: the node has no disk tier "
+                               "([node] disk_cache_dir)")
+        self.at = now()
+        for path in sorted(Path(self.disk_dir).rglob("*.kv")):
+            try:
+                with open(path, "r+b") as f:
+                    f.seek(-1, os.SEEK_END)
+                    last = f.read(1)
+                    f.seek(-1, os.SEEK_END)
+                    f.write(bytes([last[0] ^ 0x55]))
+            except (OSError, IndexError):
+                continue  # evicted (deleted) or emptied meanwhile: not corrupted
+            self.corrupted.append(path)
+        self.notes.append(f"{len(self.corrupted)} block files corrupted")
 
     def _write_hooks(self, drill_dir: str | os.PathLike | None, now) -> None:
         s = self.scenario

@@ -20,6 +20,10 @@
                      fault (stage-die: the hook kills the decode TE)
     NodeLost         every killed pid gone, and a `te_removed` event     at the end of the drill
                      (the cluster manager's) for each of the node's TEs
+    Logged           an event of that name (of the component, if given)  at the end of the drill
+                     after the fault; poke(), called once the parts
+                     before it are proven, may provoke it (disk-full: a
+                     fresh prompt, so that a block is written)
 
 A proof is settled once proven or failed; the runner stops waiting for
 recovery when one fails (nothing more can be learnt), and never reports a
@@ -262,6 +266,40 @@ class NodeLost(FaultProof):
             missing = sorted(set(self.te_ids) - set(self.removed))
             self.failure = (f"node kill not shown: pids gone {self.gone}, "
                             f"TEs never removed {missing}")
+
+
+class Logged(FaultProof):
+    def __init__(self, events: HealthEvents, event: str, component: str | None, since: float,
+                 after: FaultProof | None = None, poke: Callable[[], object] | None = None,
+                 failure: str | None = None):
+        super().__init__()
+        self.events, self.event, self.component, self.since = events, event, component, since
+        self.after, self.poke = after, poke
+        self.found: dict | None = None
+        self.failure = failure
+
+    def _is_shown(self) -> bool:
+        return self.found is not None
+
+    def poll(self, t: float) -> None:
+        if self.is_settled or (self.after is not None and not self.after.is_proven):
+            return
+        if self.poke is not None:
+            poke, self.poke = self.poke, None
+            poke()
+        self.found = self.events.first_where(self.since, lambda e: (
+            e.get("event") == self.event
+            and (self.component is None or e.get("component") == self.component)))
+        if self.found is not None:
+            self.evidence.append(f"{self.found.get('component')} {self.event} "
+                                 f"+{self.found['t'] - self.since:.3f} s")
+
+    def finish(self, records: list[RequestRecord]) -> None:
+        self.poll(float("inf"))
+        if self.found is None and self.failure is None:
+            self.failure = (f"no {self.event} event"
+                            + (f" from {self.component}" if self.component else "")
+                            + " after the fault")
 
 
 class Proofs(FaultProof):

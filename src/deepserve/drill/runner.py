@@ -5,9 +5,11 @@
     -> load in a thread -> warm-up -> inject (injection.py)
     -> watch, every POLL_S:
          proof (proof.py)       settled: proven, or failed -> stop at once
-         detection              the first DETECT_EVENTS event of the TE
+         detection              the first DETECT_EVENTS event of the TE (the
+                                scenario's detect_events: disk-full, corrupt-disk)
          recovery               restarting: the TE's "recovered" (or "failed": gave up)
                                 slow: lifted after hold_s, then a success after that
+                                (disk-full: and its recovered_event, the tier back on)
                                 one-shot hooks: file consumed, then a success after that
        at most RECOVERY_BOUND = 6 x the largest deadline + 30 s after the fault,
        and at least `duration_s` of load in all, `settle_s` more after recovery
@@ -32,11 +34,11 @@ from deepserve.drill.load import LoadDriver
 from deepserve.drill.poison import PoisonRequest, Quarantined, has_recovered, poison_ids, summary
 from deepserve.drill.prompts import (make_long_prompts, make_probe_prompt, make_prompts,
                                      token_counter)
-from deepserve.drill.proof import (CacheMissed, FaultProof, HookFired, NodeLost, Proofs,
-                                   SignalDetected, TECrashed, TransferResumed)
+from deepserve.drill.proof import (CacheMissed, FaultProof, HookFired, Logged, NodeLost,
+                                   Proofs, SignalDetected, TECrashed, TransferResumed)
 from deepserve.drill.report import DrillReport, build_report
-from deepserve.drill.scenarios import (DETECT_EVENTS, TE_REMOVED, Scenario, deadline_of,
-                                       target_te, target_tes)
+from deepserve.drill.scenarios import (DETECT_EVENTS, RECOVERED, TE_REMOVED, Scenario,
+                                       deadline_of, target_te, target_tes)
 from deepserve.drill.stream import COMPLETED, RequestRecord, first_success_after, now
 from deepserve.supervisor.node import num_tes
 
@@ -122,7 +124,9 @@ class Drill:
             self.te = te or target_te(scenario, self.te_types)
             components = [f"{t}/{scenario.part}" for t in target_tes(scenario, self.te,
                                                                      self.te_types)]
-        self.injection = Injection(scenario, self.te, components)
+        self.injection = Injection(scenario, self.te, components,
+                                   disk_dir=getattr(getattr(config, "node", None),
+                                                    "disk_cache_dir", None) or None)
         if scenario.kills_node:
             self.injection.killer = lambda: cluster.kill_node(self.te)
         self.deadline_s = deadline_of(scenario, self.supervisor,
@@ -191,7 +195,15 @@ class Drill:
         if s.is_signal:
             return SignalDetected(self.events, self.te, inj.component, inj.pid, inj.te_pid,
                                   fault_at)
+        if s.fault == "corrupt":
+            return Logged(self.events, "cache_block_corrupt", None, fault_at, failure=None
+                          if inj.corrupted else "no block file to corrupt: the disk tier "
+                                                "held none")
         fired = HookFired(self.events, inj.components, s.fault, fault_at, self.fire_bound_s)
+        if s.fault == "disk-full":  # a fresh prompt: new blocks, a disk write that fails
+            return Proofs([fired, Logged(self.events, "cache_tier_disabled", s.part, fault_at,
+                                         after=fired, poke=lambda: self.driver.send_sync(
+                                             make_probe_prompt(None, None)))])
         if s.fault == "drop-cache":
             return Proofs([fired, CacheMissed(fired, lambda: self.driver.send_sync(
                 self.probe_prompt), self.probe_before)])
@@ -278,7 +290,8 @@ class Drill:
                           f"after {self.detected['t'] - fault_at:.3f} s")
                 if self.scenario.fault in ("stall", "stage-die"):
                     self.injection.lift()  # or the replacement worker does it too
-        if self.recovered is None and self.scenario.restarts:
+        if self.recovered is None and (self.scenario.restarts
+                                       or self.scenario.recovered_event != RECOVERED):
             self.recovered = events.first(fault_at, {self.scenario.recovered_event}, te)
             if self.recovered is not None:
                 self.echo(f"recovered: {self.recovered['component']} after "
@@ -296,7 +309,8 @@ class Drill:
             return self.events.first_where(fault_at, lambda e: e.get("event") == TE_REMOVED
                                            and (e.get("details") or {}).get("te_id") in tes)
         if self.poison is None:
-            return self.events.first(fault_at, DETECT_EVENTS, self.te)
+            return self.events.first(fault_at, self.scenario.detect_events,
+                                     None if self.scenario.detect_anywhere else self.te)
         tes = {te_of(c) for c in self.injection.components}
         return self.events.first_where(fault_at, lambda e: e.get("event") in DETECT_EVENTS
                                        and te_of(str(e.get("component", ""))) in tes)
@@ -319,7 +333,8 @@ class Drill:
                 inj.lift()
                 inj.lifted_at = inj.lifted_at or t
             return (inj.lifted_at is not None
-                    and first_success_after(self.records(), inj.lifted_at) is not None)
+                    and first_success_after(self.records(), inj.lifted_at) is not None
+                    and (s.recovered_event == RECOVERED or self.recovered is not None))
         # one-shot hooks: consumed, then one success after that
         if self.consumed_at is None and inj.hook_consumed():
             self.consumed_at = t
@@ -358,6 +373,8 @@ class Drill:
             recovered_at = self.recovered["t"] if self.recovered is not None else None
         elif self.poison is not None:  # every restarted TE back, then a success (poison.py)
             recovered_at = self.done_at
+        elif self.scenario.recovered_event != RECOVERED:  # disk-full: the tier back on
+            recovered_at = self.recovered["t"] if self.recovered is not None else None
         else:
             recovered_at = first_success_after(records, fault_at)
         self.proof.finish(records)

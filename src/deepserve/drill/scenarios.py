@@ -21,6 +21,11 @@ proving it proof.py.
     kill-gateway      gateway           SIGKILL (node process)              heartbeat_deadline_s
     kill-kv-tier      kv-cache          SIGKILL (node process; the node it  heartbeat_deadline_s
                                         starts gets a 16 MiB host tier)
+    disk-full         kv-cache          hook file kv-cache.disk-full for 8 s -
+                                        (every disk write fails, ENOSPC), then one fresh
+                                        prompt so that a block is written (needs a disk tier)
+    corrupt-disk      the disk tier     one payload byte flipped in every   -
+                                        block file under [node] disk_cache_dir
     dualpath-de-fail  <decode>/worker0  hook file <decode>.worker0.stage-die heartbeat_deadline_s
                       (conf/dualpath.toml; the worker exits 13 half-way through
                       staging a prompt's storage blocks for its prefill TE)
@@ -33,6 +38,15 @@ for te_timeout_s (detection: the cluster manager's `te_removed` events for
 all of them), their requests resume on the other node, nothing restarts
 (the host is gone). Proof: every killed pid is gone and each of the node's
 TEs was removed. Recovery: a request that started after the detection completed.
+
+disk-full and corrupt-disk hit the disk tier (a node with [node]
+disk_cache_dir; the node the drill starts gets one in its run directory).
+disk-full is detected by the tier service's `cache_tier_disabled` and
+recovered at its `cache_tier_enabled` (a probe write went through after the
+hook was lifted); corrupt-disk is detected by the first `cache_block_corrupt`
+(the tier service's scrub, or a TE that read one first) and recovered at the
+first request that completed after it: the corrupt blocks were recomputed,
+never served (the load's tokens equal the reference).
 
 kill-cm / kill-je / kill-kv-tier / kill-gateway hit a node-level process
 (node_process: the target is the process itself, not a part of a TE).
@@ -68,6 +82,8 @@ Proof that the fault took effect (a drill without it fails, proof.py):
               the poison request failed as request_crashed_engine (poison.py;
               its recovery and restart count are there too)
   stage-die   + a "crashed" event of the decode TE after the fault (it died of it)
+  disk-full   + a `cache_tier_disabled` event after a fresh prompt's block was written
+  corrupt     at least one block file corrupted, and a `cache_block_corrupt` event after it
 
 Detection (restarting scenarios): the first "crashed", "killed", "hung" or
 "heartbeat_missed" event of the target TE (component "teN" or "teN/...")
@@ -128,6 +144,12 @@ class Scenario:
     served_again: bool = False
     """Recovered once a request that started after the detection completed (the
     gateway: its process started is not yet a port that serves)."""
+    detect_events: frozenset[str] = DETECT_EVENTS
+    """The health events that count as the fault seen (of the target; see detect_anywhere)."""
+    detect_anywhere: bool = False
+    """A detection event of any component counts (corrupt-disk: a TE may find it first)."""
+    needs_disk: bool = False
+    """Runs only against a node with a disk tier ([node] disk_cache_dir)."""
 
     @property
     def kills_node(self) -> bool:
@@ -173,6 +195,16 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              recovered_event="started", node_overrides=(("host_cache_bytes", 16 << 20),),
              description="SIGKILL the node's KV tier service under load (its blocks are "
                          "recomputed; nothing fails)"),
+    Scenario("disk-full", "kv-cache", "disk-full", None, False, node_process=True, hold_s=8.0,
+             detect_events=frozenset({"cache_tier_disabled"}),
+             recovered_event="cache_tier_enabled", needs_disk=True,
+             description="the disk tier's disk is full for 8 s: the tier turns off, serving "
+                         "goes on from host, and the tier comes back once the disk has room"),
+    Scenario("corrupt-disk", "kv-cache", "corrupt", None, False, node_process=True,
+             detect_events=frozenset({"cache_block_corrupt"}), detect_anywhere=True,
+             served_again=True, needs_disk=True,
+             description="a byte flipped in every block file of the disk tier: each is "
+                         "found (scrub or read) and recomputed, never served"),
     Scenario("dualpath-de-fail", "worker0", "stage-die", HEARTBEAT, True, te_type="decode",
              conf="dualpath.toml", node_overrides=(("host_cache_bytes", 1 << 20),),
              prompt_tokens=640,

@@ -52,6 +52,7 @@ SEVERITY: dict[str, str] = {
     "pool_ready": INFO,
     "cache_block_corrupt": WARNING,
     "cache_tier_disabled": ERROR,
+    "cache_tier_enabled": INFO,
     "dualpath_decision": DEBUG,  # only from a job executor logging at DEBUG
 }
 

@@ -211,6 +211,10 @@ class TierIndex:
         self.disk_bytes = 0
         return gone
 
+    def enable_disk(self) -> None:
+        """The disk takes writes again: entries come back through add_disk."""
+        self.disk_enabled = self.disk_budget > 0
+
     def drop_disk(self, hashes: list[int]) -> list[int]:
         """Forget these disk entries (bad files); the files to delete."""
         gone = []

@@ -17,7 +17,11 @@ disk_cache_bytes / num_models, its context pins context_cache_bytes /
 num_models (0: half of its lowest persistent tier).
 
 A disk that fails a write (ENOSPC, any OSError) turns the disk tier off for
-every key, loudly (`cache_tier_disabled`), and serving goes on from host.
+every key, loudly (`cache_tier_disabled`), and serving goes on from host;
+the disk thread probes it every few seconds and turns it back on once a
+write goes through (`cache_tier_enabled`, its files found again). While on,
+the disk thread scrubs the block files: a corrupt one is dropped and deleted
+(`cache_block_corrupt`) before a TE reads it (disk_upkeep.py).
 A restarted service starts with empty host pools (a miss, never a wrong
 block: the segments of its predecessor are gone) and finds the disk tier's
 files again (scan_blocks). Only this process creates and unlinks its pools.
@@ -49,6 +53,7 @@ from deepserve.messages.cache import (BlockGeometry, ContextUnpin, TierCommit, T
                                       TierDrop, TierHits, TierLookup, TierRelease, TierReport,
                                       TierReserve, TierReserved, ToTier)
 from deepserve.tiers import block_file
+from deepserve.tiers.disk_upkeep import TICK_S, Corrupt, DiskBack, DiskUpkeep
 from deepserve.tiers.tier_index import TierIndex
 
 log = logging.getLogger(__name__)
@@ -100,8 +105,12 @@ class TierServer:
         self.replies = Outboxes(ctx, timeout_s=0.2)
         self.to_cm = PushSocket(ctx, s.cm, bind=False) if s.cm else None
         self.pools: dict[str, _Pool] = {}
-        self.disk_enabled = bool(s.disk_dir and s.disk_bytes > 0)
+        self.has_disk = bool(s.disk_dir and s.disk_bytes > 0)
+        self.disk_enabled = self.has_disk
         self.num_corrupt = self.num_handled = 0
+        self._disk_pools: dict[str, tuple[BlockGeometry, str]] = {}  # for the disk thread
+        self.upkeep = DiskUpkeep(s.disk_dir, lambda: self._disk_pools,
+                                 lambda: self._drill_disk_full)
         self._writes: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._drill_disk_full = False  # the writer reads it; step() sets it
@@ -195,44 +204,73 @@ class TierServer:
         name = segment_name(self.s.run_id, f"kvh-{digest}")
         shm = create_segment(name, num_slots * nbytes)
         slots = np.frombuffer(shm.buf, dtype=np.uint8).reshape(num_slots, nbytes)
-        disk_dir = str(Path(self.s.disk_dir) / _dir_name(key)) if self.disk_enabled else ""
-        index = TierIndex(num_slots, nbytes, self.s.disk_bytes if self.disk_enabled else 0,
+        disk_dir = str(Path(self.s.disk_dir) / _dir_name(key)) if self.has_disk else ""
+        index = TierIndex(num_slots, nbytes, self.s.disk_bytes if self.has_disk else 0,
                           self.s.pin_bytes or None, self.s.lease_s)
-        for h, size, _ in sorted(block_file.scan_blocks(disk_dir) if disk_dir else [],
-                                 key=lambda e: e[2]):
-            index.add_disk(h, size)
-        self._delete_files(disk_dir, index.evict_disk())
         pool = self.pools[key] = _Pool(key, geometry, index, name, shm, slots, disk_dir)
+        if self.disk_enabled:
+            self._find_files(pool)
+        elif self.has_disk:
+            index.disable_disk()
         log.info("host pool %s for %s: %d slots of %d bytes, disk %s", name, key, num_slots,
                  nbytes, disk_dir or "off")
         return pool
 
+    def _find_files(self, pool: _Pool) -> None:
+        """Its block files on disk into its index, oldest first (a restart, the tier back on)."""
+        for h, size, _ in sorted(block_file.scan_blocks(pool.disk_dir), key=lambda e: e[2]):
+            pool.index.add_disk(h, size)
+        self._delete(pool, pool.index.evict_disk())
+        self._disk_pools = {**self._disk_pools, pool.key: (pool.geometry, pool.disk_dir)}
+
     # -- disk ------------------------------------------------------------------------
     def _write_loop(self) -> None:
-        """One block at a time: read-pinned slot -> file; never touches the index."""
-        while (job := self._writes.get()) is not None:
-            key, slot, h = job
-            pool = self.pools.get(key)
+        """One block at a time: read-pinned slot -> file; never touches the
+        index. With nothing to write: upkeep (disk_upkeep.py)."""
+        while True:
             try:
-                if pool is None or not self.disk_enabled:
-                    raise OSError("disk tier off")
-                if self._drill_disk_full:
-                    raise OSError(28, "No space left on device (drill)")
-                nbytes = block_file.write_block(pool.disk_dir, h, pool.geometry,
-                                                memoryview(pool.slots[slot]), self.s.fsync)
-                self._done.put((key, slot, h, nbytes, None))
-            except OSError as e:
-                self._done.put((key, slot, h, 0, e))
-            except Exception as e:  # a bug: this block is not written; the thread lives on
-                log.exception("disk write of block %x failed", h)
-                self._done.put((key, slot, h, 0, _NotWritten(str(e))))
+                job = self._writes.get(timeout=TICK_S)
+            except queue.Empty:
+                job = ()
+            if job is None:
+                return
+            if job:
+                self._write(*job)
+            if self.has_disk and self.upkeep.is_due():
+                try:
+                    for found in self.upkeep.tick(self.disk_enabled):
+                        self._done.put(found)
+                except Exception:  # a bug: no upkeep this round; the writes go on
+                    log.exception("disk upkeep failed")
+
+    def _write(self, key: str, slot: int, h: int) -> None:
+        """One block: read-pinned slot -> file."""
+        pool = self.pools.get(key)
+        if pool is None or not self.disk_enabled:  # not the disk's failure
+            self._done.put((key, slot, h, 0, _NotWritten("disk tier off")))
+            return
+        try:
+            if self._drill_disk_full:
+                raise OSError(28, "No space left on device (drill)")
+            nbytes = block_file.write_block(pool.disk_dir, h, pool.geometry,
+                                            memoryview(pool.slots[slot]), self.s.fsync)
+            self._done.put((key, slot, h, nbytes, None))
+        except OSError as e:
+            self._done.put((key, slot, h, 0, e))
+        except Exception as e:  # a bug: this block is not written; the thread lives on
+            log.exception("disk write of block %x failed", h)
+            self._done.put((key, slot, h, 0, _NotWritten(str(e))))
 
     def _apply_disk_results(self) -> None:
         while True:
             try:
-                key, slot, h, nbytes, error = self._done.get_nowait()
+                result = self._done.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(result, (DiskBack, Corrupt)):
+                self._on_upkeep(result)
+                continue
+            key, slot, h, nbytes, error = result
             pool = self.pools[key]
             gone = pool.index.disk_written(slot, h, nbytes, error is None)
             self._delete(pool, gone)
@@ -241,11 +279,34 @@ class TierServer:
 
     def _disable_disk(self, error: OSError) -> None:
         self.disk_enabled = False
+        self._disk_pools = {}
         log.error("disk tier disabled: %s", error)
         for pool in self.pools.values():
             pool.index.disable_disk()
+        self._event("cache_tier_disabled", tier="disk", reason=str(error))
+
+    def _on_upkeep(self, found: DiskBack | Corrupt) -> None:
+        if isinstance(found, DiskBack):
+            if self.disk_enabled:
+                return
+            self.disk_enabled = True
+            for pool in self.pools.values():
+                pool.index.enable_disk()
+                self._find_files(pool)
+            log.warning("disk tier enabled again: a probe write went through")
+            self._event("cache_tier_enabled", tier="disk")
+            return
+        pool = self.pools.get(found.key)
+        if pool is None or not self.disk_enabled:
+            return
+        self.num_corrupt += 1
+        log.warning("scrub: %s", found.why)
+        self._delete(pool, pool.index.drop_disk([found.block_hash]) or [found.block_hash])
+        self._event("cache_block_corrupt", tier="disk", block=found.block_hash, by="scrub")
+
+    def _event(self, event: str, **details) -> None:
         if self.life is not None:
-            self.life.event("cache_tier_disabled", tier="disk", reason=str(error))
+            self.life.event(event, **details)
 
     def _delete(self, pool: _Pool, hashes: list[int]) -> None:
         self._delete_files(pool.disk_dir, hashes)
