@@ -46,6 +46,8 @@ def test_schedule_overlap_allowed_fixed_gap_and_targets():
     for f in faults:
         assert (f.te is None) == (f.scenario == "kill-je")
         assert f.te in (None, "te0", "te1")
+    disk = make_schedule(1, 60, ["disk-full", "corrupt-disk"], ["te0"], fault_every_s=5)
+    assert disk and all(f.te is None for f in disk)  # the node's disk tier, not a TE's
     with pytest.raises(ValueError):
         make_schedule(1, 60, [], ["te0"])
 
@@ -60,7 +62,8 @@ def test_faults_that_write_the_same_hook_files_are_not_overlapped():
     assert not shares_hooks(f("kill-worker"), f("kill-worker"))  # signals write no file
     assert not shares_hooks(f("kill-je", None), f("kill-je", None))
     assert shares_hooks(f("disk-full", None), f("disk-full", None))  # one tier, one hook
-    assert not shares_hooks(f("corrupt-disk", None), f("corrupt-disk", None))  # no hook
+    assert shares_hooks(f("corrupt-disk", None), f("disk-full", None))  # one disk tier
+    assert shares_hooks(f("corrupt-disk", None), f("corrupt-disk", None))
 
 
 def test_menu_follows_the_node():

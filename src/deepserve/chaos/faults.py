@@ -112,11 +112,15 @@ def _delta(at: float | None, since: float) -> float | None:
 
 def hook_key(planned: PlannedFault) -> tuple[str, str] | None:
     """(hook fault, its TE or "*" for every TE of a type, or the node process)
-    for a fault made of hook files, else None (signals, corrupt files)."""
+    for a fault made of hook files, else None (signals); the disk faults share
+    one key: a second disk-full's tier_disabled would never come, and a
+    corrupt-disk during a disk-full finds no file written to corrupt."""
     s = get_scenario(planned.scenario)
-    if s.is_signal or s.fault == "corrupt":
+    if s.needs_disk:
+        return "disk", s.part
+    if s.is_signal:
         return None
-    if s.node_process:  # disk-full: a second one's tier_disabled would never come
+    if s.node_process:
         return s.fault, s.part
     return s.fault, "*" if s.every_te_of_type else (planned.te or "")
 

@@ -121,5 +121,5 @@ def make_schedule(seed: int, duration_s: float, menu: list[str], tes: list[str],
 
 
 _CHOOSES_OWN_TE = frozenset({"kill-cm", "kill-je", "kill-kv-tier", "kill-gateway",
-                             "kv-transfer-fail"})
-"""Node processes, and a fault whose TE is the first of a type."""
+                             "disk-full", "corrupt-disk", "kv-transfer-fail"})
+"""Node processes (and the disk tier), and a fault whose TE is the first of a type."""

@@ -25,7 +25,8 @@ proving it proof.py.
                                         (every disk write fails, ENOSPC), then one fresh
                                         prompt so that a block is written (needs a disk tier)
     corrupt-disk      the disk tier     one payload byte flipped in every   -
-                                        block file under [node] disk_cache_dir
+                                        block file under [node] disk_cache_dir (after
+                                        one fresh prompt, so that there is one)
     dualpath-de-fail  <decode>/worker0  hook file <decode>.worker0.stage-die heartbeat_deadline_s
                       (conf/dualpath.toml; the worker exits 13 half-way through
                       staging a prompt's storage blocks for its prefill TE)
