@@ -92,6 +92,16 @@ class Injection:
         self.at = now()
         os.kill(self.pid, sig)  # raises if the pid vanished since current_pid: no silent miss
 
+    def fill_disk(self, send_fresh_prompt: Callable[[], object], timeout_s: float = 10.0) -> None:
+        """Before corrupt: one fresh prompt, so the disk tier holds a block file
+        to corrupt (repeated prompts are host hits: an earlier corrupt-disk's
+        files, dropped, were never written again); waits for one."""
+        send_fresh_prompt()
+        deadline = time.monotonic() + timeout_s
+        while self.disk_dir and not any(Path(self.disk_dir).rglob("*.kv")) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+
     def _corrupt_blocks(self, now) -> None:
         if not self.disk_dir:
             raise RuntimeError(f"{self.scenario.name}: the node has no disk tier "

@@ -179,7 +179,7 @@ class Drill:
         if self.scenario.fault == "poison":
             self.poison = PoisonRequest(self.driver, self.poison_prompt)
         if self.scenario.fault == "corrupt":
-            self._fill_disk()
+            self.injection.fill_disk(lambda: self.driver.send_sync(make_probe_prompt(None, None)))
         if self.scenario.fault == "drop-cache":
             config = self.config
             min_len = (config.router.pd_options.min_prompt_len
@@ -189,16 +189,6 @@ class Drill:
             self.driver.send_sync(self.probe_prompt)  # fills the cache
             self.probe_before = self.driver.send_sync(self.probe_prompt).cached_tokens
             self.echo(f"cache probe: {self.probe_before} cached tokens before the drop")
-
-    def _fill_disk(self, timeout_s: float = 10.0) -> None:
-        """corrupt-disk: a fresh prompt, so the disk tier holds a block file
-        to corrupt (repeated prompts are host hits: an earlier corrupt-disk's
-        files, dropped, were never written again); waits for one."""
-        disk = self.injection.disk_dir
-        self.driver.send_sync(make_probe_prompt(None, None))
-        deadline = time.monotonic() + timeout_s
-        while disk and not any(Path(disk).rglob("*.kv")) and time.monotonic() < deadline:
-            time.sleep(0.2)
 
     def _make_proof(self, fault_at: float) -> FaultProof:
         inj, s = self.injection, self.scenario
