@@ -31,10 +31,6 @@ ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_CONF = ROOT / "conf" / "chaos.toml"
 
 
-def has_disk_tier(node) -> bool:
-    return bool(node.disk_cache_dir and node.disk_cache_bytes > 0)
-
-
 def _duration(ctx, param, value) -> float:
     try:
         return parse_duration(value)
@@ -84,7 +80,7 @@ def main(duration, seed, conf, json_path, png_path, fault_every, faults, concurr
     try:
         menu = fault_menu(te_types, faults.split(",") if faults else None,
                           has_host_tier=config.node.host_cache_bytes > 0,
-                          has_disk_tier=has_disk_tier(config.node))
+                          has_disk_tier=config.node.has_disk_tier)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--faults") from None
     tes = [te for te, kind in te_types.items() if kind == "colocated"] or list(te_types)
@@ -104,7 +100,7 @@ def main(duration, seed, conf, json_path, png_path, fault_every, faults, concurr
         raise SystemExit(2) from None
     report.update(seed=seed, conf=str(conf), menu=menu,
                   not_supported=not_supported(config.node.host_cache_bytes > 0,
-                                              has_disk_tier(config.node)),
+                                              config.node.has_disk_tier),
                   schedule=[f.to_dict() for f in schedule])
     report["ok"] = chaos_report.is_ok(report) and report["shm"]["back_to_baseline"]
     click.echo(chaos_report.to_text(report))

@@ -81,6 +81,10 @@ class NodeSection(Section):
         if not self.served_model:  # derived before anyone reads it; frozen after
             msgspec.structs.force_setattr(self, "served_model", Path(self.model).name)
 
+    @property
+    def has_disk_tier(self) -> bool:
+        return bool(self.disk_cache_dir and self.disk_cache_bytes > 0)
+
 
 class GatewaySection(Section):
     api_keys: dict[str, str] = {}

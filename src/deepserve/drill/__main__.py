@@ -187,7 +187,7 @@ def drill_config(config, scenario=None):
         config = replace(config, supervisor=replace(config.supervisor, drill=True))
     if scenario is not None and scenario.node_overrides:
         config = replace(config, node=replace(config.node, **dict(scenario.node_overrides)))
-    if scenario is not None and scenario.needs_disk and not config.node.disk_cache_dir:
+    if scenario is not None and scenario.needs_disk and not config.node.has_disk_tier:
         config = replace(config, node=replace(  # a disk tier (and the host tier it needs)
             config.node, disk_cache_dir=str(DRILL_DISK), disk_cache_bytes=DRILL_DISK_BYTES,
             host_cache_bytes=config.node.host_cache_bytes or DRILL_DISK_BYTES // 4))

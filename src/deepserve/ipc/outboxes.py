@@ -56,7 +56,7 @@ class Outboxes:
                  clock: Callable[[], float] = time.monotonic, idle_s: float = IDLE_S):
         self.ctx, self.timeout_s, self.clock, self.idle_s = ctx, timeout_s, clock, idle_s
         self._sockets: dict[str, PushSocket] = {}
-        self._used: dict[str, float] = {}  # address -> its last put (oldest first)
+        self._used: dict[str, float] = {}  # address -> its last put
         self._swept_at = clock()
         self._refused: set[str] = set()
         self._stalled: set[str] = set()
@@ -71,7 +71,6 @@ class Outboxes:
         if sock is None:
             self.num_dropped += 1
             return False
-        self._used.pop(address, None)
         self._used[address] = now
         wait = self.timeout_s
         if address in self._stalled:
@@ -115,9 +114,7 @@ class Outboxes:
         if now - self._swept_at < self.idle_s / 4:
             return
         self._swept_at = now
-        for address, used in list(self._used.items()):  # oldest first
-            if now - used < self.idle_s:
-                break
+        for address in [a for a, used in self._used.items() if now - used >= self.idle_s]:
             self.forget(address)
 
     def forget(self, address: str) -> None:
