@@ -28,6 +28,8 @@ from deepserve.control.cm import cluster_manager
 from deepserve.control.je import job_executor
 from deepserve.engine.te import te_server
 from deepserve.gateway import __main__ as gateway_main
+from deepserve.ipc import curve
+from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import with_cluster, with_models, with_port
 from deepserve.tiers import tier_server
 
@@ -193,9 +195,12 @@ CASES = [
      and [te.te_id for te in s.tes] == ["n10-0-0-2-te0"]
      and RunAddresses.for_node(t, "r", ["x"], False, s.cluster).cm == "tcp://10.0.0.1:7500"),
     ("cluster", "name", "h7", "node", lambda s, t: [te.te_id for te in s.tes] == ["h7-te0"]),
+    ("cluster", "secure", True, "node", lambda s, t: s.cluster.secure),
+    ("cluster", "keys", "etc/k", "node", lambda s, t: s.cluster.keys.endswith("/etc/k")),
 ]
 WITH = {("cluster", "port"): {"host": "10.0.0.2"}, ("cluster", "head"): {"host": "10.0.0.2"},
-        ("cluster", "name"): {"host": "10.0.0.2", "head": "10.0.0.1:7400"}}
+        ("cluster", "name"): {"host": "10.0.0.2", "head": "10.0.0.1:7400"},
+        ("cluster", "secure"): {"host": "10.0.0.2"}}
 """Keys a case needs next to its own (a joining node needs its host)."""
 SECTION_TYPES = {"node": NodeSection, "gateway": GatewaySection, "router": RouterSection,
                  "supervisor": SupervisorConfig, "te": TESection, "model": ModelSection,
@@ -622,6 +627,38 @@ def test_cluster_section_checks_its_values_and_derives_the_addresses(tmp_path):
     for host in ("0.0.0.0", ""):  # a KV receiver other hosts reach binds a real address
         with pytest.raises(ValueError, match="kv_bind_host"):
             EngineConfig("/m", kv_bind_host=host)
+
+
+def test_cluster_secure_needs_a_host_and_resolves_its_keys_against_the_root(tmp_path):
+    """secure = true on one host is an error (nothing crosses hosts); keys, set
+    or left at its default, is an absolute path under the repository root; a
+    node whose keys are missing or readable by others refuses to start."""
+    with pytest.raises(ValueError, match="secure: needs host"):
+        ClusterSection(secure=True)
+    conf = write_toml(tmp_path, {**BASE, "cluster": {"host": "h", "secure": True}})
+    root = Path(conf).resolve().parent.parent
+    assert load_node_config(conf).cluster.keys == str(root / "var" / "keys")
+    conf = write_toml(tmp_path, {**BASE, "cluster": {"host": "h", "secure": True,
+                                                     "keys": "etc/k"}})
+    assert load_node_config(conf).cluster.keys == str(root / "etc" / "k")
+    curve.make_keys(tmp_path / "k")
+    os.chmod(tmp_path / "k" / "cluster.key_secret", 0o640)
+    config = NodeConfig.build(model="/m", cluster=ClusterSection(
+        host="10.0.0.1", secure=True, keys=str(tmp_path / "k")))
+    with pytest.raises(curve.KeysError, match="chmod 600"):
+        Node(config)
+    assert curve.ENV_VAR not in os.environ  # refused before it touched the process
+
+
+def test_deepserve_keys_makes_a_pair_once(tmp_path):
+    from click.testing import CliRunner
+
+    from deepserve.supervisor.keys_cli import main
+    made = CliRunner().invoke(main, [str(tmp_path / "k")])
+    assert made.exit_code == 0 and "copy" in made.output, made.output
+    assert (tmp_path / "k" / "cluster.key_secret").stat().st_mode & 0o777 == 0o600
+    again = CliRunner().invoke(main, [str(tmp_path / "k")])
+    assert again.exit_code == 1 and "already holds a cluster key" in again.output
 
 
 def test_k8s_manifest_opens_the_ports_the_cluster_binds():

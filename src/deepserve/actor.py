@@ -38,6 +38,7 @@ import zmq
 
 from deepserve.config.child import ChildArgs, parse_child_args, print_config
 from deepserve.faults import FaultHooks, NoFaults
+from deepserve.ipc import curve
 from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
 from deepserve.ipc.heartbeat import HeartbeatSender, NullHeartbeat
 
@@ -63,6 +64,7 @@ class ActorLife:
         if signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
+        curve.set_component(self.component)  # whom a refused peer is reported by
         self._ctx: zmq.Context | None = None
         self.heartbeat: HeartbeatSender | NullHeartbeat = NullHeartbeat()
         address = os.environ.get(HEARTBEAT_ENV)

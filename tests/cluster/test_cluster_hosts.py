@@ -19,97 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster.nodes import KEY, PORT, START_S, URL, Cluster, head_conf, node_conf
 from tests.scratch import Scratch
 
 pytestmark = pytest.mark.slow  # three nodes' process trees
 
-PORT = 7400
-URL = "http://127.0.0.1:8000"  # the gateway, inside h0
-KEY = "key-a"
 LONG = "def handler(request):\n    headers = request.headers\n    return headers\n" * 12
 SHORT = ["Say hi", "The cluster", "One two three", "Hello there, host"]
-TE = 'max_num_batched_tokens = 128\nnum_kv_blocks = 128\nkv_transfer_backend = "tcp"\n'
-START_S = 150.0
-
-
-def _conf(path: Path, text: str) -> str:
-    path.write_text(text)
-    return str(path)
-
-
-def _head_conf(d: Path, model: Path, host: str) -> str:
-    return _conf(d / "head.toml", f"""
-[node]
-model = "{model}"
-served_model = "tiny"
-te_timeout_s = 3.0
-startup_timeout_s = {START_S}
-[gateway]
-api_keys = {{ "{KEY}" = "a" }}
-[router]
-pd_policy = "threshold"
-pd_options = {{ min_prompt_len = 100, max_decode_len = 10000 }}
-[supervisor]
-log_dir = "{d / 'head-logs'}"
-[cluster]
-host = "{host}"
-port = {PORT}
-""")
-
-
-def _node_conf(d: Path, model: Path, name: str, host: str, head: str, second: str) -> str:
-    return _conf(d / f"{name}.toml", f"""
-[node]
-model = "{model}"
-served_model = "tiny"
-startup_timeout_s = {START_S}
-[supervisor]
-log_dir = "{d / (name + '-logs')}"
-[cluster]
-host = "{host}"
-head = "{head}:{PORT}"
-name = "{name}"
-[[te]]
-type = "colocated"
-{TE}
-[[te]]
-type = "{second}"
-{TE}
-""")
-
-
-class Cluster:
-    def __init__(self, hosts, d: Path, scratch: Scratch):
-        self.hosts, self.d, self.scratch = hosts, d, scratch
-        self.nodes: dict[str, subprocess.Popen] = {}
-
-    def start(self, host: int, name: str, conf: str) -> None:
-        log = open(self.d / f"{name}.out", "wb")
-        self.nodes[name] = self.hosts.python(host, "deepserve.supervisor", "--conf", conf,
-                                             stdout=log, stderr=subprocess.STDOUT,
-                                             env=self.scratch.env())
-        log.close()
-
-    def client(self, *args: str, timeout: float = 180.0) -> list:
-        """Run the client in h0; its JSON lines."""
-        proc = self.hosts.python(0, "tests.cluster.client", *args, stdout=subprocess.PIPE,
-                                 text=True)
-        out, _ = proc.communicate(timeout=timeout)
-        return [json.loads(line) for line in out.splitlines() if line.strip()]
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:]
-                         for p in sorted(self.d.glob("*.out")))
-
-    def metrics(self) -> str:
-        proc = self.hosts.python(0, "tests.cluster.client", "get", URL, "/metrics", KEY,
-                                 stdout=subprocess.PIPE, text=True)
-        return proc.communicate(timeout=30)[0]
-
-    def events(self, event: str) -> list[dict]:
-        path = self.d / "head-logs" / "health.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [e for e in map(json.loads, lines) if e.get("event") == event]
 
 
 @pytest.fixture(scope="module")
@@ -118,22 +34,17 @@ def cluster(hosts, tiny_model, tmp_path_factory):
     scratch = Scratch()
     c = Cluster(hosts, d, scratch)
     head = hosts.addresses[0]
-    c.start(0, "head", _head_conf(d, tiny_model, head))
-    c.start(1, "h1", _node_conf(d, tiny_model, "h1", hosts.addresses[1], head, "prefill"))
-    c.start(2, "h2", _node_conf(d, tiny_model, "h2", hosts.addresses[2], head, "decode"))
+    c.start(0, "head", head_conf(d, tiny_model, head))
+    c.start(1, "h1", node_conf(d, tiny_model, "h1", hosts.addresses[1], head,
+                               ["colocated", "prefill"]))
+    c.start(2, "h2", node_conf(d, tiny_model, "h2", hosts.addresses[2], head,
+                               ["colocated", "decode"]))
     try:
         [up] = c.client("wait", URL, "4", str(START_S), timeout=START_S + 30)
         assert up["num_tes"] == 4, c.logs()
         yield c
     finally:
-        for proc in c.nodes.values():  # SIGTERM: a node stops its children and cleans up
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in c.nodes.values():
-            hosts.reap(proc, 30)
-        scratch.close()
-        scratch.sweep()  # what the killed host could not clean (its /dev/shm would not
-        scratch.remove_dir()  # outlive it)
+        c.stop()
 
 
 def _te_ports(hosts, host: int) -> set[str]:

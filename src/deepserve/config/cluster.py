@@ -43,6 +43,13 @@ class ClusterSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     name: str = ""
     """This node's name, the prefix of its TE ids (h1-te0, ...) so they are unique
     in the cluster; "" (resolved on load): derived from host."""
+    secure: bool = False
+    """CURVE on every tcp:// ZeroMQ socket (control, KV tier, DistFlow) with the
+    cluster key in `keys`: a host without it cannot join, list, inject or pull
+    KV (refused, logged as peer_refused). Every node of a cluster sets the same."""
+    keys: str = "var/keys"
+    """Directory of the cluster key pair (bin/deepserve-keys DIR); relative to
+    the repository root. Read only with secure = true."""
 
     def __post_init__(self):
         if self.host in WILDCARD_HOSTS[1:]:
@@ -58,6 +65,8 @@ class ClusterSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             msgspec.structs.force_setattr(self, "name", f"n{name}")
         if self.name and not all(c.isalnum() or c in "-_" for c in self.name):
             raise ValueError(f"name: letters, digits, - and _ only, got {self.name!r}")
+        if self.secure and not self.host:
+            raise ValueError("secure: needs host (one host uses ipc://, nothing to secure)")
 
     @property
     def is_cluster(self) -> bool:

@@ -26,7 +26,7 @@ from deepserve.config.node import (_SECTION_TYPES, ENGINE_OPTIONS, NodeConfig, R
                                    TESpec)
 
 _PATHS = {"node": ("model", "disk_cache_dir"), "router": ("pd_heatmap", "pd_predictor"),
-          "supervisor": ("log_dir",), "model": ("path",)}
+          "supervisor": ("log_dir",), "model": ("path",), "cluster": ("keys",)}
 _ARRAYS = ("te", "model")
 """Sections written as arrays of tables ([[te]], [[model]])."""
 """Keys holding paths, resolved against the repository root."""
@@ -69,9 +69,14 @@ def _apply_overrides(raw: dict, overrides: dict, path) -> None:
 
 
 def _absolute_paths(section: str, table: dict, root: Path) -> dict:
+    """Relative paths, the file's or a field's default (e.g. [cluster] keys), made absolute."""
+    defaults = {}
+    if section in _SECTION_TYPES and section not in _ARRAYS:
+        defaults = {f.name: f.default for f in msgspec.structs.fields(_SECTION_TYPES[section])}
     for key in _PATHS.get(section, ()):
-        if isinstance(table.get(key), str) and not Path(table[key]).is_absolute():
-            table[key] = str(root / table[key])
+        value = table.get(key, defaults.get(key))
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            table[key] = str(root / value)
     return table
 
 

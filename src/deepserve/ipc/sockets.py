@@ -24,6 +24,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from deepserve.ipc import curve
+
 log = logging.getLogger(__name__)
 MAX_IPC_PATH_LEN = 100  # sun_path holds 107 bytes on Linux (103 on macOS)
 DROP_LOG_INTERVAL_S = 10.0
@@ -50,6 +52,7 @@ def _open(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        curve.secure(sock, addr, bind)
         if bind:
             sock.bind(addr)
         else:

@@ -15,6 +15,7 @@ import time
 import click
 
 from deepserve.actor import ActorLife
+from deepserve.ipc import curve
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import (load_node_config, with_cluster, with_models,
                                               with_port)
@@ -72,7 +73,11 @@ def main(conf: str, host: str | None, port: int | None, models: tuple[str, ...],
     except ValueError as e:  # names the file, the section and the key
         raise click.UsageError(str(e)) from None
     life = ActorLife("node")  # SIGTERM / SIGINT only set its flag
-    node = Node(config)
+    try:
+        node = Node(config)
+    except curve.KeysError as e:  # [cluster] secure without usable keys
+        life.close()
+        raise click.UsageError(str(e)) from None
     status = {"code": 0}
 
     vital = set() if node.joins else set(_VITAL)

@@ -53,6 +53,7 @@ SEVERITY: dict[str, str] = {
     "cache_block_corrupt": WARNING,
     "cache_tier_disabled": ERROR,
     "cache_tier_enabled": INFO,
+    "peer_refused": WARNING,  # a tcp:// peer without the cluster key ([cluster] secure)
     "dualpath_decision": DEBUG,  # only from a job executor logging at DEBUG
 }
 

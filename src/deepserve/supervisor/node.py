@@ -52,6 +52,7 @@ from deepserve.cache.weight_cache import WeightCache
 from deepserve.config.child import child_argv
 from deepserve.config.loading import write_run_config
 from deepserve.config.node import RunAddresses
+from deepserve.ipc import curve
 from deepserve.faults import ENV_VAR as DRILL_ENV
 from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
 from deepserve.ipc.sockets import SubSocket
@@ -72,6 +73,8 @@ KV_CACHE = "kv-cache"
 class Node:
     def __init__(self, config: NodeConfig):
         self.config = config
+        if config.cluster.secure:  # this process and every child: CURVE on tcp:// (KeysError)
+            curve.enable(config.cluster.keys)
         self.run_id = uuid.uuid4().hex[:8]
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"ds-n{self.run_id}-"))
         self.run = RunAddresses.for_node(self.run_dir, self.run_id,

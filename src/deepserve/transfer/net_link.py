@@ -32,6 +32,7 @@ import msgspec
 import torch
 import zmq
 
+from deepserve.ipc import curve
 from deepserve.ipc.segments import create_segment, unlink_segment
 from deepserve.transfer import layout
 from deepserve.transfer.types import PeerEndpoint, TransferError
@@ -57,6 +58,7 @@ class TcpLink:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         try:
+            curve.secure(self._sock, endpoint.tcp, bind=False)
             self._sock.connect(endpoint.tcp)
             self._hello(endpoint)
         except BaseException:

@@ -30,6 +30,7 @@ import msgspec
 import torch
 import zmq
 
+from deepserve.ipc import curve
 from deepserve.ipc.segments import attach_segment
 from deepserve.transfer import layout
 from deepserve.transfer.types import PeerEndpoint, PoolRegion, TransferError
@@ -65,6 +66,7 @@ class DistFlowReceiver:
         self._dtype = layout.dtype_name(pool.dtype)
         self._sock = (ctx or zmq.Context.instance()).socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        curve.secure(self._sock, bind, bind=True)
         self._sock.bind(bind)
         self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._enc = msgspec.msgpack.Encoder()

@@ -34,6 +34,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from deepserve.ipc import curve
+
 logger = logging.getLogger(__name__)
 
 
@@ -61,6 +63,7 @@ class JELink:
         self._sock = ctx.socket(zmq.PAIR)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
+        curve.secure(push, je_address, bind=False)
         push.connect(je_address)
         return push, self._sock
 

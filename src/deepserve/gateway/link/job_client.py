@@ -54,6 +54,7 @@ from deepserve.gateway.errors import APIError
 from deepserve.gateway.link.je_link import JELink
 from deepserve.gateway.link.open_share import admits, open_by_tenant
 from deepserve.gateway.metrics import GatewayMetrics
+from deepserve.ipc import curve
 from deepserve.gateway.link.reply_stream import SHUTDOWN, IsDisconnected, ReplyStream
 from deepserve.gateway.link.routes import Route, RouteTable, next_attempt
 from deepserve.ipc.outboxes import Outboxes
@@ -134,6 +135,7 @@ class JobClient:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         self._sockets.append(sock)
+        curve.secure(sock, addr, bind)
         sock.bind(addr) if bind else sock.connect(addr)
         return sock
 

@@ -1,0 +1,112 @@
+"""A cluster of nodes, one per host namespace (tests/cluster/netns.py), for the
+cluster tests: each node is `python -m deepserve.supervisor` (what
+bin/deepserve-node runs) inside its host; the HTTP client (tests/cluster/client.py)
+runs inside h0, where the gateway is."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from tests.scratch import Scratch
+
+URL = "http://127.0.0.1:8000"  # the gateway, inside h0
+KEY = "key-a"
+PORT = 7400
+START_S = 150.0
+TE = 'max_num_batched_tokens = 128\nnum_kv_blocks = 128\nkv_transfer_backend = "tcp"\n'
+"""Every cluster test's TE: small, and KV over DistFlow tcp (namespaces share /dev/shm)."""
+
+
+def conf(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def head_conf(d: Path, model: Path, host: str, cluster: str = "") -> str:
+    """The head: cluster manager, job executor, gateway, no TE; long prompts go
+    prefill + decode. `cluster`: more [cluster] lines."""
+    return conf(d / "head.toml", f"""
+[node]
+model = "{model}"
+served_model = "tiny"
+te_timeout_s = 3.0
+startup_timeout_s = {START_S}
+[gateway]
+api_keys = {{ "{KEY}" = "a" }}
+[router]
+pd_policy = "threshold"
+pd_options = {{ min_prompt_len = 100, max_decode_len = 10000 }}
+[supervisor]
+log_dir = "{d / 'head-logs'}"
+[cluster]
+host = "{host}"
+port = {PORT}
+{cluster}
+""")
+
+
+def node_conf(d: Path, model: Path, name: str, host: str, head: str, tes: list[str],
+              cluster: str = "") -> str:
+    """A node joining `head` with one TE of each type in `tes`."""
+    return conf(d / f"{name}.toml", f"""
+[node]
+model = "{model}"
+served_model = "tiny"
+startup_timeout_s = {START_S}
+[supervisor]
+log_dir = "{d / (name + '-logs')}"
+[cluster]
+host = "{host}"
+head = "{head}:{PORT}"
+name = "{name}"
+{cluster}
+""" + "".join(f'[[te]]\ntype = "{t}"\n{TE}' for t in tes))
+
+
+class Cluster:
+    def __init__(self, hosts, d: Path, scratch: Scratch):
+        self.hosts, self.d, self.scratch = hosts, d, scratch
+        self.nodes: dict[str, subprocess.Popen] = {}
+
+    def start(self, host: int, name: str, conf: str) -> None:
+        log = open(self.d / f"{name}.out", "wb")
+        self.nodes[name] = self.hosts.python(host, "deepserve.supervisor", "--conf", conf,
+                                             stdout=log, stderr=subprocess.STDOUT,
+                                             env=self.scratch.env())
+        log.close()
+
+    def stop(self) -> None:
+        """SIGTERM every node (a node stops its children and cleans up), reap them,
+        then sweep what a killed host could not clean (its /dev/shm would not outlive it)."""
+        for proc in self.nodes.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.nodes.values():
+            self.hosts.reap(proc, 30)
+        self.scratch.close()
+        self.scratch.sweep()
+        self.scratch.remove_dir()
+
+    def client(self, *args: str, timeout: float = 180.0) -> list:
+        """Run the client in h0; its JSON lines."""
+        proc = self.hosts.python(0, "tests.cluster.client", *args, stdout=subprocess.PIPE,
+                                 text=True)
+        out, _ = proc.communicate(timeout=timeout)
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:]
+                         for p in sorted(self.d.glob("*.out")))
+
+    def metrics(self) -> str:
+        proc = self.hosts.python(0, "tests.cluster.client", "get", URL, "/metrics", KEY,
+                                 stdout=subprocess.PIPE, text=True)
+        return proc.communicate(timeout=30)[0]
+
+    def events(self, event: str, node: str = "head") -> list[dict]:
+        """`event`s in `node`'s health log (its conf's log_dir: d/NODE-logs)."""
+        path = self.d / f"{node}-logs" / "health.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [e for e in map(json.loads, lines) if e.get("event") == event]

@@ -1,0 +1,135 @@
+"""[cluster] secure = true over three hosts (network namespaces):
+
+    h0 10.213.77.1  head, secure: cluster manager, job executor, gateway; no TE
+    h1 10.213.77.2  joins, secure: h1-te0 prefill, h1-te1 decode (KV over DistFlow tcp)
+    h2 10.213.77.3  the outsider: no key (tests/cluster/outsider.py, then a node of its own)
+
+Members share one key pair (bin/deepserve-keys); every tcp:// socket is CURVE.
+Each fault is an outsider's attempt, proven by the `peer_refused` events it
+makes the members write; then the test checks nothing got through and the
+cluster still serves the greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from deepserve.ipc import curve
+from tests.cluster.nodes import KEY, PORT, START_S, URL, Cluster, head_conf, node_conf
+from tests.scratch import Scratch
+
+pytestmark = pytest.mark.slow  # two nodes' process trees and an outsider's
+
+LONG = "def handler(request):\n    headers = request.headers\n    return headers\n" * 12
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts, tiny_model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("secure")
+    keys = d / "keys"
+    curve.make_keys(keys)
+    scratch = Scratch()
+    c = Cluster(hosts, d, scratch)
+    c.keys = curve.Keys.load(keys)
+    head = hosts.addresses[0]
+    secure = f'secure = true\nkeys = "{keys}"'
+    c.start(0, "head", head_conf(d, tiny_model, head, secure))
+    c.start(1, "h1", node_conf(d, tiny_model, "h1", hosts.addresses[1], head,
+                               ["prefill", "decode"], secure))
+    try:
+        [up] = c.client("wait", URL, "2", str(START_S), timeout=START_S + 30)
+        assert up["num_tes"] == 2, c.logs()
+        yield c
+    finally:
+        c.stop()
+
+
+def _listening(hosts, host: int) -> list[str]:
+    """host:port of every TCP listener of host `host` (TE inboxes, DistFlow receivers, ...)."""
+    proc = hosts.run(host, ["ss", "-ltnH"], stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=10)
+    return sorted({line.split()[3] for line in out.splitlines()
+                   if line.split()[3].startswith(hosts.addresses[host] + ":")})
+
+
+def _refused(cluster, node: str, since: float, want: int = 1, timeout: float = 10.0) -> list:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [e for e in cluster.events("peer_refused", node)
+               if e["time"] > since]  # ISO-8601 UTC strings sort as times
+        if len(got) >= want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.3)
+
+
+def _now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+
+
+def _greedy_pd_ok(cluster, greedy) -> None:
+    *_, [got] = cluster.client("generate", URL, KEY, "tiny", "10", json.dumps([LONG]))
+    assert got["error"] is None and got["ids"] == greedy(LONG, 10), (got, cluster.logs())
+
+
+def test_members_serve_over_curve_with_the_greedy_tokens(cluster, hosts, greedy):
+    """A long prompt: prefill on h1-te0, decode on h1-te1, the KV over DistFlow
+    tcp (CURVE), the control traffic head <-> h1 too."""
+    _greedy_pd_ok(cluster, greedy)
+    between = {(a, b) for a, b in hosts.connections(1) if b.startswith(hosts.addresses[0])}
+    assert between, hosts.connections(1)  # h1 talks to the head over tcp
+    assert not cluster.events("peer_refused", "head")  # members are never refused
+
+
+@pytest.mark.parametrize("leaked", [False, True], ids=["no key", "leaked public key"])
+def test_an_outsider_can_neither_list_inject_nor_pull_kv(cluster, hosts, greedy, leaked):
+    since = _now_iso()
+    ports = _listening(hosts, 1)
+    assert len(ports) >= 6, ports  # h1's TE inboxes, PD inboxes and DistFlow receivers
+    args = [f"{hosts.addresses[0]}:{PORT}", "h1-te0", json.dumps(ports)]
+    if leaked:
+        args.append(cluster.keys.public.decode())
+    proc = hosts.python(2, "tests.cluster.outsider", *args, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    got = json.loads(out.splitlines()[-1])
+    # the fault happened: the members refused it, each process that was tried
+    head = _refused(cluster, "head", since)
+    h1 = _refused(cluster, "h1", since, want=len(ports))
+    assert head and h1, (got, head, h1)
+    assert {e["component"] for e in head} >= {"cluster-manager"}, head
+    refusing = {e["component"] for e in h1}  # the DistFlow receivers are the workers'
+    assert refusing >= {"h1-te0/worker0", "h1-te1/worker0", "h1-te0/master"}, h1
+    reasons = ["not the cluster's"] if leaked else ["no CURVE", curve.BROKEN_OFF]
+    assert all(any(r in e["details"]["reason"] for r in reasons) for e in head + h1), head + h1
+    # nothing got through: no TE list, no Welcome, the injected TEDown did nothing
+    assert got == {"listed": 0, "welcomed": 0, "pulled_from": len(ports)}, got
+    [up] = cluster.client("wait", URL, "2", "5", timeout=30)
+    assert up["num_tes"] == 2
+    _greedy_pd_ok(cluster, greedy)
+
+
+def test_a_node_without_the_key_cannot_join(cluster, hosts, tiny_model, greedy):
+    """A whole node in h2 with no key joins the head: its TE starts and is
+    never listed (so it never gets ready); the head logs the refusals."""
+    since = _now_iso()
+    cluster.start(2, "h2", node_conf(cluster.d, tiny_model, "h2", hosts.addresses[2],
+                                     hosts.addresses[0], ["colocated"]))
+    refused = _refused(cluster, "head", since, timeout=60)
+    assert refused, cluster.logs()  # the fault: h2 dialled the head
+    assert all(e["details"]["reason"] in ("no CURVE (the peer has no cluster key)",
+                                          curve.BROKEN_OFF) for e in refused), refused
+    deadline = time.monotonic() + 60
+    while not [e for e in cluster.events("started", "h2") if e["component"] == "h2-te0"]:
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.5)
+    time.sleep(5.0)  # ten TE lists later
+    [up] = cluster.client("wait", URL, "3", "3", timeout=30)
+    assert up["num_tes"] == 2, (up, cluster.logs())
+    assert not cluster.events("ready", "h2") and cluster.nodes["h2"].poll() is None
+    assert "joined the cluster" not in (cluster.d / "h2.out").read_text()
+    cluster.nodes["h2"].terminate()
+    hosts.reap(cluster.nodes["h2"], 30)
+    _greedy_pd_ok(cluster, greedy)

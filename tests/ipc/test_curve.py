@@ -1,0 +1,208 @@
+"""CURVE on tcp:// sockets (ipc/curve.py): real sockets on loopback, a real
+supervisor inbox for the peer_refused events."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from deepserve.ipc import curve
+from deepserve.ipc.sockets import PullSocket, PushSocket, free_port
+from deepserve.messages.health import HealthEvent
+
+
+class Ping(msgspec.Struct, tag=True):
+    seq: int
+
+
+@pytest.fixture
+def keys_dir(tmp_path):
+    curve.make_keys(tmp_path / "keys")
+    return tmp_path / "keys"
+
+
+@pytest.fixture
+def secure(keys_dir, monkeypatch):
+    """This process secure (what `[cluster] secure` does to a node), a fresh context."""
+    monkeypatch.setenv(curve.ENV_VAR, str(keys_dir))
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def _refusals(inbox, want: int, timeout: float = 5.0) -> list[HealthEvent]:
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        try:
+            msg = inbox.get(timeout=0.2)
+        except TimeoutError:
+            continue
+        if isinstance(msg, HealthEvent) and msg.event == "peer_refused":
+            got.append(msg)
+    return got
+
+
+def _outsider_push(address: str, keys: tuple[bytes, bytes] | None = None,
+                   server_key: bytes | None = None) -> bool:
+    """A process without our key sends a Ping; True when the send was queued."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.PUSH)
+        sock.linger = 0
+        if keys is not None:
+            sock.curve_publickey, sock.curve_secretkey = keys
+            sock.curve_serverkey = server_key
+        sock.connect(address)
+        sock.send(msgspec.msgpack.encode(Ping(seq=666)))
+        time.sleep(0.5)
+        sock.close(linger=0)
+    finally:
+        ctx.term()
+    return True
+
+
+def test_make_keys_writes_a_pair_only_its_owner_reads_and_never_overwrites(keys_dir):
+    secret = keys_dir / "cluster.key_secret"
+    assert secret.stat().st_mode & 0o777 == 0o600
+    keys = curve.Keys.load(keys_dir)
+    assert len(keys.public) == 40 and len(keys.secret) == 40
+    with pytest.raises(curve.KeysError, match="already holds"):
+        curve.make_keys(keys_dir)
+    assert curve.Keys.load(keys_dir) == keys  # the pair is untouched
+
+
+def test_keys_that_others_can_read_or_that_are_missing_are_refused(keys_dir, tmp_path):
+    os.chmod(keys_dir / "cluster.key_secret", 0o644)
+    with pytest.raises(curve.KeysError, match="chmod 600"):
+        curve.Keys.load(keys_dir)
+    with pytest.raises(curve.KeysError, match="bin/deepserve-keys"):
+        curve.Keys.load(tmp_path / "nowhere")
+    other = tmp_path / "other"
+    curve.make_keys(other)
+    os.replace(other / "cluster.key", keys_dir / "cluster.key")  # another pair's public half
+    os.chmod(keys_dir / "cluster.key_secret", 0o600)
+    with pytest.raises(curve.KeysError, match="not the public half"):
+        curve.Keys.load(keys_dir)
+
+
+def test_cluster_members_talk_over_curve(secure):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pull = PullSocket(secure, address, bind=True, type=Ping)
+    push = PushSocket(secure, address, bind=False)
+    try:
+        assert pull.socket.get(zmq.MECHANISM) == push.socket.get(zmq.MECHANISM) == zmq.CURVE
+        assert pull.socket.curve_server and not push.socket.curve_server
+        push.put(Ping(seq=7))
+        assert pull.get(timeout=5) == Ping(seq=7)
+    finally:
+        push.close()
+        pull.close()
+
+
+def test_ipc_sockets_stay_plain_in_a_secure_process(secure, short_dir):
+    address = f"ipc://{short_dir}/plain.sock"
+    pull = PullSocket(secure, address, bind=True, type=Ping)
+    try:
+        assert not pull.socket.curve_server
+        assert not pull.socket.get(zmq.MECHANISM)  # NULL
+    finally:
+        pull.close()
+
+
+@pytest.mark.parametrize("outsider", ["no CURVE", "its own key", "guessed server key"])
+def test_a_peer_without_the_cluster_key_is_refused_and_reported(secure, supervisor_inbox,
+                                                                  outsider):
+    """The fault: an outsider's message to a bound socket. Proven by the guard's
+    own count and event; then: nothing reached the socket."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pull = PullSocket(secure, address, bind=True, type=Ping)
+    keys = curve.active()
+    own = zmq.curve_keypair()
+    try:
+        if outsider == "no CURVE":
+            _outsider_push(address)
+        elif outsider == "its own key":  # knows our public key, holds another secret
+            _outsider_push(address, own, keys.public)
+        else:
+            _outsider_push(address, own, zmq.curve_keypair()[0])
+        [event] = _refusals(supervisor_inbox.inbox, 1)
+        guard = curve.Guard.of(secure, keys)
+        assert guard.num_refused >= 1
+        assert event.pid == os.getpid() and event.details["reason"]
+        if outsider == "its own key":  # ZAP names the peer
+            assert event.details["peer"] == "127.0.0.1"
+            assert "not the cluster's" in event.details["reason"]
+        else:  # the monitor names our endpoint
+            assert event.details["endpoint"] == address
+        with pytest.raises(TimeoutError):  # nothing got in
+            pull.get(timeout=0.5)
+    finally:
+        pull.close()
+
+
+def test_refusals_of_one_kind_are_folded_into_one_event_per_interval(secure, supervisor_inbox):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pull = PullSocket(secure, address, bind=True, type=Ping)
+    outsiders, socks = zmq.Context(), []
+    try:
+        for _ in range(6):  # six outsiders, each with a key of its own
+            s = outsiders.socket(zmq.PUSH)
+            socks.append(s)  # kept: a collected socket closes
+            s.linger = 0
+            s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+            s.curve_serverkey = curve.active().public
+            s.connect(address)
+        guard = curve.Guard.of(secure, curve.active())
+        deadline = time.monotonic() + 5
+        while guard.num_refused < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert guard.num_refused >= 6  # the fault, six times
+        [event] = _refusals(supervisor_inbox.inbox, 2, timeout=1.0)
+        assert "not the cluster's" in event.details["reason"]
+    finally:
+        outsiders.destroy(linger=0)
+        pull.close()
+
+
+def test_a_context_with_a_guard_terminates_at_once(keys_dir, monkeypatch):
+    monkeypatch.setenv(curve.ENV_VAR, str(keys_dir))
+    ctx = zmq.Context()
+    pull = PullSocket(ctx, f"tcp://127.0.0.1:{free_port()}", bind=True, type=Ping)
+    guard = curve.Guard.of(ctx, curve.active())
+    pull.close()
+    done = threading.Event()
+    threading.Thread(target=lambda: (ctx.term(), done.set()), daemon=True).start()
+    assert done.wait(5), "ctx.term() waited on the guard"
+    guard._thread.join(5)
+    assert not guard._thread.is_alive()
+
+
+def test_without_keys_tcp_sockets_stay_plain(monkeypatch):
+    monkeypatch.delenv(curve.ENV_VAR, raising=False)
+    ctx = zmq.Context()
+    try:
+        pull = PullSocket(ctx, f"tcp://127.0.0.1:{free_port()}", bind=True, type=Ping)
+        assert not pull.socket.curve_server
+        pull.close()
+    finally:
+        ctx.term()
+
+
+def test_the_same_outsider_gets_in_where_the_process_is_not_secure(monkeypatch):
+    """The control for the refusals above: without keys, a bound tcp:// socket
+    takes the outsider's message."""
+    monkeypatch.delenv(curve.ENV_VAR, raising=False)
+    ctx = zmq.Context()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pull = PullSocket(ctx, address, bind=True, type=Ping)
+    try:
+        _outsider_push(address)
+        assert pull.get(timeout=5) == Ping(seq=666)
+    finally:
+        pull.close()
+        ctx.term()
