@@ -193,6 +193,30 @@ def test_without_keys_tcp_sockets_stay_plain(monkeypatch):
         ctx.term()
 
 
+def test_a_secure_client_learns_that_a_plain_server_is_not_its_cluster(keys_dir, monkeypatch):
+    """A secure node joining a head left without [cluster] secure: refused, and why."""
+    monkeypatch.delenv(curve.ENV_VAR, raising=False)
+    ctx = zmq.Context()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pull = PullSocket(ctx, address, bind=True, type=Ping)  # a plain head
+    monkeypatch.setenv(curve.ENV_VAR, str(keys_dir))
+    push = PushSocket(ctx, address, bind=False)
+    watch = curve.HandshakeWatch(push.socket)
+    try:
+        deadline = time.monotonic() + 10
+        while not watch.poll() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.poll() and "secure" in watch.reason, watch.reason
+        push.put(Ping(seq=1))
+        with pytest.raises(TimeoutError):  # and nothing it sends gets through
+            pull.get(timeout=0.5)
+    finally:
+        watch.close()
+        push.close()
+        pull.close()
+        ctx.term()
+
+
 def test_the_same_outsider_gets_in_where_the_process_is_not_secure(monkeypatch):
     """The control for the refusals above: without keys, a bound tcp:// socket
     takes the outsider's message."""
@@ -206,3 +230,30 @@ def test_the_same_outsider_gets_in_where_the_process_is_not_secure(monkeypatch):
     finally:
         pull.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("client", ["plain", "other key"])
+def test_a_refused_client_learns_why_from_its_handshake_watch(secure, keys_dir, tmp_path,
+                                                             monkeypatch, client):
+    """What a joining node reads off its socket to the head (supervisor/node.py)."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pull = PullSocket(secure, address, bind=True, type=Ping)  # a secure head
+    if client == "plain":
+        monkeypatch.delenv(curve.ENV_VAR)
+    else:
+        curve.make_keys(tmp_path / "other")
+        monkeypatch.setenv(curve.ENV_VAR, str(tmp_path / "other"))
+    ctx = zmq.Context()
+    push = PushSocket(ctx, address, bind=False)
+    watch = curve.HandshakeWatch(push.socket)
+    try:
+        deadline = time.monotonic() + 10
+        while not watch.poll() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.num_failed >= 1 and watch.poll(), watch.reason
+        assert ("secure" if client == "plain" else "key") in watch.reason
+    finally:
+        watch.close()
+        push.close()
+        ctx.term()
+        pull.close()

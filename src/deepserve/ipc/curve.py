@@ -164,6 +164,47 @@ def secure(sock: zmq.Socket, address: str, bind: bool) -> None:
     Guard.of(sock.context, keys).watch(sock)
 
 
+class HandshakeWatch:
+    """A connecting socket's failed handshakes, read by its owner (no thread): how a
+    node joining a cluster learns that the head refuses it, and why, instead of
+    waiting out its startup timeout. Secure or not, any tcp:// socket."""
+
+    _EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+               | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+    BROKEN_OFF_AFTER = 3
+    """Handshakes broken off (no detail: a reset may be one) that make a refusal."""
+
+    def __init__(self, sock: zmq.Socket):
+        self._sock = sock
+        self._pair = sock.get_monitor_socket(self._EVENTS)
+        self.num_failed = 0
+        self.reason = ""
+        self.definite = False  # the peer said why (ZAP) or the mechanisms disagree
+
+    def poll(self) -> bool:
+        """Read what happened since the last call: refused yet? (a definite failure,
+        or BROKEN_OFF_AFTER handshakes broken off)"""
+        while self._pair.poll(0):
+            event = recv_monitor_message(self._pair)
+            self.num_failed += 1
+            reason = {zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                      "one side runs [cluster] secure = true, the other does not",
+                      zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+                      "CURVE failed: another cluster's key"}.get(event["value"])
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                reason = "it refused our key: not its cluster's"
+            if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and reason:
+                self.reason, self.definite = reason, True
+            elif not self.definite:
+                self.reason = "it broke the handshake off: its [cluster] secure or keys differ"
+        return self.definite or self.num_failed >= self.BROKEN_OFF_AFTER
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self._pair.close(linger=0)
+
+
 # -- the guard ----------------------------------------------------------------------------
 _guards: dict[int, Guard] = {}
 _guards_lock = threading.Lock()

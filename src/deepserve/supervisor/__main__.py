@@ -92,7 +92,11 @@ def main(conf: str, host: str | None, port: int | None, models: tuple[str, ...],
         return True
 
     try:
-        node.start()
+        try:
+            node.start()
+        except (RuntimeError, TimeoutError) as e:  # not healthy in time, refused, a death
+            click.echo(f"node: not started: {e}", err=True)
+            raise SystemExit(1) from None  # after the finally: every child stopped
         click.echo(_usage(node), err=False)
         sys.stdout.flush()
         life.run(watch, lambda: {})

@@ -272,8 +272,13 @@ class Node:
         want = len(self.te_ids)
         te_list = SubSocket(self.ctx, self.run.cm_pub, bind=False, type=FromClusterManager) \
             if self.joins else None
+        watch = curve.HandshakeWatch(te_list.socket) if te_list is not None else None
         try:
             while time.monotonic() < deadline:
+                if watch is not None and watch.poll():
+                    raise RuntimeError(f"the head at {self.run.cm_pub} refuses this node "
+                                       f"({watch.reason}): every node of a cluster needs the "
+                                       f"same [cluster] secure and the same keys")
                 dead = [d for d in self.dead() if not d.startswith("pool")]
                 if dead:
                     raise RuntimeError(f"node process died while starting: {dead}")
@@ -286,6 +291,7 @@ class Node:
                     return
         finally:
             if te_list is not None:
+                watch.close()
                 te_list.close()
         raise TimeoutError(f"node not healthy after {self.config.startup_timeout_s} s")
 

@@ -219,6 +219,8 @@ def _warm_up(ctx: zmq.Context, launcher: TELauncher, life: ActorLife,
                 raise RuntimeError(f"warm-up request failed: {msg.message}")
             if isinstance(msg, RequestDelta) and msg.finish_reason is not None:
                 return
+        if life.should_stop():  # told to stop (its node gave up starting): no failure
+            raise SystemExit(0)
         raise RuntimeError(f"warm-up request not served in {timeout_s:g} s: {launcher.dead()}")
     finally:
         sink.close()
