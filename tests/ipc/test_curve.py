@@ -260,3 +260,34 @@ def test_a_refused_client_learns_why_from_its_handshake_watch(secure, keys_dir, 
         push.close()
         ctx.term()
         pull.close()
+
+
+def test_raw_bytes_on_a_secure_port_are_refused_and_members_still_get_in(secure,
+                                                                         supervisor_inbox):
+    """Not even ZeroMQ: a TCP peer writing garbage, then one greeting and hanging up."""
+    import socket as net
+    address = f"tcp://127.0.0.1:{free_port()}"
+    host, port = address[len("tcp://"):].split(":")
+    pull = PullSocket(secure, address, bind=True, type=Ping)
+    push = PushSocket(secure, address, bind=False)
+    try:
+        guard = curve.Guard.of(secure, curve.active())
+        for payload in (os.urandom(4096), b"\xff" + bytes(8) + b"\x7f\x03\x00NULL" + bytes(16)):
+            with net.create_connection((host, int(port)), timeout=5) as raw:
+                raw.sendall(payload)
+                raw.settimeout(1)
+                try:
+                    while raw.recv(4096):
+                        pass
+                except (TimeoutError, ConnectionResetError):
+                    pass
+        deadline = time.monotonic() + 5
+        while guard.num_refused < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert guard.num_refused >= 1  # the fault reached the guard
+        push.put(Ping(seq=3))
+        assert pull.get(timeout=5) == Ping(seq=3)
+        assert guard._thread.is_alive()
+    finally:
+        push.close()
+        pull.close()

@@ -54,9 +54,9 @@ from deepserve.gateway.errors import APIError
 from deepserve.gateway.link.je_link import JELink
 from deepserve.gateway.link.open_share import admits, open_by_tenant
 from deepserve.gateway.metrics import GatewayMetrics
-from deepserve.ipc import curve
 from deepserve.gateway.link.reply_stream import SHUTDOWN, IsDisconnected, ReplyStream
 from deepserve.gateway.link.routes import Route, RouteTable, next_attempt
+from deepserve.ipc import curve
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.messages.control import FromClusterManager, TEReport
 from deepserve.messages.contexts import TurnDone
