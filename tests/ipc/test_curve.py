@@ -210,7 +210,7 @@ def test_a_secure_client_learns_that_a_plain_server_is_not_its_cluster(keys_dir,
     pull = PullSocket(ctx, address, bind=True, type=Ping)  # a plain head
     monkeypatch.setenv(curve.ENV_VAR, str(keys_dir))
     push = PushSocket(ctx, address, bind=False)
-    watch = curve.HandshakeWatch(push.socket)
+    watch = curve.HandshakeWatch(push.socket, address)
     try:
         assert _refused_within(watch, 10) and "secure" in watch.reason, watch.reason
         push.put(Ping(seq=1))
@@ -251,7 +251,7 @@ def test_a_refused_client_learns_why_from_its_handshake_watch(secure, keys_dir, 
         monkeypatch.setenv(curve.ENV_VAR, str(tmp_path / "other"))
     ctx = zmq.Context()
     push = PushSocket(ctx, address, bind=False)
-    watch = curve.HandshakeWatch(push.socket)
+    watch = curve.HandshakeWatch(push.socket, address)
     try:
         assert _refused_within(watch, 10) and watch.num_failed >= 1, watch.reason
         assert ("secure" if client == "plain" else "key") in watch.reason

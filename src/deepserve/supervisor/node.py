@@ -272,7 +272,8 @@ class Node:
         want = len(self.te_ids)
         te_list = SubSocket(self.ctx, self.run.cm_pub, bind=False, type=FromClusterManager) \
             if self.joins else None
-        watch = curve.HandshakeWatch(te_list.socket) if te_list is not None else None
+        watch = curve.HandshakeWatch(te_list.socket, self.run.cm_pub) \
+            if te_list is not None else None
         try:
             while time.monotonic() < deadline:
                 if watch is not None and watch.poll():
