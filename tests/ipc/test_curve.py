@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from deepserve.ipc import curve
-from deepserve.ipc.sockets import PullSocket, PushSocket, free_port
+from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket, SubSocket, free_port
 from deepserve.messages.health import HealthEvent
 
 
@@ -207,19 +207,18 @@ def test_a_secure_client_learns_that_a_plain_server_is_not_its_cluster(keys_dir,
     monkeypatch.delenv(curve.ENV_VAR, raising=False)
     ctx = zmq.Context()
     address = f"tcp://127.0.0.1:{free_port()}"
-    pull = PullSocket(ctx, address, bind=True, type=Ping)  # a plain head
+    pub = PubSocket(ctx, address, bind=True)  # a plain head's TE lists
     monkeypatch.setenv(curve.ENV_VAR, str(keys_dir))
-    push = PushSocket(ctx, address, bind=False)
-    watch = curve.HandshakeWatch(push.socket, address)
+    sub = SubSocket(ctx, address, bind=False, type=Ping, watch_handshakes=True)
     try:
-        assert _refused_within(watch, 10) and "secure" in watch.reason, watch.reason
-        push.put(Ping(seq=1))
-        with pytest.raises(TimeoutError):  # and nothing it sends gets through
-            pull.get(timeout=0.5)
+        assert _refused_within(sub.handshakes, 10), sub.handshakes.reason
+        assert "secure" in sub.handshakes.reason
+        pub.put(Ping(seq=1))
+        with pytest.raises(TimeoutError):  # and nothing it is sent gets through
+            sub.get(timeout=0.5)
     finally:
-        watch.close()
-        push.close()
-        pull.close()
+        sub.close()
+        pub.close()
         ctx.term()
 
 
@@ -241,25 +240,46 @@ def test_the_same_outsider_gets_in_where_the_process_is_not_secure(monkeypatch):
 @pytest.mark.parametrize("client", ["plain", "other key"])
 def test_a_refused_client_learns_why_from_its_handshake_watch(secure, keys_dir, tmp_path,
                                                              monkeypatch, client):
-    """What a joining node reads off its socket to the head (supervisor/node.py)."""
+    """What a joining node reads off its socket to the head's TE lists (supervisor/node.py)."""
     address = f"tcp://127.0.0.1:{free_port()}"
-    pull = PullSocket(secure, address, bind=True, type=Ping)  # a secure head
+    pub = PubSocket(secure, address, bind=True)  # a secure head
     if client == "plain":
         monkeypatch.delenv(curve.ENV_VAR)
     else:
         curve.make_keys(tmp_path / "other")
         monkeypatch.setenv(curve.ENV_VAR, str(tmp_path / "other"))
     ctx = zmq.Context()
-    push = PushSocket(ctx, address, bind=False)
-    watch = curve.HandshakeWatch(push.socket, address)
+    sub = SubSocket(ctx, address, bind=False, type=Ping, watch_handshakes=True)
     try:
-        assert _refused_within(watch, 10) and watch.num_failed >= 1, watch.reason
-        assert ("secure" if client == "plain" else "key") in watch.reason
+        assert _refused_within(sub.handshakes, 10), sub.handshakes.reason
+        assert ("secure" if client == "plain" else "key") in sub.handshakes.reason
     finally:
-        watch.close()
-        push.close()
+        sub.close()
         ctx.term()
-        pull.close()
+        pub.close()
+
+
+def test_a_member_is_never_refused_and_its_watch_sees_no_failure(secure, supervisor_inbox):
+    """The head's side of a joining node's watch: no broken-off handshake to report
+    (CI once saw one when the watch re-dialled a socket mid-handshake)."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pub = PubSocket(secure, address, bind=True)
+    subs = [SubSocket(secure, address, bind=False, type=Ping, watch_handshakes=True)
+            for _ in range(4)]
+    try:
+        deadline = time.monotonic() + 5
+        got = 0
+        while got < 4 and time.monotonic() < deadline:
+            pub.put(Ping(seq=1))
+            got = sum(1 for s in subs if s.poll(0.05) and s.get(timeout=0))
+        assert got == 4
+        assert not any(s.handshakes.poll() for s in subs)
+        assert curve.Guard.of(secure, curve.active()).num_refused == 0
+        assert not _refusals(supervisor_inbox.inbox, 1, timeout=0.5)
+    finally:
+        for s in subs:
+            s.close()
+        pub.close()
 
 
 def test_raw_bytes_on_a_secure_port_are_refused_and_members_still_get_in(secure,

@@ -175,13 +175,11 @@ class HandshakeWatch:
     BROKEN_OFF_AFTER = 3
     """Handshakes broken off (no detail: a reset may be one) that make a refusal."""
 
-    def __init__(self, sock: zmq.Socket, address: str):
-        """`sock` is connected to `address`: it dials again once the monitor listens,
-        so its first handshake is seen too (libzmq may not retry a refused one often)."""
+    def __init__(self, sock: zmq.Socket):
+        """Attach it before `sock` connects (ipc/sockets.py: watch_handshakes): libzmq
+        may not retry a refused handshake soon, so the first one must be seen."""
         self._sock = sock
         self._pair = sock.get_monitor_socket(self._EVENTS)
-        sock.disconnect(address)
-        sock.connect(address)
         self.num_failed = 0
         self.reason = ""
         self.definite = False  # the peer said why (ZAP) or the mechanisms disagree

@@ -19,7 +19,7 @@ import math
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import zmq
@@ -48,11 +48,15 @@ def ipc_address(run_dir: str | Path, name: str) -> str:
     return f"ipc://{path}"
 
 
-def _open(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
+def _open(ctx: zmq.Context, kind: int, addr: str, bind: bool,
+          before: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
+    """A socket bound or connected to addr; `before(sock)` runs just before that."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         curve.secure(sock, addr, bind)
+        if before is not None:
+            before(sock)
         if bind:
             sock.bind(addr)
         else:
@@ -91,8 +95,15 @@ class _Sender:
 
 
 class _Receiver:
-    def __init__(self, ctx: zmq.Context, kind: int, addr: str, bind: bool, type: Any):
-        self.socket = _open(ctx, kind, addr, bind)
+    def __init__(self, ctx: zmq.Context, kind: int, addr: str, bind: bool, type: Any,
+                 watch_handshakes: bool = False):
+        self.handshakes: curve.HandshakeWatch | None = None
+        """With watch_handshakes, the socket's failed handshakes from its very first
+        (curve.HandshakeWatch, attached before it connects)."""
+
+        def watch(sock: zmq.Socket) -> None:
+            self.handshakes = curve.HandshakeWatch(sock)
+        self.socket = _open(ctx, kind, addr, bind, watch if watch_handshakes else None)
         self._decoder = msgspec.msgpack.Decoder(type)
         self.num_dropped = 0
         """Frames dropped because they did not decode (see the module docstring)."""
@@ -143,6 +154,8 @@ class _Receiver:
         return out
 
     def close(self) -> None:
+        if self.handshakes is not None:
+            self.handshakes.close()
         self.socket.close(linger=0)
 
 
@@ -170,6 +183,7 @@ class PubSocket(_Sender):
 class SubSocket(_Receiver):
     """SUB end of a broadcast, subscribed to everything, decoding as `type`."""
 
-    def __init__(self, ctx: zmq.Context, addr: str, bind: bool, type: Any):
-        super().__init__(ctx, zmq.SUB, addr, bind, type)
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool, type: Any,
+                 watch_handshakes: bool = False):
+        super().__init__(ctx, zmq.SUB, addr, bind, type, watch_handshakes)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")

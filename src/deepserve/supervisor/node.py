@@ -270,12 +270,11 @@ class Node:
         a joining node, until the head's cluster manager lists all of ours."""
         deadline = time.monotonic() + self.config.startup_timeout_s
         want = len(self.te_ids)
-        te_list = SubSocket(self.ctx, self.run.cm_pub, bind=False, type=FromClusterManager) \
-            if self.joins else None
-        watch = curve.HandshakeWatch(te_list.socket, self.run.cm_pub) \
-            if te_list is not None else None
+        te_list = SubSocket(self.ctx, self.run.cm_pub, bind=False, type=FromClusterManager,
+                            watch_handshakes=True) if self.joins else None
         try:
             while time.monotonic() < deadline:
+                watch = te_list.handshakes if te_list is not None else None
                 if watch is not None and watch.poll():
                     raise RuntimeError(f"the head at {self.run.cm_pub} refuses this node "
                                        f"({watch.reason}): every node of a cluster needs the "
@@ -292,7 +291,6 @@ class Node:
                     return
         finally:
             if te_list is not None:
-                watch.close()
                 te_list.close()
         raise TimeoutError(f"node not healthy after {self.config.startup_timeout_s} s")
 
