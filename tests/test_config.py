@@ -401,6 +401,32 @@ def test_shipped_node_confs_load(name):
     assert config.node.model == str(ROOT / "models" / "tiny") and config.tes
 
 
+def test_the_shipped_scaled_cluster_confs_place_every_te_on_joined_nodes():
+    """conf/cluster-scaled-*.toml: a head without devices whose [[model]] starts
+    at zero (and none at boot), and a capacity-only node: no model, no [[te]]."""
+    head = load_node_config(ROOT / "conf" / "cluster-scaled-head.toml")
+    assert head.node.num_devices == 0 and not head.tes and head.initial_scaled_tes() == {}
+    [model] = head.models
+    assert model.path == str(ROOT / "models" / "tiny") and model.min_tes == 0
+    node = load_node_config(ROOT / "conf" / "cluster-scaled-node.toml")
+    assert node.cluster.joins and not node.tes and not node.models and not node.node.model
+
+
+def test_num_devices_zero_is_only_for_a_head_of_many_hosts():
+    spec = ModelSpec(name="x", path="/x", min_tes=1)
+    head = NodeConfig.build(num_devices=0, models=[spec], cluster=ClusterSection(host="h"))
+    assert head.initial_scaled_tes() == {}  # min_tes: the CM places them on joined nodes
+    assert NodeConfig.build(num_devices=1, models=[spec]).initial_scaled_tes() == {"x-0": "x"}
+    for bad in (dict(models=[spec]),  # one host: nothing would ever start
+                dict(model="/m", tes=[TESpec("te0", "colocated")], cluster=ClusterSection(
+                    host="h")),  # a [[te]] that could never be placed
+                dict(model="/m", cluster=ClusterSection(host="h2", head="h:7400"))):
+        with pytest.raises(ValueError, match="num_devices = 0"):
+            NodeConfig.build(num_devices=0, **bad)
+    with pytest.raises(msgspec.ValidationError, match="num_devices"):
+        NodeConfig.build(num_devices=-1, models=[spec])
+
+
 @pytest.mark.parametrize("name, tp", [("engine", 1), ("engine-tp2", 2)])
 def test_shipped_engine_confs_load(name, tp):
     config = load_config(ROOT / "conf" / f"{name}.toml")
@@ -620,6 +646,9 @@ def test_cluster_section_checks_its_values_and_derives_the_addresses(tmp_path):
         "tcp://10.0.0.1:7400", "tcp://10.0.0.1:7401", "tcp://10.0.0.1:7403", "")
     assert run.tes == {"h2-te0": "tcp://10.0.0.2:7408", "h2-te1": "tcp://10.0.0.2:7412"}
     assert run.hb.startswith("ipc://") and run.kv_cache.startswith("ipc://")
+    assert run.node_inbox == "tcp://10.0.0.2:7404"  # the head's CM sends ScaleOut here
+    head_run = RunAddresses.for_node(tmp_path, "r", [], False, ClusterSection(host="10.0.0.1"))
+    assert head_run.node_inbox == ""  # the CM is on the head: its heartbeat inbox
     single = RunAddresses.for_node(tmp_path, "r", ["te0"], False, ClusterSection())
     assert single == RunAddresses.in_dir(tmp_path, "r", ["te0"])
     with pytest.raises(ValueError, match="wildcard"):

@@ -24,15 +24,18 @@ def conf(path: Path, text: str) -> str:
     return str(path)
 
 
-def head_conf(d: Path, model: Path, host: str, cluster: str = "") -> str:
+def head_conf(d: Path, model: Path, host: str, cluster: str = "", node: str = "",
+              tables: str = "") -> str:
     """The head: cluster manager, job executor, gateway, no TE; long prompts go
-    prefill + decode. `cluster`: more [cluster] lines."""
+    prefill + decode. `cluster` / `node`: more [cluster] / [node] lines; `tables`:
+    more tables ([[model]], [scaling])."""
     return conf(d / "head.toml", f"""
 [node]
 model = "{model}"
 served_model = "tiny"
 te_timeout_s = 3.0
 startup_timeout_s = {START_S}
+{node}
 [gateway]
 api_keys = {{ "{KEY}" = "a" }}
 [router]
@@ -44,6 +47,7 @@ log_dir = "{d / 'head-logs'}"
 host = "{host}"
 port = {PORT}
 {cluster}
+{tables}
 """)
 
 

@@ -63,7 +63,8 @@ def test_scenarios_by_name_alias_and_mode():
     assert set(SCENARIOS) == {"kill-worker", "kill-master", "kill-tokenizer", "hang-worker",
                               "stall-worker", "slow-worker", "drop-cache", "kv-transfer-fail",
                               "poison", "kill-cm", "kill-je", "kill-kv-tier", "kill-gateway",
-                              "disk-full", "corrupt-disk", "dualpath-de-fail", "kill-node"}
+                              "disk-full", "corrupt-disk", "dualpath-de-fail", "kill-node",
+                              "scale-across"}
     assert get_scenario("kill-je").node_process and get_scenario("poison").every_te_of_type
     assert get_scenario("hang-worker").fault == "SIGSTOP"
     assert get_scenario("hang-worker", "stall").name == "stall-worker"

@@ -4,7 +4,6 @@ nodes on 127.0.0.1-3, one node SIGKILLed whole under load."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from deepserve.drill.injection import Injection
 from deepserve.drill.proof import NodeLost
 from deepserve.drill.scenarios import deadline_of, get_scenario
 from deepserve.supervisor.health_log import HealthLog
+from tests.drill.cluster_drill import run_cluster_drill
 from tests.scratch import Scratch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,25 +72,10 @@ def test_kill_node_drill_loses_nothing(tmp_path, tiny_model):
     killed and its TE removed (proof), then lost = 0, bad = 0; and what the
     killed node could not clean up is gone too."""
     scratch = Scratch()
-    out = tmp_path / "report.json"
-    confs = []
-    for name in ("cluster-head", "cluster-node"):  # the shipped files, on the test's model
-        text = (ROOT / "conf" / f"{name}.toml").read_text()
-        (tmp_path / f"{name}.toml").write_text(text.replace('"models/tiny"', f'"{tiny_model}"'))
-        confs.append(str(tmp_path / f"{name}.toml"))
     try:
-        done = subprocess.run([sys.executable, "-m", "deepserve.drill", "kill-node", "--json",
-                               str(out), "--duration", "6", "--concurrency", "4",
-                               "--conf", confs[0], "--node-conf", confs[1]],
-                              cwd=ROOT, capture_output=True, text=True, timeout=400,
-                              env=scratch.env())
-        scratch.close()
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        report = json.loads(out.read_text())
-        assert report["fault_proven"] is True, report
-        assert report["sent"] > 0 and report["lost"] == 0 and report["bad_streams"] == 0, report
+        _, report = run_cluster_drill("kill-node", ("cluster-head", "cluster-node"), tmp_path,
+                                      tiny_model, scratch)
         assert report["detect_s"] is not None and report["detect_s"] <= report["deadline_s"] + 3
-        assert report["recover_s"] is not None
         assert scratch.runs and scratch.leftovers() == set(), scratch.runs
     finally:
         scratch.close()

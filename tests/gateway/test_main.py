@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from deepserve.config.loading import load_node_config, write_run_config
-from deepserve.config.node import RunAddresses
+from deepserve.config.addresses import RunAddresses
 from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
 from deepserve.ipc.sockets import PullSocket, free_port
 from deepserve.messages.health import Heartbeat, Ready, ToSupervisor

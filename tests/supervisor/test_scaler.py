@@ -4,6 +4,8 @@ the TE list come in, replacement of a failed TE, and scale-in."""
 
 from __future__ import annotations
 
+import time
+
 import zmq
 
 from deepserve.config.models import ModelSpec, ScalingSection
@@ -52,19 +54,39 @@ class _Table:
 class _Run:
     def __init__(self, tmp_path):
         self.tmp = tmp_path
+        self.node_inbox, self.hb = "", f"ipc://{tmp_path}/hb.sock"
 
     def te_address(self, name):
         return f"ipc://{self.tmp}/{name}.sock"
 
 
 class FakeNode:
-    def __init__(self, tmp_path, pool_size=1):
+    def __init__(self, tmp_path, pool_size=1, **node):
         self.config = NodeConfig.build(
             models=[ModelSpec(name="m", path="/m", min_tes=1)],
-            scaling=ScalingSection(pool_size=pool_size))
+            scaling=ScalingSection(pool_size=pool_size), **node)
         self.ctx = zmq.Context()
         self.table, self.run, self.te_ids = _Table(), _Run(tmp_path), []
         self.events, self.spawned, self.pids = [], [], iter(range(100, 1000))
+        self.run_id, self.placed, self.learned, self.bound = "r", [], {}, []
+
+    def model_spec(self, name, path="", options=None):
+        """As Node.model_spec: declared, or learned from a ScaleOut's path."""
+        try:
+            return self.config.model_spec(name)
+        except KeyError:
+            if path and name not in self.learned:
+                self.learned[name] = ModelSpec(name=name, path=path, options=options or {})
+            return self.learned.get(name)
+
+    def scaled_te_id(self, spec, n):
+        return spec.te_id(n)
+
+    def bind_te(self, te_id):
+        self.bound.append(te_id)
+
+    def cached_models(self):
+        return ["/m"]
 
     def spawn_pod(self, name):
         self.table.procs[name] = _Popen(next(self.pids))
@@ -90,8 +112,8 @@ class FakeNode:
         return _Log()
 
 
-def _scaler(tmp_path, pool_size=1):
-    node = FakeNode(tmp_path, pool_size)
+def _scaler(tmp_path, pool_size=1, **node):
+    node = FakeNode(tmp_path, pool_size, **node)
     told = []
     scaler = NodeScaler(node, told.append, clock=lambda: 0.0)
     return node, scaler, told
@@ -218,3 +240,37 @@ def test_an_adopted_pods_assign_socket_is_closed_once_its_te_is_up(tmp_path):
     assert len(scaler.assigns) == 0
     scaler.close()
     node.ctx.term()
+
+
+def test_a_scale_out_starts_what_the_free_devices_take_and_refuses_the_rest(tmp_path):
+    """num_devices 3, a tp=2 model: the first TE fits, the second is refused at
+    once (a ScaleEvent "failed": the CM's slot frees); the report counts both
+    orders as taken and the devices as held."""
+    node, scaler, told = _scaler(tmp_path, pool_size=0, num_devices=3)
+    scaler.on_message(ScaleOut(model="big", count=2, path="/big", options={"tp": 2}), 1.0)
+    assert [t for t, _ in node.spawned] == ["big-0"] and node.bound == ["big-0"]
+    [refused] = [m for m in told if isinstance(m, ScaleEvent)]
+    assert (refused.model, refused.direction, refused.reason) == ("big", "failed",
+                                                                   "no free devices")
+    assert [e[1] for e in node.events] == ["scale_refused"]
+    report = scaler.report()
+    assert report.free_devices == 1 and report.scale_outs == 2
+    assert report.tes == {"big-0": "big"} and report.cached == ["/m"]
+    scaler.on_message(ScaleOut(model="nope", count=1), 2.0)  # unknown here, no path
+    assert told[-1].direction == "failed" and told[-1].reason == "unknown model"
+    assert scaler.report().scale_outs == 3
+    scaler.close()
+
+
+def test_a_scaled_te_frees_its_devices_once_scaled_in(tmp_path):
+    node, scaler, told = _scaler(tmp_path, pool_size=0, num_devices=1)
+    scaler.on_message(ScaleOut(model="m", count=1), 1.0)
+    assert scaler.free_devices() == 0 and scaler.fits(node.config.model_spec("m"), 1) == 0
+    [(te_id, _)] = node.spawned
+    scaler.on_message(ScaleIn(te_id=te_id, model="m"), 2.0)
+    deadline = time.monotonic() + 5
+    while te_id not in scaler.stopped and time.monotonic() < deadline:
+        time.sleep(0.01)
+    scaler.tick(3.0)
+    assert scaler.free_devices() == 1 and scaler.report().tes == {}
+    scaler.close()

@@ -28,7 +28,8 @@ from deepserve.chaos.report import build_report
 from deepserve.chaos.resources import ResourceSampler
 from deepserve.chaos.schedule import PlannedFault
 from deepserve.chaos.workload import CONTEXTS, POISON, RequestSpec, Workload
-from deepserve.drill.runner import POLL_S, wait_tes
+from deepserve.drill.runner import POLL_S
+from deepserve.drill.target import wait_tes
 from deepserve.drill.stream import COMPLETED
 
 SETTLE_S = 2.0

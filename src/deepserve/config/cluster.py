@@ -2,7 +2,9 @@
 
     head   [cluster] host = H            cluster manager tcp://H:port, its PUB :port+1,
                                          gateway replies :port+3; TEs :port+8, 4 ports each
-    node   [cluster] host = N, head = H:P  its TEs tcp://N:port+8...; the head's sockets
+    node   [cluster] host = N, head = H:P  its supervisor's inbox tcp://N:port+4 (the CM's
+                                         ScaleOut / ScaleIn); its TEs tcp://N:port+8...
+                                         (scaled ones after its [[te]] ones); the head's sockets
                                          for the cluster manager, its PUB and replies
 
 RunAddresses.for_node (config/node.py) turns this into a run's addresses;
@@ -22,6 +24,8 @@ WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*", "[::]")
 TE_PORT_OFFSET = 8
 """[cluster] ports: the head's control sockets take port .. port+3, its TEs (and
 a joining node's from `port` on) take TE_PORTS_EACH each after this offset."""
+NODE_PORT_OFFSET = 4
+"""A joined node's supervisor inbox (ScaleOut / ScaleIn from the head's CM): port+4."""
 TE_PORTS_EACH = 4
 """A TE's inbox P, its master's PD inbox P+1 (messages/pd.py), its tier replies P+2."""
 

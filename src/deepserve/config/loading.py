@@ -22,8 +22,8 @@ import msgspec
 from deepserve.config.models import ModelSpec, model_spec
 from deepserve.config.cluster import named_for_cluster
 from deepserve.config.tenants import TenantSection, TenantsSection
-from deepserve.config.node import (_SECTION_TYPES, ENGINE_OPTIONS, NodeConfig, RunAddresses,
-                                   TESpec)
+from deepserve.config.addresses import RunAddresses
+from deepserve.config.node import _SECTION_TYPES, ENGINE_OPTIONS, NodeConfig, TESpec
 
 _PATHS = {"node": ("model", "disk_cache_dir"), "router": ("pd_heatmap", "pd_predictor"),
           "supervisor": ("log_dir",), "model": ("path",), "cluster": ("keys",)}
@@ -43,7 +43,8 @@ def load_node_config(path: str | Path, overrides: dict | None = None) -> NodeCon
         raise ValueError(f"{path}: unknown section(s) {', '.join(f'[{s}]' for s in unknown)}; "
                          f"known: {known}")
     _apply_overrides(raw, overrides or {}, path)
-    if "model" not in raw.get("node", {}) and (raw.get("te") or not raw.get("model")):
+    joins = bool(raw.get("cluster", {}).get("head"))  # capacity only: models come from the head
+    if "model" not in raw.get("node", {}) and (raw.get("te") or not (raw.get("model") or joins)):
         raise ValueError(f'{path}: [node] model: required (model = "DIR")')
     root = Path(path).resolve().parent.parent
     parts = {}
@@ -172,10 +173,13 @@ def write_run_config(config: NodeConfig, path: str | Path) -> Path:
     """Write the resolved config (API keys included) readable by its owner only."""
     if config.run is None:
         raise ValueError("write_run_config needs the run's addresses (NodeConfig.with_run)")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    path = Path(path)
+    part = path.with_name(f".{path.name}.part")  # rewritten at run time (a learned model):
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # never read half-written
     with os.fdopen(fd, "wb") as f:
         f.write(msgspec.json.encode(config))
-    return Path(path)
+    os.replace(part, path)
+    return path
 
 
 def read_run_config(path: str | Path) -> tuple[NodeConfig, RunAddresses]:

@@ -106,9 +106,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         """What its TE ids start with: short, safe in socket and shared-memory names."""
         return re.sub(r"[^A-Za-z0-9]", "", self.name)[:10] or "m"
 
-    def te_id(self, n: int) -> str:
-        """The id of the model's n-th TE (0, 1, ...: never reused in a run)."""
-        return f"{self.slug}-{n}"
+    def te_id(self, n: int, node: str = "") -> str:
+        """The id of the model's n-th TE (0, 1, ...: never reused in a run) on the
+        node; a joined node's carry its [cluster] name (h1-tiny-0): ids are cluster-wide."""
+        return f"{node}-{self.slug}-{n}" if node else f"{self.slug}-{n}"
 
     def check(self) -> None:
         if not self.name:

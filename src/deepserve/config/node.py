@@ -28,6 +28,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from deepserve.config.addresses import RunAddresses
 from deepserve.config.cluster import ClusterSection, named_for_cluster
 from deepserve.config.engine import EngineConfig
 from deepserve.config.models import ModelSection, ModelSpec, ScalingSection
@@ -57,8 +58,9 @@ class NodeSection(Section):
     """Seconds for every process to come up and the gateway to list every TE (node)."""
     te_timeout_s: Positive = 10.0
     """Seconds without a report after which the cluster manager drops a TE from the list."""
-    num_devices: Count | None = None
-    """Devices this node can give TEs (a TE takes tp of them, gang scheduled); None: no limit."""
+    num_devices: Annotated[int, Meta(ge=0)] | None = None
+    """Devices this node can give TEs (a TE takes tp of them, gang scheduled); None: no
+    limit; 0 (a head of many hosts only): no TE here, [[model]] TEs go to joined nodes."""
     max_attempts: Count = 3
     """TEs one request may run on (job executor): it resumes elsewhere when its TE is lost."""
     host_cache_bytes: Annotated[int, Meta(ge=0)] = 0
@@ -231,57 +233,6 @@ class TESpec(msgspec.Struct, frozen=True):
         return EngineConfig.from_options(model, **{**self.options, "processes": True})
 
 
-class RunAddresses(msgspec.Struct, frozen=True, kw_only=True):
-    """The sockets of one run (all ipc:// in the run directory); the node
-    derives them, children read them from the resolved config file."""
-
-    run_id: str
-    cm: str
-    """The cluster manager's inbox (TEUp / TEDown / TEReport)."""
-    cm_pub: str
-    """The cluster manager's PUB (TEList, TEReport) for JEs, gateways, the supervisor."""
-    je: str
-    """The job executor's inbox (SubmitRequest / AbortRequest from gateways)."""
-    gw_reply: str
-    """The gateway's reply inbox (RequestDelta / RequestFailed)."""
-    hb: str
-    """The supervisor's heartbeat inbox (also in $DEEPSERVE_HEARTBEAT, which ActorLife reads)."""
-    tes: dict[str, str] = {}
-    """TE id -> the inbox its tokenizer binds (the [[te]] TEs)."""
-    kv_cache: str = ""
-    """The KV tier service's inbox ("" when [node] host_cache_bytes is 0)."""
-    run_dir: str = ""
-    """Where TEs started later (scaling) and pre-warmed processes bind theirs."""
-
-    @classmethod
-    def for_node(cls, run_dir: str | Path, run_id: str, te_ids, kv_cache: bool,
-                 cluster: ClusterSection) -> "RunAddresses":
-        """One host: `in_dir`. Many ([cluster] host set): what other hosts reach
-        binds tcp://host:port+k (the head's cluster manager, its PUB, the gateway's
-        replies; every TE's inbox), or, on a joining node, points at the head's;
-        same-host sockets (heartbeats, the KV tier, the JE's inbox) stay ipc://."""
-        local = cls.in_dir(run_dir, run_id, te_ids, kv_cache)
-        if not cluster.is_cluster:
-            return local
-        head = cluster.head_address
-        tes = {t: f"tcp://{cluster.host}:{cluster.te_port(i)}" for i, t in enumerate(te_ids)}
-        je = "" if cluster.joins else local.je
-        return msgspec.structs.replace(local, cm=head(0), cm_pub=head(1), je=je,
-                                       gw_reply=head(3), tes=tes)
-
-    @classmethod
-    def in_dir(cls, run_dir: str | Path, run_id: str, te_ids,
-               kv_cache: bool = False) -> "RunAddresses":
-        at = lambda name: f"ipc://{run_dir}/{name}.sock"  # noqa: E731
-        return cls(run_id=run_id, cm=at("cm"), cm_pub=at("cm-pub"), je=at("je"),
-                   gw_reply=at("gw-reply"), hb=at("hb"), tes={t: at(t) for t in te_ids},
-                   kv_cache=at("kv-cache") if kv_cache else "", run_dir=str(run_dir))
-
-    def te_address(self, te_id: str) -> str:
-        """The inbox of any TE (or pre-warmed process) of the run."""
-        return self.tes.get(te_id) or f"ipc://{self.run_dir}/{te_id}.sock"
-
-
 FLAT_SECTIONS = ("node", "gateway", "router")
 """Sections whose keys NodeConfig also answers flat (config.port is config.node.port)."""
 
@@ -303,6 +254,9 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     tenants: TenantsSection = TenantsSection()
     run: RunAddresses | None = None
     """Set by the node once its run directory exists (None in what conf/ files give)."""
+    learned: tuple[ModelSpec, ...] = ()
+    """Models the head's autoscaler placed on this joined node (a ScaleOut's path and
+    options): set by the node at run time, never in conf/ files."""
 
     def __post_init__(self):
         if not self.tes and not self.models and not self.cluster.is_cluster:
@@ -310,9 +264,13 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.cluster.joins and self.models:
             raise ValueError("model: a joining node runs [[te]] TEs only; [[model]] tables "
                              "(scaled TEs) live on the head")
-        if self.cluster.is_cluster and not self.tes and not self.models \
-                and not self.node.model:
+        if self.cluster.is_cluster and not self.cluster.joins and not self.tes \
+                and not self.models and not self.node.model:
             raise ValueError('node: model: required (model = "DIR")')
+        if self.node.num_devices == 0 and (self.tes or not self.cluster.is_cluster
+                                           or self.cluster.joins):
+            raise ValueError("node: num_devices = 0 (no TE here) is for a head of many hosts "
+                             "without [[te]] tables: its [[model]] TEs go to joined nodes")
         if self.tes and not self.node.model:
             raise ValueError('node: model: required with [[te]] tables (model = "DIR")')
         for te in self.tes:  # fail now, not in a child process
@@ -348,10 +306,12 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     def initial_scaled_tes(self) -> dict[str, str]:
         """TE id -> model of the TEs the node starts for scalable models'
         min_tes (the CM expects them; later ones are numbered on)."""
+        if self.node.num_devices == 0:  # the CM places them on joined nodes
+            return {}
         return {m.te_id(i): m.name for m in self.models for i in range(m.min_tes)}
 
     def model_spec(self, name: str) -> ModelSpec:
-        for spec in self.all_models:
+        for spec in self.all_models + self.learned:
             if spec.name == name:
                 return spec
         raise KeyError(name)

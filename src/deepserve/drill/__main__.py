@@ -6,12 +6,14 @@ into a running node under streaming load and report what the clients saw.
     bin/deepserve-drill kill-master --url http://127.0.0.1:8000 \\
         --log-dir /tmp/ds-logs --drill-dir /tmp/ds-drill --conf conf/drill.toml
     bin/deepserve-drill kill-node                      # a head and two joined nodes
+    bin/deepserve-drill scale-across                   # the same, TEs placed by the head
 
 Without --url a node is started from --conf (supervisor.drill forced on, a
 free port) and always stopped at the end, on errors and Ctrl-C too;
 kill-node starts a cluster instead (drill/cluster.py: the head from --conf,
 two nodes from conf/cluster-node.toml joined on 127.0.0.2 and 127.0.0.3) and
-has no --url form. With
+has no --url form; so does scale-across (conf/cluster-scaled-head.toml and
+conf/cluster-scaled-node.toml: a head without devices, capacity-only nodes). With
 --url the node is someone else's: --conf must describe it (deadlines, TE
 types, model), --log-dir is its health log's folder (pids for signal
 scenarios; the fault's proof, detection and recovery for all) and --drill-dir
@@ -34,9 +36,10 @@ from pathlib import Path
 
 import click
 
-from deepserve.drill.cluster import JOINERS, NODE_CONF
+from deepserve.drill.cluster import JOINERS
 from deepserve.drill.report import DrillReport
-from deepserve.drill.runner import run_drill, served_model
+from deepserve.drill.runner import run_drill
+from deepserve.drill.target import served_model
 from deepserve.drill.scenarios import SCENARIOS, get_scenario
 from deepserve.ipc.sockets import free_port
 
@@ -86,7 +89,8 @@ def _describe(report: DrillReport) -> str:
               help="The node's config; default: the scenario's (conf/drill.toml, "
                    "conf/dualpath.toml for dualpath-de-fail).")
 @click.option("--node-conf", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="kill-node: the joined nodes' config (default conf/cluster-node.toml).")
+              help="kill-node, scale-across: the joined nodes' config (default "
+                   "conf/cluster-node.toml, conf/cluster-scaled-node.toml).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Write the report's JSON here.")
 @click.option("--duration", default=10.0, show_default=True, type=float,
@@ -134,7 +138,7 @@ def main(scenario, mode, url, log_dir, drill_dir, conf, node_conf, json_path, du
         if chosen.kills_node:
             from deepserve.drill.cluster import LocalCluster
             node = cluster = LocalCluster(drill_config(config, chosen), Path(node_conf)
-                                          if node_conf else NODE_CONF)
+                                          if node_conf else ROOT / "conf" / chosen.node_conf)
             config = cluster.config
             echo(f"starting a cluster: head from {conf} on {cluster.url}, nodes "
                  f"{', '.join(n for n, _ in JOINERS)}")
@@ -152,7 +156,8 @@ def main(scenario, mode, url, log_dir, drill_dir, conf, node_conf, json_path, du
                 model = served_model(url.rstrip("/"))
             except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError):
                 model = None
-        report = run_drill(chosen, url=url.rstrip("/"), model=model or config.served_model,
+        model = model or config.served_model or config.models[0].name  # a head: [[model]] only
+        report = run_drill(chosen, url=url.rstrip("/"), model=model,
                            config=config, log_dir=log_dir, drill_dir=drill_dir,
                            duration_s=duration, concurrency=concurrency, max_tokens=max_tokens,
                            warmup_s=warmup, request_timeout_s=request_timeout, te=te,

@@ -102,9 +102,10 @@ class LocalCluster:
         from deepserve.supervisor.node_config import load_node_config
         node_config = load_node_config(self.node_conf)
         for config in (self.config, node_config):  # a joined node without it dies at once
-            if not (Path(config.node.model) / "config.json").is_file():
-                raise FileNotFoundError(f"no model at {config.node.model} (make it with "
-                                        "tools/make_model.py, or point [node] model elsewhere)")
+            model = config.node.model or (config.models[0].path if config.models else None)
+            if model is not None and not (Path(model) / "config.json").is_file():
+                raise FileNotFoundError(f"no model at {model} (make it with "
+                                        "tools/make_model.py, or point the config elsewhere)")
         for name, host in JOINERS:
             port = free_port_block(host)
             joined = with_cluster(node_config, self.head_address, host, name, port)

@@ -240,14 +240,18 @@ class TECrashed(FaultProof):
 
 
 class NodeLost(FaultProof):
-    def __init__(self, events: HealthEvents, te_ids: list[str], pids: list[int], since: float):
+    """node: also the CM's node_lost for it (scale-across: the CM's placement saw it)."""
+
+    def __init__(self, events: HealthEvents, te_ids: list[str], pids: list[int], since: float,
+                 node: str | None = None):
         super().__init__()
         self.events, self.te_ids, self.pids, self.since = events, list(te_ids), pids, since
         self.removed: dict[str, dict] = {}
         self.gone = False
+        self.node, self.lost = node, node is None
 
     def _is_shown(self) -> bool:
-        return self.gone and set(self.removed) == set(self.te_ids)
+        return self.gone and set(self.removed) == set(self.te_ids) and self.lost
 
     def poll(self, t: float) -> None:
         if not self.gone and self.pids and all(is_gone(pid) for pid in self.pids):
@@ -259,13 +263,18 @@ class NodeLost(FaultProof):
                 self.removed[te] = e
                 self.evidence.append(f"{te} removed: {e['details'].get('reason')} "
                                      f"(+{e['t'] - self.since:.3f} s)")
+            if not self.lost and e.get("event") == "node_lost" \
+                    and (e.get("details") or {}).get("node") == self.node:
+                self.lost = True
+                self.evidence.append(f"node {self.node} lost with {e['details'].get('tes')} "
+                                     f"(+{e['t'] - self.since:.3f} s)")
 
     def finish(self, records: list[RequestRecord]) -> None:
         self.poll(float("inf"))
         if not self._is_shown() and self.failure is None:
             missing = sorted(set(self.te_ids) - set(self.removed))
             self.failure = (f"node kill not shown: pids gone {self.gone}, "
-                            f"TEs never removed {missing}")
+                            f"TEs never removed {missing}, node_lost seen {self.lost}")
 
 
 class Logged(FaultProof):

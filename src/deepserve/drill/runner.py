@@ -24,7 +24,6 @@ import dataclasses
 import json
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -37,12 +36,11 @@ from deepserve.drill.prompts import (make_long_prompts, make_probe_prompt, make_
 from deepserve.drill.proof import (CacheMissed, FaultProof, HookFired, Logged, NodeLost,
                                    Proofs, SignalDetected, TECrashed, TransferResumed)
 from deepserve.drill.report import DrillReport, build_report
-from deepserve.drill.scenarios import (DETECT_EVENTS, RECOVERED, TE_REMOVED, Scenario,
-                                       deadline_of, target_te, target_tes)
+from deepserve.drill.scenarios import DETECT_EVENTS, RECOVERED, TE_REMOVED, Scenario, deadline_of
 from deepserve.drill.stream import COMPLETED, RequestRecord, first_success_after, now
+from deepserve.drill.target import POLL_S, aim, model_dir, placed_target, wait_tes
 from deepserve.supervisor.node import num_tes
 
-POLL_S = 0.2
 FIRE_BOUND_S = 15.0
 """A hook fault must show its fault_injected event within this long."""
 
@@ -52,19 +50,6 @@ def recovery_bound_s(supervisor) -> float:
     deadlines = [getattr(supervisor, "heartbeat_deadline_s", 3.0),
                  getattr(supervisor, "progress_deadline_s", 5.0)]
     return 6 * max(deadlines) + 30
-
-
-def wait_tes(url: str, want: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (n := num_tes(url) or 0) < want:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url}/health lists {n} TEs, want {want}, after {timeout_s:.0f} s")
-        time.sleep(POLL_S)
-
-
-def served_model(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
-        return json.loads(r.read())["data"][0]["id"]
 
 
 def run_drill(scenario: Scenario, *, url: str, model: str, config=None,
@@ -112,18 +97,7 @@ class Drill:
         self.cluster = cluster
         self.num_tes = (cluster.num_tes if cluster is not None
                         else len(config.tes) if config is not None else 1)
-        if scenario.node_process:  # kill-cm / kill-je: the process is its own "TE"
-            self.te, components = scenario.part, [scenario.part]
-        elif scenario.kills_node:  # the node's TEs are the components
-            if cluster is None:
-                raise RuntimeError(f"{scenario.name}: runs on a cluster the drill starts "
-                                   "(no --url)")
-            self.te = te or scenario.part
-            components = cluster.node_tes[self.te]
-        else:
-            self.te = te or target_te(scenario, self.te_types)
-            components = [f"{t}/{scenario.part}" for t in target_tes(scenario, self.te,
-                                                                     self.te_types)]
+        self.te, components = aim(scenario, te, self.te_types, cluster)
         self.injection = Injection(scenario, self.te, components,
                                    disk_dir=getattr(getattr(config, "node", None),
                                                     "disk_cache_dir", None) or None)
@@ -152,7 +126,7 @@ class Drill:
         config = self.config
         min_len = (config.router.pd_options.min_prompt_len
                    if config is not None and config.router.pd_policy is not None else None)
-        counter = token_counter(config.model) if config is not None else None
+        counter = token_counter(model_dir(config)) if config is not None else None
         if prompts is None and self.scenario.prompt_tokens:
             prompts = make_long_prompts(self.scenario.prompt_tokens, counter)
         if prompts is None:
@@ -161,7 +135,12 @@ class Drill:
                   f"target {', '.join(self.injection.components)}")
         wait_tes(self.url, self.num_tes, self.bound_s)
         self.driver = LoadDriver(self.url, self.model, prompts=prompts, **driver_options)
-        self.reference = self.driver.reference_sync()
+        self.reference = self.driver.reference_sync()  # scale-across: from zero
+        if self.scenario.scales_across:  # the node the model's first TE went to
+            node, te_id = placed_target(self.events, self.config, self.model)
+            self.te = self.injection.te = node
+            self.injection.components = [te_id]
+            self.echo(f"the model's TE went to {node}: target {te_id}")
         self.arm(self.driver)
 
     def arm(self, driver: LoadDriver,
@@ -184,7 +163,7 @@ class Drill:
             config = self.config
             min_len = (config.router.pd_options.min_prompt_len
                        if config is not None and config.router.pd_policy is not None else None)
-            counter = token_counter(config.model) if config is not None else None
+            counter = token_counter(model_dir(config)) if config is not None else None
             self.probe_prompt = make_probe_prompt(min_len, counter)
             self.driver.send_sync(self.probe_prompt)  # fills the cache
             self.probe_before = self.driver.send_sync(self.probe_prompt).cached_tokens
@@ -193,7 +172,8 @@ class Drill:
     def _make_proof(self, fault_at: float) -> FaultProof:
         inj, s = self.injection, self.scenario
         if s.kills_node:
-            return NodeLost(self.events, inj.components, inj.pids, fault_at)
+            return NodeLost(self.events, inj.components, inj.pids, fault_at,
+                            node=self.te if s.scales_across else None)
         if s.is_signal:
             return SignalDetected(self.events, self.te, inj.component, inj.pid, inj.te_pid,
                                   fault_at)

@@ -34,11 +34,23 @@ proving it proof.py.
                       of its cluster    process under it (drill/cluster.py: a head and two
                                         joined nodes on 127.0.0.1-3, conf/cluster-*.toml)
 
+    scale-across      the joined node   as kill-node, on a cluster whose     [node] te_timeout_s
+                      the model's first head has no devices and one [[model]] at zero
+                      TE was placed on  (conf/cluster-scaled-*.toml): the first requests
+                                        start its TE on a joined node; that node is killed
+
 kill-node loses a whole host: its TEs leave the head's TE list once silent
 for te_timeout_s (detection: the cluster manager's `te_removed` events for
 all of them), their requests resume on the other node, nothing restarts
 (the host is gone). Proof: every killed pid is gone and each of the node's
 TEs was removed. Recovery: a request that started after the detection completed.
+
+scale-across is the serverless case of it: the killed node ran the only TE
+of a model the head's autoscaler placed there (the drill finds the node in
+the head's `scale_decision`, which names where it placed). Detection: the
+TE's `te_removed`; proof: the node's pids gone, its TE removed and the CM's
+`node_lost` for that node; recovery: a request that started after the
+detection completed, which needs the model's TE started on the other node.
 
 disk-full and corrupt-disk hit the disk tier (a node with [node]
 disk_cache_dir; the node the drill starts gets one in its run directory).
@@ -151,6 +163,10 @@ class Scenario:
     """A detection event of any component counts (corrupt-disk: a TE may find it first)."""
     needs_disk: bool = False
     """Runs only against a node with a disk tier ([node] disk_cache_dir)."""
+    node_conf: str = "cluster-node.toml"
+    """The conf/ file the joined nodes of a node-killing drill take (--node-conf overrides)."""
+    scales_across: bool = False
+    """The node killed is the one the head placed the model's first TE on (scale-across)."""
 
     @property
     def kills_node(self) -> bool:
@@ -214,6 +230,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("kill-node", "n2", NODE_KILL, TE_TIMEOUT, False, conf="cluster-head.toml",
              description="a joined node (a host) dies whole under load: its TEs leave the "
                          "list, their requests resume on the other node"),
+    Scenario("scale-across", "", NODE_KILL, TE_TIMEOUT, False, conf="cluster-scaled-head.toml",
+             node_conf="cluster-scaled-node.toml", scales_across=True,
+             description="a model at zero starts on a joined node (the head has no devices), "
+                         "which dies under load: its TE starts on the other node, nothing lost"),
 )}
 
 ALIASES = {"hang-worker-sigstop": "hang-worker", "hang-worker-stall": "stall-worker"}

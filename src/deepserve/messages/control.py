@@ -18,7 +18,7 @@ from __future__ import annotations
 import msgspec
 
 from deepserve.messages.cache import TierReport
-from deepserve.messages.scaling import ModelDemand, ScaleEvent
+from deepserve.messages.scaling import ModelDemand, NodeReport, ScaleEvent
 
 _STRUCT = dict(tag_field="kind", omit_defaults=True, kw_only=True)
 
@@ -99,7 +99,8 @@ class TEReport(msgspec.Struct, tag="te_report", **_STRUCT):
     # (it waited op_timeout_s: computed), gap, timeout (the tier service did not answer)
 
 
-ToClusterManager = TEUp | TEDown | TEReport | ModelDemand | ScaleEvent | TierReport
+ToClusterManager = (TEUp | TEDown | TEReport | ModelDemand | ScaleEvent | TierReport
+                    | NodeReport)
 
 
 class TEList(msgspec.Struct, tag="te_list", **_STRUCT):

@@ -3,7 +3,10 @@
     gateway ──RequestLatencies (PUSH, at most every second)──> JE    TTFT / TPOT per model
     JE ──ModelDemand (PUSH, when it changes)──> CM        arrivals, requests held with no TE,
                                                           the gateway's latencies (SLO)
-    CM (autoscaler) ──ScaleOut / ScaleIn (PUSH)──> supervisor (its inbox: the heartbeat one)
+    CM (autoscaler) ──ScaleOut / ScaleIn (PUSH)──> the chosen node's supervisor (the head's:
+                                                   its heartbeat inbox; a joined node's:
+                                                   its node inbox, tcp [cluster] port+4)
+    every node's supervisor ──NodeReport (PUSH, every NODE_REPORT_S)──> CM   (placement)
     supervisor ──Assign (PUSH)──> a pre-warmed TE process: become TE te_id of model
     supervisor ──ScaleEvent (PUSH)──> CM ──(PUB)──> gateways (/metrics), JEs
 
@@ -48,7 +51,41 @@ class ScaleOut(msgspec.Struct, tag="scale_out", **_STRUCT):
     reason: str = ""
     inputs: dict = {}
     decided_at: float = 0.0
-    """time.monotonic() of the decision (one clock per node); 0: when received."""
+    """time.monotonic() of the decision (the CM's clock); 0: when received."""
+    path: str = ""
+    """The model's directory ([[model]] path, as on the head): a joined node that
+    does not declare the model serves it from this path ("": its own spec)."""
+    options: dict = {}
+    """The model's EngineConfig options (with path: the whole spec, as declared)."""
+
+
+NODE_REPORT_S = 1.0
+"""How often every node's supervisor sends its NodeReport."""
+
+
+class NodeReport(msgspec.Struct, tag="node_report", **_STRUCT):
+    """One node's capacity for scaled TEs, as the CM's placement needs it
+    (control/cm/hosts.py); the CM counts a node lost once its reports stop."""
+
+    node: str
+    """The node's [cluster] name ("" on a single host)."""
+    run_id: str
+    """The node's run: a node restarted under the same name is a new one."""
+    address: str
+    """Where ScaleOut / ScaleIn reach its supervisor."""
+    free_devices: int | None = None
+    """Devices no TE holds ([node] num_devices minus every TE's tp); None: no limit."""
+    available_bytes: int = 0
+    """Host memory available (psutil)."""
+    ready_pods: int = 0
+    """Pre-warmed processes ready to be assigned."""
+    cached: list[str] = []
+    """Model directories whose weights its weight cache holds."""
+    tes: dict[str, str] = {}
+    """Its scaled TEs (starting or up): TE id -> model."""
+    scale_outs: int = 0
+    """ScaleOut TEs this run has taken: the CM's placements still in flight are
+    those it sent beyond this count."""
 
 
 class ScaleIn(msgspec.Struct, tag="scale_in", **_STRUCT):

@@ -26,7 +26,11 @@ eviction is logged with its reason), else it stays down.
 
 Scaling (scaler.py): the node starts each scalable model's min_tes TEs and
 the pre-warmed pool; from then on the cluster manager's autoscaler decides
-and the supervisor's scaler carries it out.
+and the supervisor's scaler carries it out. On many hosts the CM places a
+scaled TE on any node that reports room (control/cm/hosts.py); a joined node
+learns a model it does not declare from the ScaleOut (learn), and binds its
+scaled TEs tcp inboxes after its [[te]] ones (bind_te). Both rewrite the
+run's config file (atomically) before the TE's process reads it.
 """
 
 from __future__ import annotations
@@ -45,13 +49,15 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import msgspec
 import zmq
 
 from deepserve.cache.weight_cache import ENV_VAR as WEIGHT_CACHE_ENV
 from deepserve.cache.weight_cache import WeightCache
 from deepserve.config.child import child_argv
 from deepserve.config.loading import write_run_config
-from deepserve.config.node import RunAddresses
+from deepserve.config.models import ModelSpec
+from deepserve.config.addresses import RunAddresses
 from deepserve.ipc import curve
 from deepserve.faults import ENV_VAR as DRILL_ENV
 from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
@@ -91,13 +97,15 @@ class Node:
         self.table = ProcessTable(on_start=lambda name, popen: self.health.write(
             name, "started", popen.pid))
         self.te_ids = [te.te_id for te in config.tes]
+        self.learned: dict[str, ModelSpec] = {}  # models a ScaleOut taught this node
+        self._next_port = len(config.tes)  # a joined node's next scaled TE's port index
         self.placed: list[Gang] = []  # TEs holding devices, in start order
         self.supervisor: Supervisor | None = None
         self.ctx = zmq.Context()
         self.scaler = NodeScaler(self, self._to_cm)
         self.ever: set[str] = set()  # every TE id started: what stop() sweeps
         self._stopping = threading.Event()
-        self._filler: threading.Thread | None = None
+        self._fillers: list[threading.Thread] = []
         budget = config.scaling.weight_cache_bytes
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.weights = WeightCache(shm / f"deepserve-w{self.run_id}", budget) if budget else None
@@ -132,10 +140,7 @@ class Node:
             if not self.joins:
                 self.scaler.fill_pool()
                 self._spawn("gateway", "deepserve.gateway", *self._gateway_args())
-            if self.weights is not None:
-                self._filler = threading.Thread(target=self._fill_weight_cache,
-                                                name="weight-cache", daemon=True)
-                self._filler.start()
+            self._fill_in_background(self.config.all_models)
             self._wait_healthy()
             self.supervisor.start()
         except BaseException:
@@ -146,13 +151,65 @@ class Node:
         watched = ("kv-cache",) if self.joins else NODE_PROCESSES
         return Supervisor(self.table, self.health, self.config.supervisor, tes=self.te_ids,
                           inbox=self.run.hb, cm_pub=self.run.cm_pub, cm=self.run.cm,
-                          scaler=self.scaler, watched=watched, te_address=self.run.te_address)
+                          scaler=self.scaler, watched=watched, node_inbox=self.run.node_inbox,
+                          te_address=lambda te_id: self.run.te_address(te_id))
 
-    def _fill_weight_cache(self) -> None:
-        """DRAM pre-load: every model's weights into the node's cache (those that
+    # -- models and scaled TEs placed here by the head's CM (scaler.py) -----------------
+    def model_spec(self, name: str, path: str = "", options: dict | None = None):
+        """The spec of model `name`: declared here, learned before, or learned
+        now from a ScaleOut's path and options; None: unknown, nothing to learn."""
+        try:
+            return self.config.model_spec(name)
+        except KeyError:
+            pass
+        if name in self.learned or not path:
+            return self.learned.get(name)
+        spec = ModelSpec(name=name, path=path, options=dict(options or {}))
+        try:
+            spec.check()
+        except (ValueError, TypeError) as e:
+            log.error("model %s from the head refused: %s", name, e)
+            return None
+        self.learned[name] = spec
+        self._write_run_config()
+        self.health.write(name, "model_learned", None, path=path)
+        self._fill_in_background([spec])
+        return spec
+
+    def scaled_te_id(self, spec: ModelSpec, n: int) -> str:
+        """A joined node's scaled TEs carry its name: TE ids are cluster-wide."""
+        return spec.te_id(n, self.config.cluster.name if self.joins else "")
+
+    def bind_te(self, te_id: str) -> None:
+        """A joined node's scaled TE gets a tcp inbox (the head's JE reaches it),
+        written to the run's config before the TE reads it; elsewhere: ipc://."""
+        if not self.joins or te_id in self.run.tes:
+            return
+        port = self.config.cluster.te_port(self._next_port)
+        self._next_port += 1
+        tes = {**self.run.tes, te_id: f"tcp://{self.config.cluster.host}:{port}"}
+        self.run = msgspec.structs.replace(self.run, tes=tes)
+        self._write_run_config()
+
+    def cached_models(self) -> list[str]:
+        """Model directories whose weights the node's weight cache holds now."""
+        if self.weights is None:
+            return []
+        models = list(self.config.all_models) + list(self.learned.values())
+        return [m.path for m in models if self.weights.holds(m.path)]
+
+    def _fill_in_background(self, models) -> None:
+        if self.weights is not None:
+            filler = threading.Thread(target=self._fill_weight_cache, args=(list(models),),
+                                      name="weight-cache", daemon=True)
+            self._fillers.append(filler)
+            filler.start()
+
+    def _fill_weight_cache(self, models: list[ModelSpec]) -> None:
+        """DRAM pre-load: the models' weights into the node's cache (those that
         may scale from zero first, the fixed [[te]] one last: its TEs only need
         it to restart), within its budget (LRU)."""
-        models = sorted(self.config.all_models, key=lambda m: (
+        models = sorted(models, key=lambda m: (
             not m.scalable, m.min_tes > 0 and m.idle_s is None, m.name))
         for model in models:
             if self._stopping.is_set():
@@ -224,7 +281,9 @@ class Node:
     def _write_run_config(self) -> Path:
         """The resolved config (the command line's --host / --port included)
         plus the run's addresses, 0600 in the run directory: it holds the API keys."""
-        return write_run_config(self.config.with_run(self.run), self.run_dir / RUN_CONFIG)
+        config = msgspec.structs.replace(self.config.with_run(self.run),
+                                         learned=tuple(self.learned.values()))
+        return write_run_config(config, self.run_dir / RUN_CONFIG)
 
     def _gateway_args(self) -> list[str]:
         return child_argv(self.run_dir / RUN_CONFIG, "gateway")
@@ -316,8 +375,8 @@ class Node:
         self.ctx.term()
         if self.weights is not None:
             self._stopping.set()
-            if self._filler is not None:
-                self._filler.join(30)  # a copy in progress: then nothing recreates the root
+            for filler in self._fillers:
+                filler.join(30)  # a copy in progress: then nothing recreates the root
             self.weights.clear()
         self.health.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -8,6 +8,16 @@ cluster manager's ScaleOut / ScaleIn (messages/scaling.py).
                                                          ──> ScaleEvent ──> CM ──> /metrics
     CM ──ScaleIn(te_id)──> stop it (SIGTERM; drained first by the CM) ──> scaled_in
     supervisor restarting a crashed TE ──> replace(): from the pool too (same path)
+    every NODE_REPORT_S ──report()──> NodeReport ──> CM (placement: control/cm/hosts.py)
+
+Many hosts: the head's CM places each scaled TE on a node (its own, or a
+joined one). A joined node declares no [[model]]: a ScaleOut carries the
+model's path and options, and the node learns the model from it (Node.learn,
+which also caches its weights). Its scaled TEs are named after the node
+(h1-tiny-0) and bind tcp inboxes after its [[te]] ones. A ScaleOut for more
+TEs than the node's free devices ([node] num_devices minus every TE's tp)
+starts what fits; each TE refused is a ScaleEvent "failed" (the CM's slot
+frees at once).
 
 The pool keeps [scaling] pool_size processes started (`te_server --pool`,
 prewarmed.py), each Ready once warm; it refills in the background (a pod
@@ -28,9 +38,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import psutil
+
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.messages.health import Ready
-from deepserve.messages.scaling import Assign, ScaleEvent, ScaleIn, ScaleOut
+from deepserve.messages.scaling import Assign, NodeReport, ScaleEvent, ScaleIn, ScaleOut
 
 log = logging.getLogger(__name__)
 POOL_PREFIX = "pool"
@@ -70,9 +82,12 @@ class NodeScaler:
         self.starting: dict[str, _Start] = {}  # te id -> its scale-out, until listed
         self.retiring: dict[str, float] = {}  # te id -> when it was told to stop
         self.stopped: set[str] = set()  # retiring TEs whose processes are gone (stop thread)
-        self.model_of: dict[str, str] = {te.te_id: self.config.node.served_model
-                                         for te in self.config.tes}
+        self.static = {te.te_id for te in self.config.tes}
+        self.model_of: dict[str, str] = {te_id: self.config.node.served_model
+                                         for te_id in self.static}
         self.model_of.update(self.config.initial_scaled_tes())
+        self.scaled: dict[str, str] = {}  # scaled TE id -> model, from its start until it is gone
+        self.taken = 0  # ScaleOut TEs received (NodeReport.scale_outs)
         self.assigns = Outboxes(node.ctx)
 
     # -- the pool ------------------------------------------------------------------
@@ -92,8 +107,10 @@ class NodeScaler:
     def on_message(self, msg, now: float) -> bool:
         """Handle what is the scaler's (True), or leave it to the supervisor."""
         if isinstance(msg, ScaleOut):
+            self.taken += msg.count
             self.scale_out(msg.model, msg.count, msg.reason,
-                           msg.decided_at if 0 < msg.decided_at <= now else now)
+                           msg.decided_at if 0 < msg.decided_at <= now else now,
+                           path=msg.path, options=msg.options)
         elif isinstance(msg, ScaleIn):
             self.scale_in(msg.te_id, msg.reason, now)
         elif isinstance(msg, Ready) and msg.component in self.pods:
@@ -113,16 +130,44 @@ class NodeScaler:
         return True
 
     # -- scaling out -------------------------------------------------------------------
-    def scale_out(self, model: str, count: int, reason: str, now: float) -> None:
-        try:
-            spec = self.config.model_spec(model)
-        except KeyError:
-            log.error("scale-out of unknown model %r ignored", model)
-            return
-        for _ in range(count):
-            te_id = spec.te_id(self.next_index.get(model, 0))
+    def scale_out(self, model: str, count: int, reason: str, now: float, path: str = "",
+                  options: dict | None = None) -> None:
+        spec = self.node.model_spec(model, path, options or {})
+        if spec is None:
+            log.error("scale-out of unknown model %r refused", model)
+        fits = 0 if spec is None else self.fits(spec, count)
+        for _ in range(fits):
+            te_id = self.node.scaled_te_id(spec, self.next_index.get(model, 0))
             self.next_index[model] = self.next_index.get(model, 0) + 1
             self.start_te(te_id, model, reason, now)
+        for _ in range(count - fits):
+            why = "unknown model" if spec is None else "no free devices"
+            self.node.health.write(model, "scale_refused", None, reason=why)
+            self._tell_cm(ScaleEvent(model=model, te_id="", direction="failed", reason=why))
+
+    def fits(self, spec, count: int) -> int:
+        """How many of `count` TEs of spec the node's free devices take."""
+        free = self.free_devices()
+        return count if free is None else min(count, free // max(1, _tp(spec)))
+
+    def free_devices(self) -> int | None:
+        total = self.config.node.num_devices
+        if total is None:
+            return None
+        used = sum(g.num_devices for g in self.node.placed)
+        used += sum(_tp(self.node.model_spec(m)) for m in self.scaled.values())
+        return max(0, total - used)
+
+    def report(self) -> NodeReport:
+        """This node's capacity, for the CM's placement."""
+        return NodeReport(node=self.config.cluster.name, run_id=self.node.run_id,
+                          address=self.node.run.node_inbox or self.node.run.hb,
+                          free_devices=self.free_devices(),
+                          available_bytes=psutil.virtual_memory().available,
+                          ready_pods=sum(1 for p, ready in self.pods.items()
+                                         if ready and self.node.table.poll(p) is None),
+                          cached=self.node.cached_models(), tes=dict(self.scaled),
+                          scale_outs=self.taken)
 
     def start_te(self, te_id: str, model: str, reason: str, now: float) -> None:
         """Start (or restart) te_id: from a pre-warmed process if one is ready;
@@ -132,6 +177,9 @@ class NodeScaler:
         if te_id not in self.node.te_ids:
             self.node.te_ids.append(te_id)
         self.model_of[te_id] = model
+        if te_id not in self.static:  # a [[te]] TE's devices are the node's placement's
+            self.scaled[te_id] = model
+            self.node.bind_te(te_id)
         self.starting[te_id] = _Start(model, reason, "", now, None)
         waiting = [t for t, st in self.starting.items() if st.given_at is None]
         if self._ready_pod() is None and len(waiting) <= self._num_warming():
@@ -222,6 +270,7 @@ class NodeScaler:
 
     def forget(self, te_id: str) -> None:
         """A start that failed for good (the supervisor gave up on it)."""
+        self.scaled.pop(te_id, None)
         start = self.starting.pop(te_id, None)
         if start is not None:
             self._forget_pod(start)
@@ -255,6 +304,7 @@ class NodeScaler:
             self.node.table.remove(te_id)
             if te_id in self.node.te_ids:
                 self.node.te_ids.remove(te_id)
+            self.scaled.pop(te_id, None)
             self.node.health.write(te_id, "scaled_in", pid, model=model,
                                    stop_s=round(now - began, 3))
             self._tell_cm(ScaleEvent(model=model, te_id=te_id, direction="in"))
@@ -267,3 +317,7 @@ class NodeScaler:
 
     def close(self) -> None:
         self.assigns.close()
+
+
+def _tp(spec) -> int:
+    return int(spec.options.get("tp", 1)) if spec is not None else 1

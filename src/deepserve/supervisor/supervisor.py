@@ -46,6 +46,7 @@ import zmq
 from deepserve.ipc.sockets import PullSocket, PushSocket, SubSocket
 from deepserve.messages.control import FromClusterManager, TEDown, TEList
 from deepserve.messages.health import HealthEvent, Heartbeat, Ready, ToSupervisor
+from deepserve.messages.scaling import NODE_REPORT_S, ScaleIn, ScaleOut
 from deepserve.supervisor.health_log import EVENTS, HealthLog
 from deepserve.supervisor.process_table import ProcessTable
 from deepserve.supervisor.restart_policy import GIVE_UP, GONE, RestartPolicy
@@ -69,11 +70,14 @@ class Supervisor:
     """table: the children to watch and act on; tes: the names in it that are
     TEs (anything with `in`; read at every fault); inbox: the address to bind
     for heartbeats; cm_pub / cm: the cluster manager's PUB (TEList) and inbox
-    (TEDown); cfg: a SupervisorConfig (deadlines, restart budget, kill grace)."""
+    (TEDown); cfg: a SupervisorConfig (deadlines, restart budget, kill grace);
+    node_inbox: a joined node's tcp inbox for the head's ScaleOut / ScaleIn ("": none);
+    with a scaler, a NodeReport goes to the CM every NODE_REPORT_S."""
 
     def __init__(self, table: ProcessTable, health: HealthLog, cfg, *, tes: Container[str],
                  inbox: str, cm_pub: str, cm: str, watched: Iterable[str] = NODE_PROCESSES,
-                 tick_s: float = 0.1, scaler=None, te_address=lambda te_id: ""):
+                 tick_s: float = 0.1, scaler=None, te_address=lambda te_id: "",
+                 node_inbox: str = ""):
         self.table, self.health, self.cfg, self.tick_s = table, health, cfg, tick_s
         self.tes, self.watched = tes, tuple(watched)
         self.watchdog = Watchdog()
@@ -82,6 +86,11 @@ class Supervisor:
                                     window_s=cfg.restart_window_s)
         self.ctx = zmq.Context()
         self.inbox = PullSocket(self.ctx, inbox, bind=True, type=ToSupervisor)
+        self.inboxes = [self.inbox]
+        if node_inbox:  # only orders cross hosts: heartbeats stay on the host's ipc inbox
+            self.inboxes.append(PullSocket(self.ctx, node_inbox, bind=True,
+                                           type=ScaleOut | ScaleIn))
+        self.reported_at = -NODE_REPORT_S
         self.cm_pub = SubSocket(self.ctx, cm_pub, bind=False, type=FromClusterManager)
         self.to_cm = PushSocket(self.ctx, cm, bind=False)
         self.incidents: dict[str, _Incident] = {}  # component (a TE id or a process) ->
@@ -104,7 +113,7 @@ class Supervisor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10)
-        for sock in (self.inbox, self.cm_pub, self.to_cm):
+        for sock in (*self.inboxes, self.cm_pub, self.to_cm):
             sock.close()
         self.ctx.term()
 
@@ -118,11 +127,15 @@ class Supervisor:
 
     # -- one tick ------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        for msg in self.inbox.drain():
-            if self.scaler is None or not self.scaler.on_message(msg, now):
-                self._on_message(msg, now)
+        for inbox in self.inboxes:
+            for msg in inbox.drain():
+                if self.scaler is None or not self.scaler.on_message(msg, now):
+                    self._on_message(msg, now)
         if self.scaler is not None:
             self.scaler.tick(now)
+            if now - self.reported_at >= NODE_REPORT_S:
+                self.reported_at = now
+                self._send_cm(self.scaler.report())
         for msg in self.cm_pub.drain():
             if isinstance(msg, TEList):
                 self._on_te_list({te.te_id for te in msg.tes}, now)
@@ -149,6 +162,12 @@ class Supervisor:
             if not incident.restarted and incident.restart_at is not None \
                     and now >= incident.restart_at:
                 self._restart(name, incident)
+
+    def _send_cm(self, msg) -> None:
+        try:
+            self.to_cm.put(msg, timeout=0.05)
+        except TimeoutError:  # a CM being replaced: the next report goes out in a second
+            pass
 
     def _on_message(self, msg, now: float) -> None:
         if not isinstance(msg, (Heartbeat, Ready, HealthEvent)):

@@ -50,12 +50,14 @@ from deepserve.actor import ActorLife, run_main
 from deepserve.config.child import ChildArgs
 from deepserve.config.loading import read_run_config
 from deepserve.config.models import ModelSpec, ScalingSection
-from deepserve.control.cm.scaling import ScalingControl, options_of, policies_of
+from deepserve.control.cm.hosts import HostBook
+from deepserve.control.cm.scaling import ScalingControl, options_of, policies_of, targets_of
+from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.cache import TierReport
 from deepserve.messages.control import (TEUP_INTERVAL_S, TEDown, TEInfo, TEList, TEReport, TEUp,
                                         ToClusterManager)
-from deepserve.messages.scaling import ModelDemand, ScaleEvent
+from deepserve.messages.scaling import ModelDemand, NodeReport, ScaleEvent, ScaleOut
 
 log = logging.getLogger(__name__)
 REPUBLISH_S = 1.0
@@ -88,15 +90,15 @@ class ClusterManager:
         self.last_published: float | None = None
         self.conflicts: set[tuple[str, str]] = set()  # (te id, address) refused (logged once)
         self.scaling: ScalingControl | None = None  # enable_scaling
-        self.to_supervisor: PushSocket | None = None  # the scaling's outbox, closed here
+        self.outboxes: tuple = ()  # the scaling's sockets (to the nodes), closed here
         self._handlers = {TEUp: self._on_te_up, TEDown: self._on_te_down,
                           TEReport: self._on_report, ModelDemand: self._on_demand,
-                          ScaleEvent: self._on_scale_event,
+                          ScaleEvent: self._on_scale_event, NodeReport: self._on_node_report,
                           TierReport: self.pub.put}  # the KV tiers' state, for /metrics
 
-    def enable_scaling(self, control: ScalingControl, outbox: PushSocket | None = None) -> None:
-        """Run the autoscaler; outbox: the socket its orders leave by (closed by close())."""
-        self.scaling, self.to_supervisor = control, outbox
+    def enable_scaling(self, control: ScalingControl, *outboxes) -> None:
+        """Run the autoscaler; outboxes: what its orders leave by (closed by close())."""
+        self.scaling, self.outboxes = control, outboxes
 
     @property
     def is_listing(self) -> bool:
@@ -172,6 +174,10 @@ class ClusterManager:
         if self.scaling is not None:
             self.scaling.on_demand(msg, self.clock())
 
+    def _on_node_report(self, msg: NodeReport) -> None:
+        if self.scaling is not None:
+            self.scaling.on_node_report(msg, self.clock())
+
     def _on_scale_event(self, msg: ScaleEvent) -> None:
         if self.scaling is not None:
             self.scaling.on_scale_event(msg)
@@ -234,8 +240,8 @@ class ClusterManager:
     def close(self) -> None:
         self.inbox.close()
         self.pub.close()
-        if self.to_supervisor is not None:
-            self.to_supervisor.close()
+        for outbox in self.outboxes:
+            outbox.close()
 
 
 class CMSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -248,7 +254,8 @@ class CMSettings(msgspec.Struct, frozen=True, kw_only=True):
     te_ids: tuple[str, ...] = ()
     """The node's TEs (the first TE list waits for them, at most the grace)."""
     supervisor: str = ""
-    """The supervisor's inbox (ScaleOut / ScaleIn)."""
+    """The CM's own node's supervisor inbox (ScaleOut / ScaleIn before any
+    node reports; other nodes' come in their NodeReports)."""
     models: tuple[ModelSpec, ...] = ()
     """Scalable models ([[model]]): the autoscaler's; none: no autoscaler."""
     scaling: ScalingSection = ScalingSection()
@@ -269,20 +276,35 @@ def load_settings(args: ChildArgs) -> CMSettings:
 
 def build(ctx: zmq.Context, settings: CMSettings, life: ActorLife) -> ClusterManager:
     """The CM of a node; with scalable models its autoscaler, whose orders go
-    to the supervisor through a PUSH socket the CM closes."""
+    to its own node's supervisor (a PUSH socket) or to the node placement
+    picks (one PUSH per node address); the CM closes both."""
     cm = ClusterManager(ctx, settings.inbox, settings.pub, settings.te_timeout_s,
                         expected_tes=settings.te_ids, events=life.event)
     if settings.models:
         to_supervisor = PushSocket(ctx, settings.supervisor, bind=False)
+        to_nodes = Outboxes(ctx, timeout_s=0.5)
 
         def send(msg) -> None:
             try:
                 to_supervisor.put(msg, timeout=0.5)
             except TimeoutError:
                 log.error("%s not sent: the supervisor does not listen", type(msg).__name__)
+
+        def send_to(address: str, msg) -> None:
+            if address == settings.supervisor:
+                return send(msg)
+            if isinstance(msg, ScaleOut):  # another host's clock: timed from its arrival
+                msg = msgspec.structs.replace(msg, decided_at=0.0)
+            if not to_nodes.put(address, msg):
+                log.error("%s not sent: the node at %s does not listen", type(msg).__name__,
+                          address)
+                return False
+            return True
         cm.enable_scaling(ScalingControl(
             policies_of(settings.models), options_of(settings.scaling), send, life.event,
-            time.monotonic(), settings.startup_timeout_s, settings.initial), to_supervisor)
+            time.monotonic(), settings.startup_timeout_s, settings.initial,
+            hosts=HostBook(settings.te_timeout_s, local=settings.supervisor), send_to=send_to,
+            targets=targets_of(settings.models)), to_supervisor, to_nodes)
     return cm
 
 

@@ -13,6 +13,15 @@ supervisor reports the start failed, or startup_timeout_s), and TEs that
 went down by a fault (`restarting`: the supervisor restarts them itself,
 from the pre-warmed pool when it can) until they are back or the timeout.
 
+Placement (hosts.py): once nodes report (NodeReport), each TE of a
+scale-out goes to the node HostBook.choose picks, with the model's path and
+options (a joined node that does not declare the model serves it from
+them); a ScaleIn goes to the node that runs the TE. With no node room, the
+scale-out waits (logged once: scale_unplaced). A node whose reports stop is
+lost (node_lost): its TEs starting or restarting there stop counting as
+capacity at once, so the autoscaler's next step starts them elsewhere. No
+report yet (one host, or the first moments): orders go to the CM's own node.
+
 A TE is drained before it is stopped, so scale-in loses nothing: the CM
 lists it as draining; once DRAIN_SETTLE_S has passed (the JE has seen the
 list) and its report shows nothing waiting or running, the supervisor is
@@ -24,11 +33,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable
 
 from deepserve.control.cm.autoscaler import Autoscaler, Decision, ModelPolicy, ScalingOptions
+from deepserve.control.cm.hosts import HostBook
 from deepserve.messages.control import TEInfo, TEReport
-from deepserve.messages.scaling import ModelDemand, ScaleEvent, ScaleIn, ScaleOut
+from deepserve.messages.scaling import ModelDemand, NodeReport, ScaleEvent, ScaleIn, ScaleOut
 
 log = logging.getLogger(__name__)
 DRAIN_SETTLE_S = 1.0
@@ -42,6 +54,30 @@ def policies_of(models: Iterable) -> list[ModelPolicy]:
                         percentile=m.slo.percentile) for m in models if m.scalable]
 
 
+@dataclass(frozen=True)
+class Target:
+    """What a node needs to start a TE of a model it may not declare, and what
+    placement weighs: its devices (tp) and the bytes of its weights."""
+
+    path: str
+    options: dict
+    devices: int = 1
+    size: int = 0
+
+
+def targets_of(models: Iterable) -> dict[str, Target]:
+    """ModelSpecs of scalable models -> model name -> Target."""
+    return {m.name: Target(m.path, dict(m.options), int(m.options.get("tp", 1)),
+                           _weights_bytes(m.path)) for m in models if m.scalable}
+
+
+def _weights_bytes(path: str) -> int:
+    try:
+        return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    except OSError:
+        return 0
+
+
 def options_of(scaling) -> ScalingOptions:
     """[scaling] (ScalingSection) -> the autoscaler's options (same names)."""
     names = ScalingOptions.__dataclass_fields__
@@ -49,20 +85,26 @@ def options_of(scaling) -> ScalingOptions:
 
 
 class ScalingControl:
-    """send(msg): to the supervisor; events(event, **details): the health log;
-    initial: te id -> model of the TEs the node starts itself (min_tes)."""
+    """send(msg): to the CM's own node's supervisor; events(event, **details):
+    the health log; initial: te id -> model of the TEs the node starts itself
+    (min_tes); hosts / send_to(address, msg) / targets: placement over the
+    nodes that report (None: every order to `send`)."""
 
     def __init__(self, policies: list[ModelPolicy], options: ScalingOptions,
                  send: Callable, events: Callable, now: float, startup_timeout_s: float,
-                 initial: dict[str, str] | None = None, clock: Callable[[], float] = time.monotonic):
+                 initial: dict[str, str] | None = None, clock: Callable[[], float] = time.monotonic,
+                 hosts: HostBook | None = None, send_to: Callable | None = None,
+                 targets: dict[str, Target] | None = None):
         self.autoscaler = Autoscaler(policies, options, now)
         self.clock = clock
         self.models = {p.name for p in policies}
         self.send, self.events = send, events
+        self.hosts, self.send_to, self.targets = hosts, send_to, targets or {}
         self.startup_timeout_s = startup_timeout_s
-        self.starting: dict[str, list[float]] = {m: [] for m in self.models}
-        for model in (initial or {}).values():
-            self.starting.setdefault(model, []).append(now + startup_timeout_s)
+        self.starting: dict[str, list[tuple[float, str | None]]] = {m: [] for m in self.models}
+        for model in (initial or {}).values():  # (deadline, node: None is the CM's own)
+            self.starting.setdefault(model, []).append((now + startup_timeout_s, None))
+        self.unplaced: set[str] = set()  # models whose scale-out found no room (logged once)
         self.seen: set[str] = set()  # TE ids ever up (a new one fills a starting slot)
         self.restarting: dict[str, tuple[str, float]] = {}
         self.draining: dict[str, tuple[str, float]] = {}  # te id -> (model, since)
@@ -74,16 +116,37 @@ class ScalingControl:
         if info.te_id not in self.seen and info.model in self.starting:
             self.seen.add(info.te_id)
             self.autoscaler.on_started(info.model, now)
-            if self.starting[info.model]:
-                self.starting[info.model].pop(0)
+            self._pop_starting(info.model, self.hosts.node_of(info.te_id) if self.hosts else None)
 
     def on_te_down(self, te_id: str, model: str, reason: str, now: float) -> None:
         self.autoscaler.forget_te(te_id)
         self.draining.pop(te_id, None)
         if te_id in self.retiring:
             self.retiring.discard(te_id)
-        elif model in self.models and reason != "shutdown":
+        elif model in self.models and reason != "shutdown" and not self._on_lost_node(te_id):
             self.restarting[te_id] = (model, now + self.startup_timeout_s)
+
+    def on_node_report(self, report: NodeReport, now: float) -> None:
+        if self.hosts is not None:
+            self.hosts.on_report(report, now)
+
+    def _on_lost_node(self, te_id: str) -> bool:
+        """te_id ran on a node that is lost: nobody restarts it there."""
+        return self.hosts is not None and self.hosts.is_lost(self.hosts.node_of(te_id) or "")
+
+    def _node_lost(self, node: str) -> None:
+        """Its starting and restarting TEs are capacity no more."""
+        dropped = [t for t in self.restarting if self.hosts.node_of(t) == node]
+        for te_id in dropped:
+            del self.restarting[te_id]
+        for model, entries in self.starting.items():
+            kept = [e for e in entries if e[1] != node]
+            dropped += [model] * (len(entries) - len(kept))
+            entries[:] = kept
+        tes = self.hosts.tes_of(node)
+        log.warning("node %s lost with its TEs %s (no longer counted as starting: %s)", node,
+                    tes, dropped)
+        self.events("node_lost", node=node, tes=tes, dropped=dropped)
 
     def on_report(self, report: TEReport, model: str, now: float) -> None:
         if model in self.models:
@@ -97,8 +160,9 @@ class ScalingControl:
         if (idle and waited >= DRAIN_SETTLE_S) or waited >= DRAIN_TIMEOUT_S:
             del self.draining[report.te_id]
             self.retiring.add(report.te_id)
-            self.send(ScaleIn(te_id=report.te_id, model=drain[0],
-                              reason="drained" if idle else "drain timeout"))
+            self._send(ScaleIn(te_id=report.te_id, model=drain[0],
+                               reason="drained" if idle else "drain timeout"),
+                       self.hosts.node_of(report.te_id) if self.hosts else None)
 
     def on_demand(self, msg: ModelDemand, now: float) -> None:
         for model, n in msg.arrivals.items():
@@ -114,8 +178,15 @@ class ScalingControl:
                 self.autoscaler.on_latency(model, arrived, ttft_ms=ttft_ms, tpot_ms=tpot_ms)
 
     def on_scale_event(self, msg: ScaleEvent) -> None:
-        if msg.direction == "failed" and self.starting.get(msg.model):
-            self.starting[msg.model].pop(0)
+        if msg.direction == "failed":
+            self._pop_starting(msg.model, self.hosts.node_of(msg.te_id) if self.hosts else None)
+
+    def _pop_starting(self, model: str, node: str | None) -> None:
+        """One start of `model` ended (up or failed): its slot, on `node` if one is there."""
+        entries = self.starting.get(model)
+        if entries:
+            at = next((i for i, e in enumerate(entries) if e[1] == node), 0)
+            del entries[at]
 
     def is_held(self, te_id: str) -> bool:
         """Draining or retiring: its TEUp must not clear the draining mark."""
@@ -124,8 +195,10 @@ class ScalingControl:
     # -- deciding ------------------------------------------------------------------
     def step(self, now: float, tes: dict[str, TEInfo]) -> list[str]:
         """Decide; send scale-outs; the TE ids that start draining now."""
-        for model, deadlines in self.starting.items():
-            deadlines[:] = [d for d in deadlines if d > now]
+        for node in self.hosts.expire(now) if self.hosts is not None else ():
+            self._node_lost(node)
+        for model, entries in self.starting.items():
+            entries[:] = [e for e in entries if e[0] > now]
         self.restarting = {t: v for t, v in self.restarting.items() if v[1] > now}
         up: dict[str, list[str]] = {m: [] for m in self.models}
         for te in tes.values():
@@ -136,21 +209,58 @@ class ScalingControl:
             starting[model] = starting.get(model, 0) + 1
         drained = []
         for decision in self.autoscaler.decide(now, up, starting):
-            self._log(decision)
             if decision.direction == "out":
-                self.starting[decision.model].extend(
-                    [now + self.startup_timeout_s] * decision.count)
-                self.send(ScaleOut(model=decision.model, count=decision.count,
-                                   reason=decision.reason, inputs=decision.inputs,
-                                   decided_at=self.clock()))
-            elif decision.te_id is not None and decision.te_id in tes:
+                self._scale_out(decision, now)
+                continue
+            self._log(decision)
+            if decision.te_id is not None and decision.te_id in tes:
                 self.draining[decision.te_id] = (decision.model, now)
                 self.autoscaler.forget_te(decision.te_id)
                 drained.append(decision.te_id)
         return drained
 
-    def _log(self, d: Decision) -> None:
-        log.warning("autoscaler: %s %s x%d (%s) %s", d.model, d.direction, d.count,
-                    d.te_id or "", d.reason)
+    def _scale_out(self, d: Decision, now: float) -> None:
+        """Each TE to the node placement picks (one ScaleOut per node), or all to
+        the CM's own node while no node has reported."""
+        first = d.model not in self.unplaced  # retried every step while no node has room:
+        per_node: dict[str | None, int] = {}  # logged when first made, and once placed
+        target = self.targets.get(d.model)
+        for _ in range(d.count):
+            node = None
+            if self.hosts is not None and self.hosts.known and target is not None:
+                node = self.hosts.choose(d.model, target.path, target.devices, target.size)
+                if node is None:
+                    if first:
+                        log.error("autoscaler: no node has room for a TE of %s", d.model)
+                        self.events("scale_unplaced", model=d.model, reason=d.reason,
+                                    nodes=self.hosts.summary())
+                    break
+                self.hosts.placed(node, d.model)
+            per_node[node] = per_node.get(node, 0) + 1
+        if first or per_node and d.model in self.unplaced:
+            self._log(d, placed={n or "": c for n, c in per_node.items()})
+        if per_node:
+            self.unplaced.discard(d.model)
+        else:
+            self.unplaced.add(d.model)
+        for node, count in per_node.items():
+            extra = {} if target is None else {"path": target.path, "options": target.options}
+            if self._send(ScaleOut(model=d.model, count=count, reason=d.reason, inputs=d.inputs,
+                                   decided_at=self.clock(), **extra), node) is not False:
+                self.starting[d.model].extend([(now + self.startup_timeout_s, node)] * count)
+            elif node is not None:
+                self.hosts.withdraw(node, d.model, count)
+
+    def _send(self, msg, node: str | None) -> bool | None:
+        """False: the node did not take it (a scale-out then counts for nothing)."""
+        address = self.hosts.address(node) if self.hosts is not None and node else None
+        if address is not None and self.send_to is not None:
+            return self.send_to(address, msg)
+        return self.send(msg)
+
+    def _log(self, d: Decision, **extra) -> None:
+        """extra: placed = node -> TEs ("" the CM's own node; none: no node has room)."""
+        log.warning("autoscaler: %s %s x%d (%s) %s %s", d.model, d.direction, d.count,
+                    d.te_id or "", d.reason, extra or "")
         self.events("scale_decision", model=d.model, direction=d.direction, count=d.count,
-                    te_id=d.te_id, reason=d.reason, inputs=d.inputs)
+                    te_id=d.te_id, reason=d.reason, inputs=d.inputs, **extra)

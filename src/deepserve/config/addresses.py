@@ -1,0 +1,75 @@
+"""The sockets of one run of a node: where its processes bind and connect.
+
+    one host         every socket ipc:// in the run directory (RunAddresses.in_dir)
+    many hosts       what other hosts reach binds tcp://[cluster] host:port+k
+                     (config/cluster.py: the head's cluster manager and PUB,
+                     gateway replies, TE inboxes, a joined node's supervisor
+                     inbox); same-host sockets stay ipc://
+
+The node derives them (RunAddresses.for_node) and writes them into the run's
+resolved config; its children read them from there (config/loading.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from deepserve.config.cluster import NODE_PORT_OFFSET, ClusterSection
+
+
+class RunAddresses(msgspec.Struct, frozen=True, kw_only=True):
+    """The sockets of one run (all ipc:// in the run directory); the node
+    derives them, children read them from the resolved config file."""
+
+    run_id: str
+    cm: str
+    """The cluster manager's inbox (TEUp / TEDown / TEReport)."""
+    cm_pub: str
+    """The cluster manager's PUB (TEList, TEReport) for JEs, gateways, the supervisor."""
+    je: str
+    """The job executor's inbox (SubmitRequest / AbortRequest from gateways)."""
+    gw_reply: str
+    """The gateway's reply inbox (RequestDelta / RequestFailed)."""
+    hb: str
+    """The supervisor's heartbeat inbox (also in $DEEPSERVE_HEARTBEAT, which ActorLife reads)."""
+    tes: dict[str, str] = {}
+    """TE id -> the inbox its tokenizer binds (the [[te]] TEs)."""
+    kv_cache: str = ""
+    """The KV tier service's inbox ("" when [node] host_cache_bytes is 0)."""
+    run_dir: str = ""
+    """Where TEs started later (scaling) and pre-warmed processes bind theirs."""
+    node_inbox: str = ""
+    """A joined node's supervisor's tcp inbox ([cluster] port+4): the head's CM sends
+    it ScaleOut / ScaleIn; "": the heartbeat inbox (the CM is on this host)."""
+
+    @classmethod
+    def for_node(cls, run_dir: str | Path, run_id: str, te_ids, kv_cache: bool,
+                 cluster: ClusterSection) -> "RunAddresses":
+        """One host: `in_dir`. Many ([cluster] host set): what other hosts reach
+        binds tcp://host:port+k (the head's cluster manager, its PUB, the gateway's
+        replies; every TE's inbox), or, on a joining node, points at the head's;
+        same-host sockets (heartbeats, the KV tier, the JE's inbox) stay ipc://."""
+        local = cls.in_dir(run_dir, run_id, te_ids, kv_cache)
+        if not cluster.is_cluster:
+            return local
+        head = cluster.head_address
+        tes = {t: f"tcp://{cluster.host}:{cluster.te_port(i)}" for i, t in enumerate(te_ids)}
+        je = "" if cluster.joins else local.je
+        node_inbox = f"tcp://{cluster.host}:{cluster.port + NODE_PORT_OFFSET}" \
+            if cluster.joins else ""
+        return msgspec.structs.replace(local, cm=head(0), cm_pub=head(1), je=je,
+                                       gw_reply=head(3), tes=tes, node_inbox=node_inbox)
+
+    @classmethod
+    def in_dir(cls, run_dir: str | Path, run_id: str, te_ids,
+               kv_cache: bool = False) -> "RunAddresses":
+        at = lambda name: f"ipc://{run_dir}/{name}.sock"  # noqa: E731
+        return cls(run_id=run_id, cm=at("cm"), cm_pub=at("cm-pub"), je=at("je"),
+                   gw_reply=at("gw-reply"), hb=at("hb"), tes={t: at(t) for t in te_ids},
+                   kv_cache=at("kv-cache") if kv_cache else "", run_dir=str(run_dir))
+
+    def te_address(self, te_id: str) -> str:
+        """The inbox of any TE (or pre-warmed process) of the run."""
+        return self.tes.get(te_id) or f"ipc://{self.run_dir}/{te_id}.sock"

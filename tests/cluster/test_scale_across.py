@@ -1,0 +1,97 @@
+"""Scaling across hosts (issue 25 item 1), in three network namespaces:
+
+    h0 10.213.77.1  head: CM, JE, gateway; [node] num_devices = 0 (no TE here);
+                    [[model]] "tinys" at zero (min_tes 0, max_tes 1)
+    h1 10.213.77.2  joins: no [[te]], no [[model]]: capacity only
+    h2 10.213.77.3  joins: the same
+
+The first request for tinys starts its TE on a joined node (placement: the
+head has no devices); the node learns the model from the ScaleOut. Then that
+host is killed under load: the CM counts it lost, starts the TE on the other
+host, and every stream still ends with the greedy tokens. Tests run in order.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from tests.cluster.nodes import KEY, START_S, TE, URL, Cluster, head_conf, node_conf
+from tests.scratch import Scratch
+
+pytestmark = pytest.mark.slow  # three nodes, TEs started on demand
+
+MODEL = "tinys"
+PROMPTS = ["Say hi", "The cluster", "One two three", "Hello there, host"]
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts, tiny_model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("across")
+    scratch = Scratch()
+    c = Cluster(hosts, d, scratch)
+    head = hosts.addresses[0]
+    model = f'[[model]]\nname = "{MODEL}"\npath = "{tiny_model}"\nmin_tes = 0\nmax_tes = 1\n' + TE
+    c.start(0, "head", head_conf(d, tiny_model, head, node="num_devices = 0",
+                                 tables=model + "[scaling]\nqueue_timeout_s = 150\n"))
+    for i in (1, 2):
+        c.start(i, f"h{i}", node_conf(d, tiny_model, f"h{i}", hosts.addresses[i], head, []))
+    try:
+        [up] = c.client("wait", URL, "0", str(START_S), timeout=START_S + 30)
+        assert up["num_tes"] == 0, c.logs()  # the gateway answers; no TE anywhere yet
+        yield c
+    finally:
+        c.stop()
+
+
+def _scaled_out(cluster, node: str) -> list[dict]:
+    return [e for e in cluster.events("scaled_out", node) if e["details"]["model"] == MODEL]
+
+
+def _wait_for(check, timeout_s: float, what: str, cluster):
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"{what}\n{cluster.logs()}"
+        time.sleep(0.5)
+    return found
+
+
+def test_a_model_at_zero_starts_on_a_joined_host_and_gives_the_greedy_tokens(cluster, greedy):
+    *_, results = cluster.client("generate", URL, KEY, MODEL, "12", json.dumps(PROMPTS),
+                                 timeout=400)
+    for prompt, got in zip(PROMPTS, results):
+        assert got["error"] is None, (got, cluster.logs())
+        assert got["ids"] == greedy(prompt, 12), prompt
+    decisions = [e for e in cluster.events("scale_decision") if e["details"]["model"] == MODEL]
+    assert decisions and {e["details"]["reason"] for e in decisions} == {"demand_from_zero"}
+    assert not _scaled_out(cluster, "head")  # the head has no devices
+    started = {n: _scaled_out(cluster, n) for n in ("h1", "h2")}
+    [(node, [event])] = [(n, e) for n, e in started.items() if e]
+    assert event["component"] == f"{node}-{MODEL}-0", event
+    [learned] = cluster.events("model_learned", node)
+    assert learned["component"] == MODEL
+
+
+def test_a_killed_host_s_te_comes_back_on_the_other_host_and_nothing_is_lost(
+        cluster, hosts, greedy):
+    [node] = [n for n in ("h1", "h2") if _scaled_out(cluster, n)]
+    other = "h2" if node == "h1" else "h1"
+    prompts = [f"{p} {i}" for i, p in enumerate(PROMPTS * 2)]
+    client = hosts.python(0, "tests.cluster.client", "generate", URL, KEY, MODEL, "48",
+                          json.dumps(prompts), stdout=subprocess.PIPE, text=True)
+    assert json.loads(client.stdout.readline()) == {"event": "streaming"}
+    host = int(node[1])
+    assert hosts.kill_host(host) and cluster.nodes[node].wait(10) == -9  # the fault happened
+    [lost] = _wait_for(lambda: cluster.events("node_lost"), 30, "no node_lost", cluster)
+    assert lost["details"]["node"] == node and lost["details"]["tes"] == [f"{node}-{MODEL}-0"]
+    results = json.loads(client.stdout.readline())
+    assert hosts.reap(client, 300) == 0
+    for prompt, got in zip(prompts, results):
+        assert got["error"] is None, (got, cluster.logs())
+        assert got["ids"] == greedy(prompt, 48), prompt
+    [event] = _scaled_out(cluster, other)
+    assert event["component"] == f"{other}-{MODEL}-0"
+    assert cluster.events("request_migrated"), cluster.logs()  # streams resumed on `other`

@@ -1,0 +1,158 @@
+"""Cluster-wide placement (control/cm/hosts.py) and the scaling loop that uses
+it (control/cm/scaling.py): which node a scaled TE goes to, what a ScaleOut
+to a joined node carries, and a lost node's TEs started elsewhere, on a fake
+clock."""
+
+from __future__ import annotations
+
+from deepserve.config.models import ModelSpec, ScalingSection
+from deepserve.control.cm.hosts import HostBook
+from deepserve.control.cm.scaling import ScalingControl, options_of, policies_of, targets_of
+from deepserve.messages.control import TEInfo
+from deepserve.messages.scaling import ModelDemand, NodeReport, ScaleEvent, ScaleIn, ScaleOut
+
+GB = 1 << 30
+
+
+def node(name, run_id="r1", free=None, pods=0, cached=(), tes=None, taken=0, mem=8 * GB):
+    return NodeReport(node=name, run_id=run_id, address=f"tcp://{name}:7404",
+                      free_devices=free, available_bytes=mem, ready_pods=pods,
+                      cached=list(cached), tes=tes or {}, scale_outs=taken)
+
+
+def book(*reports, now=0.0):
+    b = HostBook(timeout_s=3.0)
+    for r in reports:
+        b.on_report(r, now)
+    return b
+
+
+def test_replicas_spread_first_then_a_ready_pod_then_the_weight_cache():
+    assert book(node("a", tes={"a-m-0": "m"}, pods=1, cached=["/m"]),
+                node("b")).choose("m", "/m") == "b"  # a holds a replica already
+    assert book(node("a", cached=["/m"]), node("b", pods=1)).choose("m", "/m") == "b"
+    assert book(node("a"), node("b", cached=["/m"])).choose("m", "/m") == "b"
+    assert book(node("a"), node("b")).choose("m", "/m") == "a"  # ties: the first name
+    assert book(node("a", free=1), node("b", free=3)).choose("m", "/m") == "b"
+
+
+def test_a_node_without_the_devices_or_the_memory_is_no_candidate():
+    b = book(node("a", free=1), node("b", free=0), node("c", mem=GB))
+    assert b.choose("m", "/m", devices=2, size=2 * GB) is None  # tp 2: a has 1, b 0;
+    assert b.choose("m", "/m", devices=2) == "c"  # c has no device limit, too little memory
+    assert b.choose("m", "/m", devices=1, size=2 * GB) == "a"
+
+
+def test_a_placement_holds_its_devices_until_the_node_reports_it_took_the_order():
+    b = book(node("a", free=1), node("b", free=1))
+    assert b.choose("m", "/m") == "a"
+    b.placed("a", "m")
+    assert b.choose("m", "/m") == "b"  # a's one device is spoken for
+    b.on_report(node("a", free=1, taken=0), 0.5)  # sent before the order arrived
+    assert b.choose("x", "/x") == "b"
+    b.placed("b", "m")
+    assert b.choose("x", "/x") is None
+    b.on_report(node("a", free=0, taken=1, tes={"a-m-0": "m"}), 1.0)  # took it
+    b.on_report(node("b", free=1, taken=0), 1.0)
+    assert b.choose("x", "/x") is None  # b's order is still in flight
+    b.withdraw("b", "m", 1)  # ... and was never delivered
+    assert b.choose("x", "/x") == "b"
+
+
+def test_a_silent_node_is_lost_once_and_back_when_it_reports_again():
+    b = book(node("a", tes={"a-m-0": "m"}), node("b"))
+    b.on_report(node("b"), 2.0)
+    assert b.expire(3.5) == ["a"] and b.expire(4.0) == []
+    assert b.is_lost("a") and b.node_of("a-m-0") == "a" and b.address("a") is None
+    assert b.choose("m", "/m") == "b" and b.alive() == ["b"]
+    b.on_report(node("a", run_id="r2"), 5.0)  # restarted: a new run
+    assert not b.is_lost("a") and b.alive() == ["a", "b"]
+    own = HostBook(timeout_s=3.0, local="tcp://a:7404")  # the CM's own node
+    own.on_report(node("a"), 0.0)
+    assert own.expire(60.0) == [] and own.alive() == ["a"]
+
+
+# -- the scaling loop with placement ---------------------------------------------------
+
+def control(min_tes=0, max_tes=2):
+    sent, to, events = [], [], []
+    spec = ModelSpec(name="m", path="/models/m", min_tes=min_tes, max_tes=max_tes,
+                     options={"max_num_seqs": 4})
+    c = ScalingControl(policies_of([spec]), options_of(ScalingSection()), sent.append,
+                       lambda event, **d: events.append((event, d)), 0.0, 60.0, {},
+                       hosts=HostBook(3.0), send_to=lambda a, m: to.append((a, m)),
+                       targets=targets_of([spec]))
+    return c, sent, to, events
+
+
+def te(te_id):
+    return TEInfo(te_id=te_id, model="m", address=f"tcp://{te_id}")
+
+
+def test_no_report_yet_sends_to_the_cms_own_node_as_on_one_host():
+    c, sent, to, _ = control(min_tes=1)
+    c.step(0.0, {})
+    assert [type(m) for m in sent] == [ScaleOut] and to == []
+
+
+def test_a_model_at_zero_starts_on_the_chosen_node_with_its_path_and_options():
+    c, sent, to, events = control()
+    c.on_node_report(node("head", free=0), 0.0)
+    c.on_node_report(node("h1", free=1), 0.0)
+    c.on_demand(ModelDemand(parked={"m": 1}), 0.1)
+    c.step(0.2, {})
+    [(address, out)] = to
+    assert address == "tcp://h1:7404" and sent == []
+    assert (out.model, out.count, out.reason) == ("m", 1, "demand_from_zero")
+    [decision] = [d for e, d in events if e == "scale_decision"]
+    assert decision["placed"] == {"h1": 1}
+    assert (out.path, out.options) == ("/models/m", {"max_num_seqs": 4})
+    c.step(0.4, {})  # starting on h1: not asked again
+    assert len(to) == 1
+
+
+def test_no_room_anywhere_is_logged_once_and_placed_when_room_appears():
+    c, sent, to, events = control(min_tes=1)
+    c.on_node_report(node("head", free=0), 0.0)
+    c.step(0.1, {})
+    c.step(0.3, {})
+    assert to == [] and sent == []
+    assert [e for e, _ in events].count("scale_unplaced") == 1
+    assert [e for e, _ in events].count("scale_decision") == 1  # not once a step
+    c.on_node_report(node("h1"), 0.5)
+    c.step(0.6, {})
+    assert [a for a, _ in to] == ["tcp://h1:7404"]
+    assert [e for e, _ in events].count("scale_decision") == 2  # ... and once placed
+
+
+def test_a_lost_nodes_te_is_started_on_another_node_at_once():
+    """h1 runs m's only TE and goes silent: its TE leaves the list, the node is
+    lost, and the next step places a new TE on h2 (no wait for a restart
+    that nobody will do)."""
+    c, sent, to, events = control(min_tes=1)
+    c.on_node_report(node("h1", tes={"h1-m-0": "m"}, taken=1), 0.0)
+    c.on_node_report(node("h2"), 0.0)
+    c.on_te_up(te("h1-m-0"), 0.0)
+    c.step(0.1, {"h1-m-0": te("h1-m-0")})
+    assert to == []
+    c.on_node_report(node("h2"), 3.0)
+    c.on_te_down("h1-m-0", "m", "no report for 3.0 s", 3.2)  # before the node is lost
+    c.step(3.5, {})
+    [lost] = [d for e, d in events if e == "node_lost"]
+    assert lost == {"node": "h1", "tes": ["h1-m-0"], "dropped": ["h1-m-0"]}
+    [(address, out)] = to
+    assert address == "tcp://h2:7404" and out.reason == "min_tes"
+
+
+def test_a_scale_in_goes_to_the_node_that_runs_the_te_and_a_refusal_frees_the_slot():
+    c, sent, to, _ = control(min_tes=0, max_tes=2)
+    c.on_node_report(node("h1", tes={"h1-m-0": "m"}, taken=1), 0.0)
+    c.on_te_up(te("h1-m-0"), 0.0)
+    c.draining["h1-m-0"] = ("m", 0.0)
+    from deepserve.messages.control import TEReport
+    c.on_report(TEReport(te_id="h1-m-0", num_waiting=0, num_running=0, load_tokens=0,
+                         kv_usage=0.0), "m", 2.0)
+    assert to == [("tcp://h1:7404", ScaleIn(te_id="h1-m-0", model="m", reason="drained"))]
+    c.starting["m"].append((100.0, "h1"))
+    c.on_scale_event(ScaleEvent(model="m", te_id="", direction="failed"))
+    assert c.starting["m"] == []
