@@ -89,10 +89,15 @@ def te(te_id):
     return TEInfo(te_id=te_id, model="m", address=f"tcp://{te_id}")
 
 
-def test_no_report_yet_sends_to_the_cms_own_node_as_on_one_host():
-    c, sent, to, _ = control(min_tes=1)
+def test_a_scale_out_waits_for_the_first_node_report():
+    """A CM that just started knows no node: the scale-out waits (logged once),
+    then goes to the first node that reports (on one host: the CM's own)."""
+    c, sent, to, events = control(min_tes=1)
     c.step(0.0, {})
-    assert [type(m) for m in sent] == [ScaleOut] and to == []
+    assert sent == [] and to == [] and [e for e, _ in events].count("scale_unplaced") == 1
+    c.on_node_report(node("", free=None), 0.5)
+    c.step(0.6, {})
+    assert [(a, type(m)) for a, m in to] == [("tcp://:7404", ScaleOut)]
 
 
 def test_a_model_at_zero_starts_on_the_chosen_node_with_its_path_and_options():

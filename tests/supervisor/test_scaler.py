@@ -13,7 +13,7 @@ from deepserve.ipc.sockets import PullSocket
 from deepserve.messages.health import Ready
 from deepserve.messages.scaling import Assign, ScaleEvent, ScaleIn, ScaleOut
 from deepserve.supervisor.node_config import NodeConfig
-from deepserve.supervisor.scaler import READY_WAIT_S, NodeScaler
+from deepserve.supervisor.scaler import MAX_SCALE_OUT, READY_WAIT_S, NodeScaler
 
 
 class _Popen:
@@ -273,4 +273,15 @@ def test_a_scaled_te_frees_its_devices_once_scaled_in(tmp_path):
         time.sleep(0.01)
     scaler.tick(3.0)
     assert scaler.free_devices() == 1 and scaler.report().tes == {}
+    scaler.close()
+
+
+def test_a_scale_out_count_is_bounded_at_both_ends(tmp_path):
+    """A count from the wire: 65 starts MAX_SCALE_OUT (64) TEs, -3 and 0 start none."""
+    node, scaler, told = _scaler(tmp_path, pool_size=0)
+    scaler.on_message(ScaleOut(model="m", count=-3), 1.0)
+    scaler.on_message(ScaleOut(model="m", count=0), 1.0)
+    assert node.spawned == []
+    scaler.on_message(ScaleOut(model="m", count=MAX_SCALE_OUT + 1), 2.0)
+    assert len(node.spawned) == MAX_SCALE_OUT == 64
     scaler.close()

@@ -64,6 +64,9 @@ class _Start:
 
 POD_WAIT_S = 60.0
 """A start waits at most this long for a warming pre-warmed process (then: cold)."""
+MAX_SCALE_OUT = 64
+"""TEs one ScaleOut starts at most (a model's max_tes is at most 64): a bad count
+from the wire cannot make a node fork without bound."""
 READY_WAIT_S = 2.0
 """A TE listed before its Ready came in: scaled_out waits this long for its stages."""
 
@@ -108,7 +111,7 @@ class NodeScaler:
         """Handle what is the scaler's (True), or leave it to the supervisor."""
         if isinstance(msg, ScaleOut):
             self.taken += msg.count
-            self.scale_out(msg.model, msg.count, msg.reason,
+            self.scale_out(msg.model, max(0, min(msg.count, MAX_SCALE_OUT)), msg.reason,
                            msg.decided_at if 0 < msg.decided_at <= now else now,
                            path=msg.path, options=msg.options)
         elif isinstance(msg, ScaleIn):

@@ -72,11 +72,6 @@ class HostBook:
         return lost
 
     # -- questions ---------------------------------------------------------------
-    @property
-    def known(self) -> bool:
-        """Some node has reported (else the CM sends to its own node, as on one host)."""
-        return bool(self._nodes)
-
     def is_lost(self, name: str) -> bool:
         node = self._nodes.get(name)
         return node is not None and node.lost

@@ -16,11 +16,12 @@ from the pre-warmed pool when it can) until they are back or the timeout.
 Placement (hosts.py): once nodes report (NodeReport), each TE of a
 scale-out goes to the node HostBook.choose picks, with the model's path and
 options (a joined node that does not declare the model serves it from
-them); a ScaleIn goes to the node that runs the TE. With no node room, the
-scale-out waits (logged once: scale_unplaced). A node whose reports stop is
-lost (node_lost): its TEs starting or restarting there stop counting as
-capacity at once, so the autoscaler's next step starts them elsewhere. No
-report yet (one host, or the first moments): orders go to the CM's own node.
+them); a ScaleIn goes to the node that runs the TE. With no node room (or
+no report yet: a CM that just started), the scale-out waits (logged once:
+scale_unplaced). A node whose reports stop is lost (node_lost): its TEs
+starting or restarting there stop counting as capacity at once, so the
+autoscaler's next step starts them elsewhere. One host is a cluster of one
+node: the CM's own, which reports like any other.
 
 A TE is drained before it is stopped, so scale-in loses nothing: the CM
 lists it as draining; once DRAIN_SETTLE_S has passed (the JE has seen the
@@ -220,14 +221,14 @@ class ScalingControl:
         return drained
 
     def _scale_out(self, d: Decision, now: float) -> None:
-        """Each TE to the node placement picks (one ScaleOut per node), or all to
-        the CM's own node while no node has reported."""
+        """Each TE to the node placement picks (one ScaleOut per node); without
+        placement (hosts None), all to the CM's own node."""
         first = d.model not in self.unplaced  # retried every step while no node has room:
         per_node: dict[str | None, int] = {}  # logged when first made, and once placed
         target = self.targets.get(d.model)
         for _ in range(d.count):
             node = None
-            if self.hosts is not None and self.hosts.known and target is not None:
+            if self.hosts is not None and target is not None:
                 node = self.hosts.choose(d.model, target.path, target.devices, target.size)
                 if node is None:
                     if first:
@@ -253,7 +254,8 @@ class ScalingControl:
 
     def _send(self, msg, node: str | None) -> bool | None:
         """False: the node did not take it (a scale-out then counts for nothing)."""
-        address = self.hosts.address(node) if self.hosts is not None and node else None
+        address = self.hosts.address(node) if self.hosts is not None and node is not None \
+            else None
         if address is not None and self.send_to is not None:
             return self.send_to(address, msg)
         return self.send(msg)
