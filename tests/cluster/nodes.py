@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 from tests.scratch import Scratch
@@ -74,11 +75,12 @@ class Cluster:
         self.hosts, self.d, self.scratch = hosts, d, scratch
         self.nodes: dict[str, subprocess.Popen] = {}
 
-    def start(self, host: int, name: str, conf: str) -> None:
+    def start(self, host: int, name: str, conf: str, wrap: tuple[str, ...] = ()) -> None:
+        """Node `name` in host `host`; wrap: a command it runs under (it execs the rest)."""
         log = open(self.d / f"{name}.out", "wb")
-        self.nodes[name] = self.hosts.python(host, "deepserve.supervisor", "--conf", conf,
-                                             stdout=log, stderr=subprocess.STDOUT,
-                                             env=self.scratch.env())
+        self.nodes[name] = self.hosts.run(
+            host, [*wrap, sys.executable, "-m", "deepserve.supervisor", "--conf", conf],
+            stdout=log, stderr=subprocess.STDOUT, env=self.scratch.env())
         log.close()
 
     def stop(self) -> None:

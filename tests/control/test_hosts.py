@@ -14,10 +14,12 @@ from deepserve.messages.scaling import ModelDemand, NodeReport, ScaleEvent, Scal
 GB = 1 << 30
 
 
-def node(name, run_id="r1", free=None, pods=0, cached=(), tes=None, taken=0, mem=8 * GB):
+def node(name, run_id="r1", free=None, pods=0, cached=(), tes=None, taken=0, mem=8 * GB,
+         serves=()):
     return NodeReport(node=name, run_id=run_id, address=f"tcp://{name}:7404",
                       free_devices=free, available_bytes=mem, ready_pods=pods,
-                      cached=list(cached), tes=tes or {}, scale_outs=taken)
+                      cached=list(cached), tes=tes or {}, scale_outs=taken,
+                      weights=f"tcp://{name}:7405", serves=list(serves))
 
 
 def book(*reports, now=0.0):
@@ -72,6 +74,15 @@ def test_a_silent_node_is_lost_once_and_back_when_it_reports_again():
     assert own.expire(60.0) == [] and own.alive() == ["a"]
 
 
+def test_fork_sources_are_live_holders_memory_first_never_the_target():
+    b = book(node("a", serves=["/m"]), node("b", serves=["/m"], cached=["/m"]),
+             node("c", serves=["/x"]), node("d", serves=["/m"]))
+    assert b.sources("/m", exclude="d") == ["tcp://b:7405", "tcp://a:7405"]
+    b.on_report(node("a", serves=["/m"]), 5.0)
+    b.expire(5.0)  # b, c, d silent since 0
+    assert b.sources("/m") == ["tcp://a:7405"] and b.sources("/y") == []
+
+
 # -- the scaling loop with placement ---------------------------------------------------
 
 def control(min_tes=0, max_tes=2):
@@ -102,7 +113,7 @@ def test_a_scale_out_waits_for_the_first_node_report():
 
 def test_a_model_at_zero_starts_on_the_chosen_node_with_its_path_and_options():
     c, sent, to, events = control()
-    c.on_node_report(node("head", free=0), 0.0)
+    c.on_node_report(node("head", free=0, serves=["/models/m"]), 0.0)
     c.on_node_report(node("h1", free=1), 0.0)
     c.on_demand(ModelDemand(parked={"m": 1}), 0.1)
     c.step(0.2, {})
@@ -112,6 +123,7 @@ def test_a_model_at_zero_starts_on_the_chosen_node_with_its_path_and_options():
     [decision] = [d for e, d in events if e == "scale_decision"]
     assert decision["placed"] == {"h1": 1}
     assert (out.path, out.options) == ("/models/m", {"max_num_seqs": 4})
+    assert out.sources == ["tcp://head:7405"]  # h1 may lack the files: fork them from these
     c.step(0.4, {})  # starting on h1: not asked again
     assert len(to) == 1
 

@@ -4,10 +4,12 @@ the TE list come in, replacement of a failed TE, and scale-in."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import zmq
 
+from deepserve.cache.weight_fork import Forked, ForkError
 from deepserve.config.models import ModelSpec, ScalingSection
 from deepserve.ipc.sockets import PullSocket
 from deepserve.messages.health import Ready
@@ -54,10 +56,33 @@ class _Table:
 class _Run:
     def __init__(self, tmp_path):
         self.tmp = tmp_path
-        self.node_inbox, self.hb = "", f"ipc://{tmp_path}/hb.sock"
+        self.node_inbox, self.hb, self.weights = "", f"ipc://{tmp_path}/hb.sock", ""
 
     def te_address(self, name):
         return f"ipc://{self.tmp}/{name}.sock"
+
+
+class _Models:
+    """As NodeModels: /m is held here; fork() is the test's."""
+
+    def __init__(self):
+        self.fork_result = None  # a Forked, or an exception to raise
+        self.forks = []
+
+    def holds(self, path):
+        return path == "/m"
+
+    def cached(self):
+        return ["/m"]
+
+    def served(self):
+        return {"/m": "/m"}
+
+    def fork(self, path, sources):
+        self.forks.append((path, list(sources)))
+        if isinstance(self.fork_result, Exception):
+            raise self.fork_result
+        return self.fork_result
 
 
 class FakeNode:
@@ -69,13 +94,16 @@ class FakeNode:
         self.table, self.run, self.te_ids = _Table(), _Run(tmp_path), []
         self.events, self.spawned, self.pids = [], [], iter(range(100, 1000))
         self.run_id, self.placed, self.learned, self.bound = "r", [], {}, []
+        self.models = _Models()
 
     def model_spec(self, name, path="", options=None):
-        """As Node.model_spec: declared, or learned from a ScaleOut's path."""
+        """As Node.model_spec: declared, or learned from a ScaleOut's path when
+        its files are here (held, or forked)."""
         try:
             return self.config.model_spec(name)
         except KeyError:
-            if path and name not in self.learned:
+            here = path in ("/big", "/m") or any(f[0] == path for f in self.models.forks)
+            if path and here and name not in self.learned:
                 self.learned[name] = ModelSpec(name=name, path=path, options=options or {})
             return self.learned.get(name)
 
@@ -84,9 +112,6 @@ class FakeNode:
 
     def bind_te(self, te_id):
         self.bound.append(te_id)
-
-    def cached_models(self):
-        return ["/m"]
 
     def spawn_pod(self, name):
         self.table.procs[name] = _Popen(next(self.pids))
@@ -284,4 +309,51 @@ def test_a_scale_out_count_is_bounded_at_both_ends(tmp_path):
     assert node.spawned == []
     scaler.on_message(ScaleOut(model="m", count=MAX_SCALE_OUT + 1), 2.0)
     assert len(node.spawned) == MAX_SCALE_OUT == 64
+    scaler.close()
+
+
+def _wait_forked(scaler, path):
+    deadline = time.monotonic() + 5
+    while path not in scaler.forked and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_model_not_on_this_host_is_forked_once_then_its_tes_start(tmp_path):
+    """Two scale-outs of a model whose files are not here: one fork (from the
+    sources the CM named), then both TEs, timed with a fork stage; the devices
+    they will take are held meanwhile."""
+    node, scaler, told = _scaler(tmp_path, pool_size=0, num_devices=4)
+    node.models.fork_result = Forked(source="tcp://peer:7405", bytes=123, seconds=0.5)
+    order = dict(path="/far", options={"tp": 2}, sources=["tcp://peer:7405"])
+    gate = threading.Event()
+    fork = node.models.fork
+    node.models.fork = lambda p, s: (gate.wait(5), fork(p, s))[1]
+    scaler.on_message(ScaleOut(model="far", count=1, **order), 1.0)
+    scaler.on_message(ScaleOut(model="far", count=1, **order), 1.1)
+    assert node.spawned == [] and scaler.free_devices() == 0  # 2 x tp 2, forking
+    gate.set()
+    _wait_forked(scaler, "/far")
+    scaler.tick(2.0)
+    assert node.models.forks == [("/far", ["tcp://peer:7405"])]
+    assert [t for t, _ in node.spawned] == ["far-0", "far-1"]
+    assert ("/far", "weights_forked") in [(c, e) for c, e, _ in node.events]
+    scaler.on_message(_ready("far-0", 2.5, stages={"te_load": 0.1}), 2.6)
+    scaler.on_te_list({"far-0"}, 2.7)
+    [(_, _, details)] = [e for e in node.events if e[1] == "scaled_out"]
+    assert details["stages"]["fork"] == 0.5 and details["weights"] == "fork"
+    scaler.close()
+
+
+def test_a_fork_no_source_gives_refuses_its_tes_and_none_is_tried_without_sources(tmp_path):
+    node, scaler, told = _scaler(tmp_path, pool_size=0)
+    node.models.fork_result = ForkError("no source gave /far")
+    scaler.on_message(ScaleOut(model="far", count=2, path="/far", sources=["tcp://p:1"]), 1.0)
+    _wait_forked(scaler, "/far")
+    scaler.tick(2.0)
+    assert node.spawned == [] and [m.direction for m in told] == ["failed", "failed"]
+    assert "fork failed" in told[0].reason and ("/far", "fork_failed") in [
+        (c, e) for c, e, _ in node.events]
+    scaler.on_message(ScaleOut(model="far2", count=1, path="/far2"), 3.0)  # nobody to ask
+    assert told[-1].reason == "no model files here and no peer has them"
+    assert len(node.models.forks) == 1
     scaler.close()

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import msgspec
 
-from deepserve.config.cluster import NODE_PORT_OFFSET, ClusterSection
+from deepserve.config.cluster import (HEAD_WEIGHTS_PORT_OFFSET, NODE_PORT_OFFSET,
+                                      WEIGHTS_PORT_OFFSET, ClusterSection)
 
 
 class RunAddresses(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,6 +44,9 @@ class RunAddresses(msgspec.Struct, frozen=True, kw_only=True):
     node_inbox: str = ""
     """A joined node's supervisor's tcp inbox ([cluster] port+4): the head's CM sends
     it ScaleOut / ScaleIn; "": the heartbeat inbox (the CM is on this host)."""
+    weights: str = ""
+    """The node's weight server ([cluster] port+5, the head's port+6;
+    cache/weight_fork.py): peers fork model files from it; "": one host, none."""
 
     @classmethod
     def for_node(cls, run_dir: str | Path, run_id: str, te_ids, kv_cache: bool,
@@ -59,8 +63,11 @@ class RunAddresses(msgspec.Struct, frozen=True, kw_only=True):
         je = "" if cluster.joins else local.je
         node_inbox = f"tcp://{cluster.host}:{cluster.port + NODE_PORT_OFFSET}" \
             if cluster.joins else ""
+        offset = WEIGHTS_PORT_OFFSET if cluster.joins else HEAD_WEIGHTS_PORT_OFFSET
+        weights = f"tcp://{cluster.host}:{cluster.port + offset}"
         return msgspec.structs.replace(local, cm=head(0), cm_pub=head(1), je=je,
-                                       gw_reply=head(3), tes=tes, node_inbox=node_inbox)
+                                       gw_reply=head(3), tes=tes, node_inbox=node_inbox,
+                                       weights=weights)
 
     @classmethod
     def in_dir(cls, run_dir: str | Path, run_id: str, te_ids,

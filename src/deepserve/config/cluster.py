@@ -3,7 +3,8 @@
     head   [cluster] host = H            cluster manager tcp://H:port, its PUB :port+1,
                                          gateway replies :port+3; TEs :port+8, 4 ports each
     node   [cluster] host = N, head = H:P  its supervisor's inbox tcp://N:port+4 (the CM's
-                                         ScaleOut / ScaleIn); its TEs tcp://N:port+8...
+                                         ScaleOut / ScaleIn), weight server :port+5 (fork;
+                                         the head's: port+6); its TEs tcp://N:port+8...
                                          (scaled ones after its [[te]] ones); the head's sockets
                                          for the cluster manager, its PUB and replies
 
@@ -26,6 +27,11 @@ TE_PORT_OFFSET = 8
 a joining node's from `port` on) take TE_PORTS_EACH each after this offset."""
 NODE_PORT_OFFSET = 4
 """A joined node's supervisor inbox (ScaleOut / ScaleIn from the head's CM): port+4."""
+WEIGHTS_PORT_OFFSET = 5
+"""A joined node's weight server (fork: peers pull model files from it): port+5;
+the head's is port+6 (HEAD_WEIGHTS_PORT_OFFSET), so that a joined node on the
+head's host with the same port (as Ray's fabric starts one) takes none of the head's."""
+HEAD_WEIGHTS_PORT_OFFSET = 6
 TE_PORTS_EACH = 4
 """A TE's inbox P, its master's PD inbox P+1 (messages/pd.py), its tier replies P+2."""
 

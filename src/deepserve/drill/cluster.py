@@ -140,6 +140,7 @@ class LocalCluster:
             for run in runs:
                 sweep_scratch(run)  # its TEs' segments and run directories
                 shutil.rmtree(f"{SHM_DIR}/deepserve-w{run}", ignore_errors=True)  # weight cache
+                shutil.rmtree(f"{SHM_DIR}/deepserve-f{run}", ignore_errors=True)  # its forks
                 for path in Path(tempfile.gettempdir()).glob(f"ds-n{run}-*"):  # the node's
                     shutil.rmtree(path, ignore_errors=True)
         shutil.rmtree(self.logs, ignore_errors=True)

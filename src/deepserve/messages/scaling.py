@@ -57,6 +57,9 @@ class ScaleOut(msgspec.Struct, tag="scale_out", **_STRUCT):
     does not declare the model serves it from this path ("": its own spec)."""
     options: dict = {}
     """The model's EngineConfig options (with path: the whole spec, as declared)."""
+    sources: list[str] = []
+    """Weight servers of nodes that hold the model's files: a node without its
+    directory forks them from the first that answers (cache/weight_fork.py)."""
 
 
 NODE_REPORT_S = 1.0
@@ -81,6 +84,10 @@ class NodeReport(msgspec.Struct, tag="node_report", **_STRUCT):
     """Pre-warmed processes ready to be assigned."""
     cached: list[str] = []
     """Model directories whose weights its weight cache holds."""
+    weights: str = ""
+    """Its weight server ("": none): where peers fork the models in `serves` from."""
+    serves: list[str] = []
+    """Model directories (the head's names) whose files it holds: on disk, cached or forked."""
     tes: dict[str, str] = {}
     """Its scaled TEs (starting or up): TE id -> model."""
     scale_outs: int = 0

@@ -26,8 +26,10 @@ _VITAL = ("gateway", "job-executor", "cluster-manager")
 def _usage(node: Node) -> str:
     if node.joins:
         c = node.config.cluster
+        tes = (f"TEs {', '.join(node.te_ids)} are listed" if node.te_ids else
+               "no TE of its own: the head's autoscaler places scaled TEs here")
         return (f"DeepServe node {c.name} ({c.host}) joined the cluster at {c.head}: "
-                f"TEs {', '.join(node.te_ids)} are listed. Ctrl-C stops them.")
+                f"{tes}. Ctrl-C stops them.")
     names = list(node.config.served_models)
     model = names[0]
     return f"""DeepServe is up at {node.url}  ({len(node.te_ids)} TEs; models {', '.join(names)})

@@ -42,7 +42,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -67,6 +66,7 @@ from deepserve.supervisor.health_log import HealthLog
 from deepserve.supervisor.node_config import NodeConfig, TESpec
 from deepserve.supervisor.placement import Gang, place
 from deepserve.supervisor.process_table import ProcessTable, sweep_scratch
+from deepserve.supervisor.node_models import NodeModels
 from deepserve.supervisor.scaler import NodeScaler
 from deepserve.supervisor.supervisor import NODE_PROCESSES, Supervisor
 
@@ -97,18 +97,16 @@ class Node:
         self.table = ProcessTable(on_start=lambda name, popen: self.health.write(
             name, "started", popen.pid))
         self.te_ids = [te.te_id for te in config.tes]
-        self.learned: dict[str, ModelSpec] = {}  # models a ScaleOut taught this node
         self._next_port = len(config.tes)  # a joined node's next scaled TE's port index
         self.placed: list[Gang] = []  # TEs holding devices, in start order
         self.supervisor: Supervisor | None = None
         self.ctx = zmq.Context()
         self.scaler = NodeScaler(self, self._to_cm)
         self.ever: set[str] = set()  # every TE id started: what stop() sweeps
-        self._stopping = threading.Event()
-        self._fillers: list[threading.Thread] = []
         budget = config.scaling.weight_cache_bytes
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.weights = WeightCache(shm / f"deepserve-w{self.run_id}", budget) if budget else None
+        self.models = NodeModels(config, self.weights, shm / f"deepserve-f{self.run_id}")
 
     @property
     def procs(self) -> dict[str, subprocess.Popen]:
@@ -140,7 +138,9 @@ class Node:
             if not self.joins:
                 self.scaler.fill_pool()
                 self._spawn("gateway", "deepserve.gateway", *self._gateway_args())
-            self._fill_in_background(self.config.all_models)
+            self.models.fill_in_background(self.config.all_models)
+            if self.run.weights:  # peers fork what this node holds
+                self.models.start_server(self.ctx, self.run.weights)
             self._wait_healthy()
             self.supervisor.start()
         except BaseException:
@@ -156,24 +156,12 @@ class Node:
 
     # -- models and scaled TEs placed here by the head's CM (scaler.py) -----------------
     def model_spec(self, name: str, path: str = "", options: dict | None = None):
-        """The spec of model `name`: declared here, learned before, or learned
-        now from a ScaleOut's path and options; None: unknown, nothing to learn."""
-        try:
-            return self.config.model_spec(name)
-        except KeyError:
-            pass
-        if name in self.learned or not path:
-            return self.learned.get(name)
-        spec = ModelSpec(name=name, path=path, options=dict(options or {}))
-        try:
-            spec.check()
-        except (ValueError, TypeError) as e:
-            log.error("model %s from the head refused: %s", name, e)
-            return None
-        self.learned[name] = spec
-        self._write_run_config()
-        self.health.write(name, "model_learned", None, path=path)
-        self._fill_in_background([spec])
+        """The spec of model `name` (node_models.py: declared, learned, forked);
+        one learned now goes into the run's config before any TE of it starts."""
+        spec, learned = self.models.spec(name, path, options)
+        if learned:
+            self._write_run_config()
+            self.health.write(name, "model_learned", None, path=path, directory=spec.path)
         return spec
 
     def scaled_te_id(self, spec: ModelSpec, n: int) -> str:
@@ -191,36 +179,6 @@ class Node:
         self.run = msgspec.structs.replace(self.run, tes=tes)
         self._write_run_config()
 
-    def cached_models(self) -> list[str]:
-        """Model directories whose weights the node's weight cache holds now."""
-        if self.weights is None:
-            return []
-        models = list(self.config.all_models) + list(self.learned.values())
-        return [m.path for m in models if self.weights.holds(m.path)]
-
-    def _fill_in_background(self, models) -> None:
-        if self.weights is not None:
-            filler = threading.Thread(target=self._fill_weight_cache, args=(list(models),),
-                                      name="weight-cache", daemon=True)
-            self._fillers.append(filler)
-            filler.start()
-
-    def _fill_weight_cache(self, models: list[ModelSpec]) -> None:
-        """DRAM pre-load: the models' weights into the node's cache (those that
-        may scale from zero first, the fixed [[te]] one last: its TEs only need
-        it to restart), within its budget (LRU)."""
-        models = sorted(models, key=lambda m: (
-            not m.scalable, m.min_tes > 0 and m.idle_s is None, m.name))
-        for model in models:
-            if self._stopping.is_set():
-                return
-            try:
-                started = time.monotonic()
-                if self.weights.ensure(model.path) is not None:
-                    log.warning("weight cache: %s in %.2f s", model.name,
-                                time.monotonic() - started)
-            except OSError as e:  # shared memory full, model gone: TEs load from disk
-                log.error("weight cache: %s not cached: %s", model.name, e)
 
     def _to_cm(self, msg) -> None:
         if self.supervisor is not None:
@@ -282,7 +240,7 @@ class Node:
         """The resolved config (the command line's --host / --port included)
         plus the run's addresses, 0600 in the run directory: it holds the API keys."""
         config = msgspec.structs.replace(self.config.with_run(self.run),
-                                         learned=tuple(self.learned.values()))
+                                         learned=tuple(self.models.learned.values()))
         return write_run_config(config, self.run_dir / RUN_CONFIG)
 
     def _gateway_args(self) -> list[str]:
@@ -372,12 +330,8 @@ class Node:
         for te_id in set(self.te_ids) | self.ever | {KV_CACHE}:  # what killed children left
             sweep_scratch(self._scratch(te_id))
         self.scaler.close()
+        self.models.stop()  # its weight server's socket first: then the context ends
         self.ctx.term()
-        if self.weights is not None:
-            self._stopping.set()
-            for filler in self._fillers:
-                filler.join(30)  # a copy in progress: then nothing recreates the root
-            self.weights.clear()
         self.health.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 

@@ -17,7 +17,10 @@ which also caches its weights). Its scaled TEs are named after the node
 (h1-tiny-0) and bind tcp inboxes after its [[te]] ones. A ScaleOut for more
 TEs than the node's free devices ([node] num_devices minus every TE's tp)
 starts what fits; each TE refused is a ScaleEvent "failed" (the CM's slot
-frees at once).
+frees at once). A model whose directory is not on this host is forked: its
+files are pulled from a peer the ScaleOut names (`sources`) on a thread of
+its own, and the TEs start once they are here (the `fork` stage); a fork no
+source could give refuses the TEs.
 
 The pool keeps [scaling] pool_size processes started (`te_server --pool`,
 prewarmed.py), each Ready once warm; it refills in the background (a pod
@@ -28,7 +31,8 @@ replaces them. The weight cache (cache/weight_cache.py) is filled here,
 for every model, in the order models are used, within its budget.
 
 Thread rule: everything runs on the supervisor's thread (its tick), except
-the stop of a retiring TE, which runs on its own thread and only sets a flag.
+the stop of a retiring TE and a fork, which run on threads of their own and
+only set a flag or a result.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class _Start:
     listed_at: float | None = None
     stages: dict = field(default_factory=dict)
     weights: str = "disk"
+    fork_s: float | None = None  # the weights were forked from a peer first (seconds)
     pod_address: str | None = None  # the adopted pod's inbox, until it answers as the TE
 
 
@@ -91,6 +96,8 @@ class NodeScaler:
         self.model_of.update(self.config.initial_scaled_tes())
         self.scaled: dict[str, str] = {}  # scaled TE id -> model, from its start until it is gone
         self.taken = 0  # ScaleOut TEs received (NodeReport.scale_outs)
+        self.forking: dict[str, list[tuple]] = {}  # model path -> scale-outs waiting for it
+        self.forked: dict[str, object] = {}  # model path -> its fork's Forked or error (thread)
         self.assigns = Outboxes(node.ctx)
 
     # -- the pool ------------------------------------------------------------------
@@ -113,7 +120,7 @@ class NodeScaler:
             self.taken += msg.count
             self.scale_out(msg.model, max(0, min(msg.count, MAX_SCALE_OUT)), msg.reason,
                            msg.decided_at if 0 < msg.decided_at <= now else now,
-                           path=msg.path, options=msg.options)
+                           path=msg.path, options=msg.options, sources=msg.sources)
         elif isinstance(msg, ScaleIn):
             self.scale_in(msg.te_id, msg.reason, now)
         elif isinstance(msg, Ready) and msg.component in self.pods:
@@ -134,19 +141,56 @@ class NodeScaler:
 
     # -- scaling out -------------------------------------------------------------------
     def scale_out(self, model: str, count: int, reason: str, now: float, path: str = "",
-                  options: dict | None = None) -> None:
+                  options: dict | None = None, sources=(), fork_s: float | None = None) -> None:
         spec = self.node.model_spec(model, path, options or {})
+        if spec is None and path and sources and not self.node.models.holds(path):
+            self._fork(path, list(sources), (model, count, reason, now, options))
+            return
         if spec is None:
-            log.error("scale-out of unknown model %r refused", model)
+            log.error("scale-out of model %r refused: unknown, or not on this host", model)
         fits = 0 if spec is None else self.fits(spec, count)
         for _ in range(fits):
             te_id = self.node.scaled_te_id(spec, self.next_index.get(model, 0))
             self.next_index[model] = self.next_index.get(model, 0) + 1
-            self.start_te(te_id, model, reason, now)
-        for _ in range(count - fits):
-            why = "unknown model" if spec is None else "no free devices"
+            self.start_te(te_id, model, reason, now, fork_s)
+        why = ("unknown model" if not path else "no model files here and no peer has them") \
+            if spec is None else "no free devices"
+        self._refuse(model, count - fits, why)
+
+    def _refuse(self, model: str, count: int, why: str) -> None:
+        for _ in range(count):
             self.node.health.write(model, "scale_refused", None, reason=why)
             self._tell_cm(ScaleEvent(model=model, te_id="", direction="failed", reason=why))
+
+    def _fork(self, path: str, sources: list[str], order: tuple) -> None:
+        """Pull model `path` from a peer on a thread; `order` (a scale-out) waits for it."""
+        waiting = self.forking.setdefault(path, [])
+        waiting.append(order)
+        if len(waiting) > 1:
+            return  # one fork per model: the later orders wait for the same one
+
+        def run() -> None:
+            try:
+                self.forked[path] = self.node.models.fork(path, sources)
+            except Exception as e:  # noqa: BLE001 - ForkError, OSError: the orders are refused
+                self.forked[path] = e
+        threading.Thread(target=run, name="fork", daemon=True).start()
+
+    def _forks_done(self) -> None:
+        """Scale-outs whose fork ended: started from the copy, or refused."""
+        for path in [p for p in self.forking if p in self.forked]:
+            result, orders = self.forked.pop(path), self.forking.pop(path)
+            if isinstance(result, Exception):
+                log.error("fork of %s failed: %s", path, result)
+                self.node.health.write(path, "fork_failed", None, error=str(result))
+                for model, count, *_ in orders:
+                    self._refuse(model, count, f"fork failed: {result}")
+                continue
+            self.node.health.write(path, "weights_forked", None, source=result.source,
+                                   bytes=result.bytes, seconds=round(result.seconds, 3))
+            for model, count, reason, decided, options in orders:
+                self.scale_out(model, count, reason, decided, path, options,
+                               fork_s=round(result.seconds, 4))
 
     def fits(self, spec, count: int) -> int:
         """How many of `count` TEs of spec the node's free devices take."""
@@ -159,6 +203,8 @@ class NodeScaler:
             return None
         used = sum(g.num_devices for g in self.node.placed)
         used += sum(_tp(self.node.model_spec(m)) for m in self.scaled.values())
+        used += sum(count * int((options or {}).get("tp", 1))  # forking: started once here
+                    for orders in self.forking.values() for _, count, _, _, options in orders)
         return max(0, total - used)
 
     def report(self) -> NodeReport:
@@ -169,10 +215,12 @@ class NodeScaler:
                           available_bytes=psutil.virtual_memory().available,
                           ready_pods=sum(1 for p, ready in self.pods.items()
                                          if ready and self.node.table.poll(p) is None),
-                          cached=self.node.cached_models(), tes=dict(self.scaled),
+                          cached=self.node.models.cached(), weights=self.node.run.weights,
+                          serves=sorted(self.node.models.served()), tes=dict(self.scaled),
                           scale_outs=self.taken)
 
-    def start_te(self, te_id: str, model: str, reason: str, now: float) -> None:
+    def start_te(self, te_id: str, model: str, reason: str, now: float,
+                 fork_s: float | None = None) -> None:
         """Start (or restart) te_id: from a pre-warmed process if one is ready;
         else, if one is still warming, as soon as it is (it has a head start on
         a cold process, and a cold start beside it would slow both on few
@@ -183,7 +231,7 @@ class NodeScaler:
         if te_id not in self.static:  # a [[te]] TE's devices are the node's placement's
             self.scaled[te_id] = model
             self.node.bind_te(te_id)
-        self.starting[te_id] = _Start(model, reason, "", now, None)
+        self.starting[te_id] = _Start(model, reason, "", now, None, fork_s=fork_s)
         waiting = [t for t, st in self.starting.items() if st.given_at is None]
         if self._ready_pod() is None and len(waiting) <= self._num_warming():
             return  # given in tick() once a pod is ready (POD_WAIT_S at most)
@@ -259,10 +307,14 @@ class NodeScaler:
             self._forget_pod(start)
             ready_at = start.ready_at if start.ready_at is not None else now
             given_at = start.given_at if start.given_at is not None else start.decided_at
-            stages = {"scaler_pre": round(given_at - start.decided_at, 4),
+            fork = {} if start.fork_s is None else {"fork": start.fork_s}
+            stages = {**fork, "scaler_pre": round(given_at - start.decided_at
+                                                  - (start.fork_s or 0.0), 4),
                       **start.stages, "scaler_post": round(now - ready_at, 4)}
             source = start.source + ("_cache" if start.weights == "cache" and
                                      start.source == "prewarmed" else "")
+            if start.fork_s is not None:
+                start.weights = "fork"
             total = round(now - start.decided_at, 4)
             self.node.health.write(te_id, "scaled_out", self.node.table.pid(te_id),
                                    model=start.model, reason=start.reason, source=source,
@@ -297,6 +349,7 @@ class NodeScaler:
         self.stopped.add(te_id)
 
     def tick(self, now: float) -> None:
+        self._forks_done()
         self._give_waiting(now)
         self.fill_pool()
         for te_id in [t for t in self.retiring if t in self.stopped]:

@@ -13,7 +13,8 @@ the one, in this order:
 1. holding the fewest TEs of the model (replicas spread over hosts: a lost
    host takes as few of a model's TEs as it can);
 2. with a ready pre-warmed process (no interpreter start, no imports);
-3. whose weight cache holds the model (no disk read);
+3. whose weight cache holds the model (no disk read), then one that has its
+   files at all (no fork from a peer: NodeReport.serves);
 4. with the most free devices (None counts as many), then the most memory;
 5. the first by name (deterministic).
 
@@ -102,11 +103,19 @@ class HostBook:
             if node.lost or free < devices or r.available_bytes < size:
                 continue
             replicas = sum(1 for m in r.tes.values() if m == model) + node.pending.count(model)
-            key = (-replicas, r.ready_pods > in_flight, path in r.cached, free,
-                   r.available_bytes)
+            key = (-replicas, r.ready_pods > in_flight, path in r.cached, path in r.serves,
+                   free, r.available_bytes)
             if best_key is None or key > best_key:
                 best, best_key = name, key
         return best
+
+    def sources(self, path: str, exclude: str | None = None) -> list[str]:
+        """Weight servers of live nodes (but `exclude`) holding model `path`'s
+        files, those with it in memory (the weight cache) first."""
+        holders = [n for n in self._nodes.values() if not n.lost and n.report.weights
+                   and path in n.report.serves and n.report.node != exclude]
+        holders.sort(key=lambda n: (path not in n.report.cached, n.report.node))
+        return [n.report.weights for n in holders]
 
     def placed(self, name: str, model: str) -> None:
         """A ScaleOut for one TE of `model` was sent to `name`."""

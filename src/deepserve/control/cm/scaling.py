@@ -245,7 +245,9 @@ class ScalingControl:
         else:
             self.unplaced.add(d.model)
         for node, count in per_node.items():
-            extra = {} if target is None else {"path": target.path, "options": target.options}
+            extra = {} if target is None else {
+                "path": target.path, "options": target.options,
+                "sources": self.hosts.sources(target.path, node) if self.hosts else []}
             if self._send(ScaleOut(model=d.model, count=count, reason=d.reason, inputs=d.inputs,
                                    decided_at=self.clock(), **extra), node) is not False:
                 self.starting[d.model].extend([(now + self.startup_timeout_s, node)] * count)

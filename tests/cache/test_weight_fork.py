@@ -1,0 +1,130 @@
+"""Fork (cache/weight_fork.py): a model's files pulled from a peer's
+WeightServer over tcp on loopback; a peer killed mid-copy (a real process,
+SIGKILL by its pid) gives way to the next source; what a server refuses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from deepserve.cache.weight_fork import ForkError, WeightServer, fork_model
+from deepserve.ipc.sockets import free_port
+from deepserve.messages.weights import WeightChunk, WeightFiles, WeightGet, WeightList
+
+SERVE = """
+import sys, time, zmq
+from pathlib import Path
+from deepserve.cache.weight_fork import WeightServer
+class Slow(WeightServer):  # a slow link: the copy is surely under way when it is killed
+    def _answer(self, msg):
+        time.sleep(0.02)
+        return super()._answer(msg)
+Slow(zmq.Context(), sys.argv[1], lambda: {"/m": Path(sys.argv[2])})
+print("up", flush=True)
+time.sleep(120)
+"""
+
+
+def _model(d: Path, big: int = 0) -> Path:
+    d.mkdir()
+    (d / "config.json").write_text('{"a": 1}')
+    (d / "model.safetensors").write_bytes(os.urandom(big or 3 * 1024 * 1024 + 17))
+    (d / "empty.txt").write_bytes(b"")
+    return d
+
+
+def _same(a: Path, b: Path) -> bool:
+    return sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir()) and all(
+        (a / p.name).read_bytes() == (b / p.name).read_bytes() for p in a.iterdir())
+
+
+def test_a_fork_copies_every_file_whole(tmp_path):
+    src = _model(tmp_path / "src")
+    ctx = zmq.Context()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = WeightServer(ctx, address, lambda: {"/m": src})
+    try:
+        got = fork_model(ctx, [address], "/m", tmp_path / "dest", chunk=1 << 20)
+        assert _same(src, tmp_path / "dest") and got.source == address
+        assert got.bytes == server.num_served == sum(f.stat().st_size for f in src.iterdir())
+        assert [p.name for p in tmp_path.iterdir() if ".part-" in p.name] == []
+        with pytest.raises(ForkError, match="not held here"):
+            fork_model(ctx, [address], "/other", tmp_path / "x")
+        assert not (tmp_path / "x").exists()
+    finally:
+        server.stop()
+        ctx.term()
+
+
+def test_a_peer_killed_mid_copy_gives_way_to_the_next_source(tmp_path):
+    src = _model(tmp_path / "src", big=96 << 20)
+    ctx = zmq.Context()
+    first, second = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    peer = subprocess.Popen([sys.executable, "-c", SERVE, first, str(src)],
+                            stdout=subprocess.PIPE, text=True)
+    server = WeightServer(ctx, second, lambda: {"/m": src})
+    try:
+        assert peer.stdout.readline().strip() == "up"
+        out: dict = {}
+        fork = threading.Thread(target=lambda: out.update(r=fork_model(
+            ctx, [first, second], "/m", tmp_path / "dest", timeout_s=1.0, chunk=256 << 10)))
+        fork.start()
+        deadline = time.monotonic() + 30
+        while not any(p.stat().st_size and ".part-" in p.parent.name
+                      for p in tmp_path.glob(".dest.part-*/*")):
+            assert time.monotonic() < deadline and fork.is_alive()
+            time.sleep(0.005)
+        os.kill(peer.pid, signal.SIGKILL)  # mid-copy: the fault
+        assert peer.wait(10) == -signal.SIGKILL
+        fork.join(60)
+        assert out["r"].source == second and _same(src, tmp_path / "dest")
+        assert server.num_served == out["r"].bytes  # the whole model again, from the second
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait(10)
+        server.stop()
+        ctx.term()
+
+
+def test_the_server_refuses_what_it_does_not_hold_and_lives(tmp_path):
+    src = _model(tmp_path / "src")
+    (tmp_path / "secret").write_text("no")
+    ctx = zmq.Context()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = WeightServer(ctx, address, lambda: {"/m": src})
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(WeightFiles | WeightChunk)
+    try:
+        sock.send(b"\x00garbage")  # dropped, no answer; the server goes on
+        for bad in (WeightGet(path="/m", name="../secret", offset=0, length=2),
+                    WeightGet(path="/m", name="config.json", offset=-1, length=2),
+                    WeightGet(path="/m", name="config.json", offset=0, length=0),
+                    WeightGet(path="/m", name="config.json", offset=0, length=(16 << 20) + 1)):
+            sock.send(enc.encode(bad))
+            assert sock.poll(5000)
+            assert dec.decode(sock.recv_multipart()[0]).error, bad
+        sock.send(enc.encode(WeightGet(path="/m", name="config.json", offset=0,
+                                       length=16 << 20)))  # the limit itself: served
+        assert sock.poll(5000)
+        header, data = sock.recv_multipart()
+        assert not dec.decode(header).error and data == b'{"a": 1}'
+        sock.send(enc.encode(WeightList(path="/m")))
+        assert sock.poll(5000)
+        assert [n for n, _ in dec.decode(sock.recv_multipart()[0]).files] == [
+            "config.json", "empty.txt", "model.safetensors"]
+    finally:
+        sock.close()
+        server.stop()
+        ctx.term()
