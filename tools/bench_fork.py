@@ -33,6 +33,8 @@ import click
 from deepserve.ipc.sockets import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from bench_scaling import model_dir_for  # noqa: E402  models/<preset>, or generated
 SHM = Path("/dev/shm")
 SERVE = """
 import sys, time, zmq
@@ -53,17 +55,6 @@ import sys
 from deepserve.cache.weight_cache import WeightCache
 WeightCache(sys.argv[2], 1 << 40).ensure(sys.argv[1])
 """
-
-
-def model_dir_for(preset: str, tmp: Path) -> Path:
-    local = ROOT / "models" / preset
-    if (local / "config.json").exists():
-        return local
-    out = tmp / f"model-{preset}"
-    print(f"# generating the {preset} model in {out} ...", flush=True)
-    subprocess.run([sys.executable, str(ROOT / "tools" / "make_model.py"), str(out),
-                    "--preset", preset], check=True, stdout=subprocess.DEVNULL)
-    return out
 
 
 def run_n(script: str, args_of, n: int, timeout_s: float) -> float:
