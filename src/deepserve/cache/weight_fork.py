@@ -90,7 +90,7 @@ class WeightServer:
                 except Exception as e:  # noqa: BLE001 - a file gone mid-read: refused, served on
                     log.warning("weight server: %s refused: %s", msg, e)
                     reply = [self.encoder.encode(WeightChunk(name="", offset=0, error=str(e)))]
-                self.sock.send_multipart([frames[0], *reply])
+                self.sock.send_multipart([frames[0], *reply], copy=False)
         except zmq.ContextTerminated:
             pass
         finally:
@@ -113,8 +113,9 @@ class WeightServer:
         if f is None or msg.offset < 0 or not 0 < msg.length <= MAX_CHUNK_BYTES:
             return [self.encoder.encode(WeightChunk(name=msg.name, offset=msg.offset,
                                                     error="no such file or range"))]
-        with open(f, "rb") as fh:
-            data = os.pread(fh.fileno(), msg.length, msg.offset)
+        with open(f, "rb") as fh:  # read into one buffer that ZeroMQ then sends as it is
+            data = bytearray(min(msg.length, max(0, f.stat().st_size - msg.offset)))
+            data = memoryview(data)[:os.preadv(fh.fileno(), [data], msg.offset)]
         self.num_served += len(data)
         return [self.encoder.encode(WeightChunk(name=msg.name, offset=msg.offset,
                                                 crc=zlib.crc32(data))), data]
@@ -152,10 +153,10 @@ def _pull(ctx: zmq.Context, source: str, path: str, dest: Path, timeout_s: float
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.part-", dir=dest.parent))
     fds: dict[str, int] = {}
 
-    def receive() -> list[bytes]:
+    def receive() -> list:
         if not sock.poll(timeout_s * 1000):
             raise ForkError(f"no answer for {timeout_s:g} s (the peer is gone?)")
-        return sock.recv_multipart()
+        return [f.buffer for f in sock.recv_multipart(copy=False)]  # no copy of a chunk
 
     try:
         sock.send(encoder.encode(WeightList(path=path)))
