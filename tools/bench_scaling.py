@@ -11,7 +11,9 @@ Sources (one node each, all three alive for the whole preset, always stopped):
   prewarmed        pool_size max(--sizes), no weight cache: a pre-warmed
                    process from the pool, loading from disk
   prewarmed_cache  the same pool, plus the node's shared-memory weight cache
-  fork             not implemented (no TE copies weights from a running TE):
+  fork             not measured here (one node): a node without the model's
+                   directory pulls it from a peer's weight server; its stage
+                   alone, N hosts at once: tools/bench_fork.py
                    printed as such, never measured
 
 A measurement injects ScaleOut(model, count=N) into the node's supervisor
@@ -414,15 +416,15 @@ def table(result: dict) -> str:
         lines.append(f"{row['source']:<16} {row['n']:>1} | {_range(row['total_s']):>23} | "
                      f"{_s(row['first_s'] and row['first_s']['median']):>7} | {stages} | "
                      f"{','.join(row['sources_seen']) or '-'}{flag}")
-    lines.append("fork             - | not implemented (no source copies weights from a running "
-                 "TE)")
+    lines.append("fork             - | not measured on one node: tools/bench_fork.py times the "
+                 "fork stage")
     if any(v["ttft_s"] for v in summary["ttft"].values()):
         lines += ["", "scale-from-zero (N=1)    | client TTFT s (min-max) | its scale-out s "
                       "(min-max) | sources seen"]
         for source, v in summary["ttft"].items():
             lines.append(f"{source:<24} | {_range(v['ttft_s']):>23} | "
                          f"{_range(v['scale_out_s']):>25} | {','.join(v['sources_seen']) or '-'}")
-        lines.append("fork                     | not implemented")
+        lines.append("fork                     | not measured on one node (tools/bench_fork.py)")
     ratios = ", ".join(f"{k.replace('n', 'N=') if k != 'ttft' else 'TTFT'} "
                        f"{'-' if v is None else f'x{v:.2f}'}"
                        for k, v in summary["cold_over_prewarmed_cache"].items())

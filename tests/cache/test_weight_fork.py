@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from deepserve.cache.weight_fork import ForkError, WeightServer, fork_model
+from deepserve.ipc import curve
 from deepserve.ipc.sockets import free_port
 from deepserve.messages.weights import WeightChunk, WeightFiles, WeightGet, WeightList
 
@@ -128,3 +129,29 @@ def test_the_server_refuses_what_it_does_not_hold_and_lives(tmp_path):
         sock.close()
         server.stop()
         ctx.term()
+
+
+def test_with_the_cluster_key_members_fork_over_curve_and_an_outsider_gets_nothing(
+        tmp_path, monkeypatch):
+    """[cluster] secure: the weight server is a CURVE server like every tcp://
+    socket of a secure node; a member forks, a process without the key gets
+    no byte (no answer: ForkError), and the server goes on serving."""
+    src = _model(tmp_path / "src")
+    curve.make_keys(tmp_path / "keys")
+    monkeypatch.setenv(curve.ENV_VAR, str(tmp_path / "keys"))
+    ctx = zmq.Context()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = WeightServer(ctx, address, lambda: {"/m": src})
+    try:
+        monkeypatch.delenv(curve.ENV_VAR)  # the outsider: no key
+        outsider = zmq.Context()
+        with pytest.raises(ForkError, match="no answer"):
+            fork_model(outsider, [address], "/m", tmp_path / "stolen", timeout_s=1.0)
+        outsider.term()
+        assert not (tmp_path / "stolen").exists() and server.num_served == 0
+        monkeypatch.setenv(curve.ENV_VAR, str(tmp_path / "keys"))  # a member
+        got = fork_model(ctx, [address], "/m", tmp_path / "dest")
+        assert _same(src, tmp_path / "dest") and got.bytes == server.num_served
+    finally:
+        server.stop()
+        ctx.destroy(linger=0)
