@@ -14,7 +14,6 @@ Sources (one node each, all three alive for the whole preset, always stopped):
   fork             not measured here (one node): a node without the model's
                    directory pulls it from a peer's weight server; its stage
                    alone, N hosts at once: tools/bench_fork.py
-                   printed as such, never measured
 
 A measurement injects ScaleOut(model, count=N) into the node's supervisor
 inbox (bypassing the autoscaler) and waits for N `scaled_out` events in the
