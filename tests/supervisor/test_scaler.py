@@ -14,7 +14,7 @@ from deepserve.config.models import ModelSpec, ScalingSection
 from deepserve.ipc.sockets import PullSocket
 from deepserve.messages.health import Ready
 from deepserve.messages.scaling import Assign, ScaleEvent, ScaleIn, ScaleOut
-from deepserve.supervisor.node_config import NodeConfig
+from deepserve.supervisor.node_config import NodeConfig, TESpec
 from deepserve.supervisor.scaler import MAX_SCALE_OUT, READY_WAIT_S, NodeScaler
 
 
@@ -356,4 +356,17 @@ def test_a_fork_no_source_gives_refuses_its_tes_and_none_is_tried_without_source
     scaler.on_message(ScaleOut(model="far2", count=1, path="/far2"), 3.0)  # nobody to ask
     assert told[-1].reason == "no model files here and no peer has them"
     assert len(node.models.forks) == 1
+    scaler.close()
+
+
+def test_a_scale_in_stops_only_a_scaled_te(tmp_path):
+    """ScaleIn reaches a joined node over tcp: one naming a [[te]] TE, or a
+    process that is no TE (a pod), stops nothing."""
+    node, scaler, told = _scaler(tmp_path, pool_size=1, model="/s",
+                                 tes=[TESpec("te0", "colocated")])
+    node.table.procs["te0"] = _Popen(7)
+    scaler.fill_pool()
+    for name in ("te0", "pool0", "nobody"):
+        scaler.on_message(ScaleIn(te_id=name, model="m"), 1.0)
+    assert scaler.retiring == {} and node.table.stopped == []
     scaler.close()

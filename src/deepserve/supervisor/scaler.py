@@ -334,7 +334,8 @@ class NodeScaler:
 
     # -- scaling in ---------------------------------------------------------------------
     def scale_in(self, te_id: str, reason: str, now: float) -> None:
-        if te_id not in self.node.table or te_id in self.retiring:
+        """Stop a scaled TE (a [[te]] TE, or no TE of ours: ignored, whoever asks)."""
+        if te_id not in self.scaled or te_id not in self.node.table or te_id in self.retiring:
             return
         self.retiring[te_id] = now
         start = self.starting.pop(te_id, None)
