@@ -1,5 +1,6 @@
 """Fork speed: N nodes pulling one model's files from a peer's weight server at
-once (cache/weight_fork.py), beside N nodes copying it from their own disk.
+once (cache/weight_fork.py), as a star and as a chain, beside N nodes copying
+it from their own disk.
 
     python tools/bench_fork.py [--preset small] [--sizes 1,2,4] [--rounds 3] [--json PATH]
 
@@ -7,13 +8,18 @@ One peer: a process serving the model from shared memory (as a node serves
 its weight cache) on 127.0.0.1. A measurement starts N processes at once (N
 "hosts" on this machine, loopback in between), each forking the whole model
 into a directory of its own in /dev/shm, and takes the time until the last
-one has it whole. The baseline ("disk") is the same N processes copying the
-model directory from disk into /dev/shm (WeightCache.ensure): what a node
-without a peer does (its page cache is warm after the first round: a cold
-disk is slower). Rounds interleave (fork, disk, fork, disk ...) for each N;
-the table gives medians with min-max, aggregate GB/s, and fork N / fork 1
-(the issue's target: N=4 within 1.5x of N=1; without a relay chain every
-host pulls from the one peer, which bounds it). Models: models/<preset> if
+one has it whole:
+  star   every process forks from the peer
+  chain  process k forks from process k-1 (the first from the peer), each
+         relaying its copy under way from a weight server of its own: what
+         the cluster manager orders for the nodes of one scale-out
+  disk   the same N processes copy the model directory from disk into
+         /dev/shm (WeightCache.ensure): a node without a peer (its page cache
+         is warm after the first round: a cold disk is slower)
+Rounds interleave (star, chain, disk, star, ...) for each N; the table gives
+medians with min-max, aggregate GB/s, and N / N=1 (the issue's target: N=4
+within 1.5x of N=1). All N copies share this machine's cores and memory
+bandwidth, which a cluster's hosts would not. Models: models/<preset> if
 present, else tools/make_model.py --preset <preset> into a temporary directory.
 """
 
@@ -50,6 +56,17 @@ from pathlib import Path
 from deepserve.cache.weight_fork import fork_model
 fork_model(zmq.Context(), [sys.argv[1]], "model", Path(sys.argv[2]), timeout_s=60)
 """
+CHAIN = """
+import sys, zmq
+from pathlib import Path
+from deepserve.cache.weight_fork import Partial, WeightServer, fork_model
+dest, partial = Path(sys.argv[3]), Partial()
+whole = lambda: {"model": dest} if dest.is_dir() else {}
+server = WeightServer(zmq.Context(), sys.argv[2], whole, lambda: {"model": partial})
+fork_model(zmq.Context(), [sys.argv[1]], "model", dest, timeout_s=60, partial=partial)
+print("done", flush=True)
+sys.stdin.read()  # serving the next link until the bench is done
+"""
 DISK = """
 import sys
 from deepserve.cache.weight_cache import WeightCache
@@ -72,6 +89,29 @@ def run_n(script: str, args_of, n: int, timeout_s: float) -> float:
                 p.kill()
                 p.wait(10)
     return time.perf_counter() - started
+
+
+def run_chain(source: str, dest: Path, n: int, timeout_s: float) -> float:
+    """Seconds until all n links of a chain from `source` have the model whole."""
+    addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
+    started = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-c", CHAIN, ([source] + addresses)[i],
+                               addresses[i], str(dest / str(i))], cwd=ROOT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for i in range(n)]
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "done":
+                raise RuntimeError(f"a link failed (exit {p.wait(timeout_s)})")
+        return time.perf_counter() - started
+    finally:
+        for p in procs:
+            p.stdin.close()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
 
 
 def _stat(values: list[float]) -> dict:
@@ -102,10 +142,12 @@ def main(preset: str, sizes: str, rounds: int, timeout: float, json_path: str | 
         print(f"# {preset}: {nbytes / 1e9:.2f} GB, sizes {ns}, {rounds} rounds", flush=True)
         for r in range(rounds):
             for n in ns:
-                for method in ("fork", "disk"):
+                for method in ("star", "chain", "disk"):
                     dest = work / f"r{r}-{method}-{n}"
-                    if method == "fork":
+                    if method == "star":
                         s = run_n(FORK, lambda i: [address, str(dest / str(i))], n, timeout)
+                    elif method == "chain":
+                        s = run_chain(address, dest, n, timeout)
                     else:
                         s = run_n(DISK, lambda i: [str(model), str(dest / str(i))], n, timeout)
                     shutil.rmtree(dest, ignore_errors=True)
@@ -120,17 +162,20 @@ def main(preset: str, sizes: str, rounds: int, timeout: float, json_path: str | 
             server.wait(10)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\n| N | fork s (median [min-max]) | disk s | fork GB/s in all | fork N / fork 1 |")
-    print("|---|---|---|---|---|")
-    one = None
+    print("\n| N | star s (median [min-max]) | chain s | disk s | star GB/s in all | "
+          "star N / 1 | chain N / 1 |")
+    print("|---|---|---|---|---|---|---|")
+    first: dict = {}
     for n in ns:
-        f = _stat([x["seconds"] for x in rows if x["method"] == "fork" and x["n"] == n])
-        d = _stat([x["seconds"] for x in rows if x["method"] == "disk" and x["n"] == n])
-        gb = statistics.median(x["gb_s"] for x in rows if x["method"] == "fork" and x["n"] == n)
-        one = one or f["median"]
-        print(f"| {n} | {f['median']:.2f} [{f['min']:.2f}-{f['max']:.2f}] | "
-              f"{d['median']:.2f} [{d['min']:.2f}-{d['max']:.2f}] | {gb:.2f} | "
-              f"{f['median'] / one:.2f} |")
+        st = {m: _stat([x["seconds"] for x in rows if x["method"] == m and x["n"] == n])
+              for m in ("star", "chain", "disk")}
+        gb = statistics.median(x["gb_s"] for x in rows if x["method"] == "star" and x["n"] == n)
+        for m in st:
+            first.setdefault(m, st[m]["median"])
+        cell = {m: f"{v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}]" for m, v in st.items()}
+        print(f"| {n} | {cell['star']} | {cell['chain']} | {cell['disk']} | {gb:.2f} | "
+              f"{st['star']['median'] / first['star']:.2f} | "
+              f"{st['chain']['median'] / first['chain']:.2f} |")
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import zmq
 
-from deepserve.cache.weight_fork import ForkError, WeightServer, fork_model
+from deepserve.cache.weight_fork import ForkError, Partial, WeightServer, fork_model
 from deepserve.ipc import curve
 from deepserve.ipc.sockets import free_port
 from deepserve.messages.weights import WeightChunk, WeightFiles, WeightGet, WeightList
@@ -135,7 +135,7 @@ def test_with_the_cluster_key_members_fork_over_curve_and_an_outsider_gets_nothi
         tmp_path, monkeypatch):
     """[cluster] secure: the weight server is a CURVE server like every tcp://
     socket of a secure node; a member forks, a process without the key gets
-    no byte (no answer: ForkError), and the server goes on serving."""
+    no byte (no answer, no progress: ForkError), and the server goes on serving."""
     src = _model(tmp_path / "src")
     curve.make_keys(tmp_path / "keys")
     monkeypatch.setenv(curve.ENV_VAR, str(tmp_path / "keys"))
@@ -145,7 +145,7 @@ def test_with_the_cluster_key_members_fork_over_curve_and_an_outsider_gets_nothi
     try:
         monkeypatch.delenv(curve.ENV_VAR)  # the outsider: no key
         outsider = zmq.Context()
-        with pytest.raises(ForkError, match="no answer"):
+        with pytest.raises(ForkError, match="no progress"):
             fork_model(outsider, [address], "/m", tmp_path / "stolen", timeout_s=1.0)
         outsider.term()
         assert not (tmp_path / "stolen").exists() and server.num_served == 0
@@ -155,3 +155,61 @@ def test_with_the_cluster_key_members_fork_over_curve_and_an_outsider_gets_nothi
     finally:
         server.stop()
         ctx.destroy(linger=0)
+
+
+class _Slow(WeightServer):
+    def _answer(self, msg):
+        time.sleep(0.01)
+        return super()._answer(msg)
+
+
+def test_a_node_relays_its_fork_under_way_and_the_source_sends_the_model_once(tmp_path):
+    """A chain: A forks from the source, B from A while A's copy is under way
+    (A's server relays the chunks A has, `retry` for the rest). Both copies
+    are whole; the source sent the model once, A sent it to B."""
+    src = _model(tmp_path / "src", big=8 << 20)
+    nbytes = sum(f.stat().st_size for f in src.iterdir())
+    ctx = zmq.Context()
+    source, relay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    up = _Slow(ctx, source, lambda: {"/m": src})
+    partial = Partial()
+    whole_a = lambda: {"/m": tmp_path / "a"} if (tmp_path / "a").is_dir() else {}  # noqa: E731
+    a = WeightServer(ctx, relay, whole_a, lambda: {"/m": partial})  # as NodeModels: then whole
+    out: dict = {}
+    try:
+        fork_a = threading.Thread(target=lambda: out.update(a=fork_model(
+            ctx, [source], "/m", tmp_path / "a", chunk=256 << 10, partial=partial)))
+        fork_a.start()
+        deadline = time.monotonic() + 30
+        while not partial.have:  # A has begun
+            assert time.monotonic() < deadline and fork_a.is_alive()
+            time.sleep(0.005)
+        out["b"] = fork_model(ctx, [relay, source], "/m", tmp_path / "b", chunk=256 << 10)
+        fork_a.join(30)
+        assert out["b"].source == relay and _same(src, tmp_path / "a") and _same(src, tmp_path / "b")
+        assert up.num_served == nbytes and a.num_served == nbytes  # each byte left the source once
+        assert a.num_relayed > 0  # some of it while A's own copy was under way
+        assert partial.have == {} and partial.files is None  # A's copy whole: served as such
+    finally:
+        up.stop()
+        a.stop()
+        ctx.term()
+
+
+def test_a_relay_that_stops_progressing_gives_way_to_the_next_source(tmp_path):
+    """A relay whose listing never comes (its own source is gone): the asker
+    gives up on it after timeout_s and forks from the next source."""
+    src = _model(tmp_path / "src")
+    ctx = zmq.Context()
+    relay, other = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    stuck = WeightServer(ctx, relay, dict, lambda: {"/m": Partial()})  # no listing, ever
+    whole = WeightServer(ctx, other, lambda: {"/m": src})
+    try:
+        started = time.monotonic()
+        got = fork_model(ctx, [relay, other], "/m", tmp_path / "dest", timeout_s=1.0)
+        assert got.source == other and _same(src, tmp_path / "dest")
+        assert 1.0 <= time.monotonic() - started < 10
+    finally:
+        stuck.stop()
+        whole.stop()
+        ctx.term()

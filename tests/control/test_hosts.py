@@ -173,3 +173,24 @@ def test_a_scale_in_goes_to_the_node_that_runs_the_te_and_a_refusal_frees_the_sl
     c.starting["m"].append((100.0, "h1"))
     c.on_scale_event(ScaleEvent(model="m", te_id="", direction="failed"))
     assert c.starting["m"] == []
+
+
+def test_nodes_that_fork_one_scale_out_form_a_chain_from_the_holder():
+    """min_tes 3 from zero onto three nodes without the files: h1 forks from the
+    head, h2 from h1 first, h3 from h2 first (each relays its copy under way);
+    a node that has the files gets no relay and is no link."""
+    c, sent, to, events = control(min_tes=3, max_tes=3)
+    c.on_node_report(node("head", free=0, serves=["/models/m"], cached=["/models/m"]), 0.0)
+    for name in ("h1", "h2", "h3"):
+        c.on_node_report(node(name), 0.0)
+    c.step(0.1, {})
+    assert {a: m.sources for a, m in to} == {
+        "tcp://h1:7404": ["tcp://head:7405"],
+        "tcp://h2:7404": ["tcp://h1:7405", "tcp://head:7405"],
+        "tcp://h3:7404": ["tcp://h2:7405", "tcp://head:7405"]}
+    c2, _, to2, _ = control(min_tes=2, max_tes=2)
+    c2.on_node_report(node("h1", serves=["/models/m"]), 0.0)  # has them: no fork
+    c2.on_node_report(node("h2"), 0.0)
+    c2.step(0.1, {})
+    assert {a: m.sources for a, m in to2} == {"tcp://h1:7404": [],
+                                               "tcp://h2:7404": ["tcp://h1:7405"]}

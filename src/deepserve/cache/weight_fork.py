@@ -12,6 +12,16 @@
            mid-copy) or sends a bad chunk: the copy so far is dropped and the next
            source is asked; none left: ForkError.
 
+Relay (BlitzScale's chain): a node whose fork is under way serves what it
+has already received. fork_model(on_partial=...) publishes a Partial (the
+listing, the chunks written so far) that the node's WeightServer reads
+(`partials`): a WeightList or WeightGet for a chunk not here yet is answered
+`retry`, and the asker asks again RETRY_S later. So the CM can chain the
+hosts that fork one model at once (each one's first source is the one
+before it) and no single source sends the model N times. A relay whose own
+source stalls makes no progress: its downstream gives up on it after
+timeout_s without a new chunk and asks its next source.
+
 Messages: messages/weights.py. With [cluster] secure the sockets run CURVE
 like every other tcp:// socket (ipc/curve.py).
 """
@@ -25,7 +35,8 @@ import tempfile
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -44,6 +55,8 @@ MAX_CHUNK_BYTES = 16 << 20
 WINDOW = 4
 """Chunks in flight per fork: the link stays busy while one is written."""
 POLL_S = 0.2
+RETRY_S = 0.02
+"""A chunk a relay has not received yet is asked for again this much later."""
 
 
 class ForkError(RuntimeError):
@@ -57,11 +70,23 @@ class Forked:
     seconds: float
 
 
-class WeightServer:
-    """Serves the files of the models dirs() names; stop() ends the thread."""
+@dataclass
+class Partial:
+    """A fork under way, as its node's WeightServer relays it: files None until
+    the listing came; `have`: (file name, offset) -> length of the chunks written."""
 
-    def __init__(self, ctx: zmq.Context, address: str, dirs: Callable[[], dict[str, Path]]):
-        self.dirs = dirs
+    tmp: Path | None = None
+    files: list[tuple[str, int]] | None = None
+    have: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+class WeightServer:
+    """Serves the files of the models dirs() names, and relays the forks under
+    way that partials() names; stop() ends the thread."""
+
+    def __init__(self, ctx: zmq.Context, address: str, dirs: Callable[[], dict[str, Path]],
+                 partials: Callable[[], dict[str, Partial]] = dict):
+        self.dirs, self.partials = dirs, partials
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         curve.secure(self.sock, address, bind=True)
@@ -69,6 +94,7 @@ class WeightServer:
         self.decoder = msgspec.msgpack.Decoder(ToWeightServer)
         self.encoder = msgspec.msgpack.Encoder()
         self.num_served = 0  # bytes sent
+        self.num_relayed = 0  # of which from forks under way
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weight-server", daemon=True)
         self._thread.start()
@@ -98,6 +124,9 @@ class WeightServer:
 
     def _answer(self, msg) -> list[bytes]:
         local = self.dirs().get(msg.path)
+        partial = self.partials().get(msg.path) if local is None else None
+        if partial is not None:
+            return self._relay(msg, partial)
         try:
             files = {f.name: f for f in model_files(local)} if local is not None else None
         except OSError:
@@ -120,20 +149,45 @@ class WeightServer:
         return [self.encoder.encode(WeightChunk(name=msg.name, offset=msg.offset,
                                                 crc=zlib.crc32(data))), data]
 
+    def _relay(self, msg, partial: Partial) -> list[bytes]:
+        """A fork under way: its listing, and the chunks already written; `retry`
+        for what has not come yet."""
+        if isinstance(msg, WeightList):
+            files = partial.files
+            return [self.encoder.encode(WeightFiles(files=files or [], retry=files is None))]
+        length = partial.have.get((msg.name, msg.offset))
+        if length is None or msg.length != length or partial.tmp is None:
+            return [self.encoder.encode(WeightChunk(name=msg.name, offset=msg.offset,
+                                                    retry=True))]
+        try:
+            with open(partial.tmp / msg.name, "rb") as fh:
+                data = memoryview(bytearray(length))
+                data = data[:os.preadv(fh.fileno(), [data], msg.offset)]
+        except FileNotFoundError:  # just renamed into place: asked again, found whole
+            return [self.encoder.encode(WeightChunk(name=msg.name, offset=msg.offset,
+                                                    retry=True))]
+        self.num_served += len(data)
+        self.num_relayed += len(data)
+        return [self.encoder.encode(WeightChunk(name=msg.name, offset=msg.offset,
+                                                crc=zlib.crc32(data))), data]
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
 
 
 def fork_model(ctx: zmq.Context, sources: list[str], path: str, dest: Path,
-               timeout_s: float = 10.0, chunk: int = CHUNK_BYTES) -> Forked:
+               timeout_s: float = 10.0, chunk: int = CHUNK_BYTES,
+               partial: Partial | None = None) -> Forked:
     """Pull model `path`'s files from the first source that gives them all into
-    `dest` (created; left as it is if it already exists)."""
+    `dest` (created; left as it is if it already exists). partial: filled as the
+    copy goes (its listing, each chunk once written), for this node to relay."""
     failures = []
     for source in sources:
         started = time.monotonic()
         try:
-            nbytes = _pull(ctx, source, path, Path(dest), timeout_s, chunk)
+            nbytes = _pull(ctx, source, path, Path(dest), timeout_s, chunk,
+                           partial if partial is not None else Partial())
         except (ForkError, OSError) as e:  # OSError: this host's disk or memory is full
             log.warning("fork of %s from %s failed: %s", path, source, e)
             failures.append(f"{source}: {e}")
@@ -143,7 +197,7 @@ def fork_model(ctx: zmq.Context, sources: list[str], path: str, dest: Path,
 
 
 def _pull(ctx: zmq.Context, source: str, path: str, dest: Path, timeout_s: float,
-          chunk: int) -> int:
+          chunk: int, partial: Partial) -> int:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     curve.secure(sock, source, bind=False)
@@ -152,49 +206,63 @@ def _pull(ctx: zmq.Context, source: str, path: str, dest: Path, timeout_s: float
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.part-", dir=dest.parent))
     fds: dict[str, int] = {}
+    last = time.monotonic()  # the last progress: a listing, or a chunk written
 
     def receive() -> list:
-        if not sock.poll(timeout_s * 1000):
-            raise ForkError(f"no answer for {timeout_s:g} s (the peer is gone?)")
+        if time.monotonic() - last > timeout_s or not sock.poll(timeout_s * 1000):
+            raise ForkError(f"no progress for {timeout_s:g} s (the peer, or its own "
+                            "source, is gone?)")
         return [f.buffer for f in sock.recv_multipart(copy=False)]  # no copy of a chunk
 
     try:
-        sock.send(encoder.encode(WeightList(path=path)))
-        listing = decoder.decode(receive()[0])
+        while True:  # a relay that has no listing yet says retry
+            sock.send(encoder.encode(WeightList(path=path)))
+            listing = decoder.decode(receive()[0])
+            if not isinstance(listing, WeightFiles) or not listing.retry:
+                break
+            time.sleep(RETRY_S)
         if not isinstance(listing, WeightFiles) or listing.error or not listing.files:
             raise ForkError(getattr(listing, "error", "") or "an empty or bad file list")
-        todo = []
+        last = time.monotonic()
+        todo: deque = deque()
         for name, size in listing.files:
             if "/" in name or name in (".", "..") or size < 0:
                 raise ForkError(f"a bad file name or size in the list: {name!r} {size}")
             fds[name] = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.ftruncate(fds[name], size)
-            todo += [(name, off, min(chunk, size - off)) for off in range(0, size, chunk)]
+            todo.extend((name, off, min(chunk, size - off)) for off in range(0, size, chunk))
+        partial.tmp, partial.files = tmp, list(listing.files)
         expected = {(name, off): length for name, off, length in todo}
-        pending = iter(todo)
-        in_flight = 0
-        for name, off, length in pending:  # fill the window
-            sock.send(encoder.encode(WeightGet(path=path, name=name, offset=off, length=length)))
-            in_flight += 1
-            if in_flight == WINDOW:
-                break
-        total = 0
-        while in_flight:
+        later: deque = deque()  # (when, request): chunks a relay did not have yet
+        in_flight = total = 0
+        while todo or later or in_flight:
+            now = time.monotonic()
+            while in_flight < WINDOW and (todo or later and later[0][0] <= now):
+                name, off, length = later.popleft()[1] if later and later[0][0] <= now \
+                    else todo.popleft()
+                sock.send(encoder.encode(WeightGet(path=path, name=name, offset=off,
+                                                   length=length)))
+                in_flight += 1
+            if not in_flight:
+                time.sleep(RETRY_S)
+                continue
             frames = receive()
             in_flight -= 1
             header = decoder.decode(frames[0])
+            if isinstance(header, WeightChunk) and header.retry:
+                key = (header.name, header.offset)
+                if key in expected:
+                    later.append((time.monotonic() + RETRY_S, (*key, expected[key])))
+                continue
             if not isinstance(header, WeightChunk) or header.error or len(frames) != 2:
                 raise ForkError(getattr(header, "error", "") or "a bad chunk")
             data, want = frames[1], expected.pop((header.name, header.offset), None)
             if want != len(data) or zlib.crc32(data) != header.crc:
                 raise ForkError(f"{header.name}@{header.offset}: wrong length or checksum")
             os.pwrite(fds[header.name], data, header.offset)
+            partial.have[(header.name, header.offset)] = want
             total += len(data)
-            nxt = next(pending, None)
-            if nxt is not None:
-                sock.send(encoder.encode(WeightGet(path=path, name=nxt[0], offset=nxt[1],
-                                                   length=nxt[2])))
-                in_flight += 1
+            last = time.monotonic()
         for fd in fds.values():
             os.close(fd)
         fds.clear()
@@ -208,6 +276,8 @@ def _pull(ctx: zmq.Context, source: str, path: str, dest: Path, timeout_s: float
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ForkError(f"an undecodable reply: {e}") from None
     finally:
+        partial.tmp, partial.files = None, None
+        partial.have.clear()
         for fd in fds.values():
             os.close(fd)
         if tmp.exists():

@@ -7,8 +7,10 @@
                            <─WeightChunk(name, offset, crc32) + the bytes (a second frame)
 
 `path` is the model's directory as the head's [[model]] names it (the key on
-every node); each node serves only the directories of the models it holds,
-and only their top-level files. A reply with `error` set refuses the request.
+every node); each node serves only the directories of the models it holds
+(and relays a fork of one under way), and only their top-level files. A
+reply with `error` set refuses the request; one with `retry` (a relay that
+has not received it yet) asks for it again shortly.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class WeightFiles(msgspec.Struct, tag="weight_files", **_STRUCT):
     files: list[tuple[str, int]] = []
     """(file name, size in bytes) of every top-level file of the model's directory."""
     error: str = ""
+    retry: bool = False
+    """A relay whose own fork has no listing yet: ask again shortly."""
 
 
 class WeightChunk(msgspec.Struct, tag="weight_chunk", **_STRUCT):
@@ -43,6 +47,8 @@ class WeightChunk(msgspec.Struct, tag="weight_chunk", **_STRUCT):
     crc: int = 0
     """zlib.crc32 of the bytes."""
     error: str = ""
+    retry: bool = False
+    """A relay has not received this chunk yet (no bytes follow): ask again shortly."""
 
 
 ToWeightServer = WeightList | WeightGet

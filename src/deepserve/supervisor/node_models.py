@@ -10,7 +10,8 @@ ScaleOuts, forked from peers; where their files are, and who may have them.
     weight cache (cache/weight_cache.py)       filled in the background as models
                                                are declared or learned
     weight server (fork's other end)           shares every directory held here
-                                               with peers, keyed by the head's path
+                                               with peers, keyed by the head's path,
+                                               and relays a fork under way (a chain)
 
 The node owns one NodeModels; the scaler asks it through the node (learn,
 holds, fork) and the node's report lists what it caches and serves.
@@ -29,7 +30,7 @@ from pathlib import Path
 import zmq
 
 from deepserve.cache.weight_cache import WeightCache
-from deepserve.cache.weight_fork import Forked, WeightServer, fork_model
+from deepserve.cache.weight_fork import Forked, Partial, WeightServer, fork_model
 from deepserve.config.models import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class NodeModels:
         self.config, self.weights, self.forked_root = config, weights, forked_root
         self.learned: dict[str, ModelSpec] = {}  # name -> spec (path: where it is read here)
         self.forked: dict[str, Path] = {}  # the head's path -> the forked copy here
+        self.partials: dict[str, Partial] = {}  # forks under way (relayed by the server)
         self.server: WeightServer | None = None
         self._lock = threading.Lock()  # learned / forked: the weight server's thread reads them
         self._stopping = threading.Event()
@@ -88,14 +90,24 @@ class NodeModels:
         Its own ZeroMQ context: a node that stops never waits on a fork's socket."""
         digest = hashlib.sha1(path.encode()).hexdigest()[:12]
         name = re.sub(r"[^A-Za-z0-9_-]", "_", Path(path).name)[:40] or "model"
-        ctx = zmq.Context()
-        try:
-            forked = fork_model(ctx, sources, path, self.forked_root / f"{name}-{digest}")
-        finally:
-            ctx.term()
+        ctx, partial = zmq.Context(), Partial()
         with self._lock:
-            self.forked[path] = self.forked_root / f"{name}-{digest}"
+            self.partials[path] = partial
+        try:
+            forked = fork_model(ctx, sources, path, self.forked_root / f"{name}-{digest}",
+                                partial=partial)
+            with self._lock:
+                self.forked[path] = self.forked_root / f"{name}-{digest}"
+        finally:
+            with self._lock:
+                self.partials.pop(path, None)
+            ctx.term()
         return forked
+
+    def under_way(self) -> dict[str, Partial]:
+        """Forks under way, for the weight server to relay."""
+        with self._lock:
+            return dict(self.partials)
 
     # -- what the node tells the head ---------------------------------------------------
     def served(self) -> dict[str, Path]:
@@ -125,7 +137,7 @@ class NodeModels:
     # -- background work ----------------------------------------------------------------
     def start_server(self, ctx: zmq.Context, address: str) -> None:
         """Share what is held here with peers that fork it ([cluster] port+5)."""
-        self.server = WeightServer(ctx, address, self.served)
+        self.server = WeightServer(ctx, address, self.served, self.under_way)
 
     def fill_in_background(self, models) -> None:
         if self.weights is not None:

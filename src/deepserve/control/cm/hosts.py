@@ -117,6 +117,15 @@ class HostBook:
         holders.sort(key=lambda n: (path not in n.report.cached, n.report.node))
         return [n.report.weights for n in holders]
 
+    def holds(self, name: str, path: str) -> bool:
+        """Node `name` has model `path`'s files (it needs no fork)."""
+        node = self._nodes.get(name)
+        return node is not None and path in node.report.serves
+
+    def weights_of(self, name: str) -> str:
+        node = self._nodes.get(name)
+        return node.report.weights if node is not None else ""
+
     def placed(self, name: str, model: str) -> None:
         """A ScaleOut for one TE of `model` was sent to `name`."""
         self._nodes[name].pending.append(model)

@@ -15,10 +15,13 @@ from the pre-warmed pool when it can) until they are back or the timeout.
 
 Placement (hosts.py): once nodes report (NodeReport), each TE of a
 scale-out goes to the node HostBook.choose picks, with the model's path and
-options (a joined node that does not declare the model serves it from
-them); a ScaleIn goes to the node that runs the TE. With no node room (or
-no report yet: a CM that just started), the scale-out waits (logged once:
-scale_unplaced). A node whose reports stop is lost (node_lost): its TEs
+options (a joined node that does not declare the model serves it from them)
+and the fork `sources`: the nodes holding its files, memory first, for a
+node without them. The second and later nodes of one scale-out that fork
+get the one before them first: a chain, each relaying its copy under way,
+so no source sends the model to every node. A ScaleIn goes to the node that
+runs the TE. With no node room (or no report yet: a CM that just started),
+the scale-out waits (logged once: scale_unplaced). A node whose reports stop is lost (node_lost): its TEs
 starting or restarting there stop counting as capacity at once, so the
 autoscaler's next step starts them elsewhere. One host is a cluster of one
 node: the CM's own, which reports like any other.
@@ -244,10 +247,17 @@ class ScalingControl:
             self.unplaced.discard(d.model)
         else:
             self.unplaced.add(d.model)
+        relay = ""  # the last node of this scale-out that forks: the next one's first source
         for node, count in per_node.items():
-            extra = {} if target is None else {
-                "path": target.path, "options": target.options,
-                "sources": self.hosts.sources(target.path, node) if self.hosts else []}
+            extra = {}
+            if target is not None:
+                sources = self.hosts.sources(target.path, node) if self.hosts else []
+                forks = node is not None and not self.hosts.holds(node, target.path)
+                if forks and relay:  # a chain: no source sends the model to every node
+                    sources = [relay, *sources]
+                if forks:
+                    relay = self.hosts.weights_of(node) or relay
+                extra = {"path": target.path, "options": target.options, "sources": sources}
             if self._send(ScaleOut(model=d.model, count=count, reason=d.reason, inputs=d.inputs,
                                    decided_at=self.clock(), **extra), node) is not False:
                 self.starting[d.model].extend([(now + self.startup_timeout_s, node)] * count)
