@@ -67,8 +67,11 @@ def test_a_silent_node_is_lost_once_and_back_when_it_reports_again():
     assert b.expire(3.5) == ["a"] and b.expire(4.0) == []
     assert b.is_lost("a") and b.node_of("a-m-0") == "a" and b.address("a") is None
     assert b.choose("m", "/m") == "b" and b.alive() == ["b"]
-    b.on_report(node("a", run_id="r2"), 5.0)  # restarted: a new run
+    assert b.on_report(node("a", run_id="r2"), 5.0)  # restarted: a new run, joined again
     assert not b.is_lost("a") and b.alive() == ["a", "b"]
+    assert not b.on_report(node("a", run_id="r2"), 6.0)  # the same run: nothing new
+    b.expire(20.0)
+    assert b.on_report(node("a", run_id="r2"), 21.0)  # back after it was lost
     own = HostBook(timeout_s=3.0, local="tcp://a:7404")  # the CM's own node
     own.on_report(node("a"), 0.0)
     assert own.expire(60.0) == [] and own.alive() == ["a"]
@@ -107,8 +110,11 @@ def test_a_scale_out_waits_for_the_first_node_report():
     c.step(0.0, {})
     assert sent == [] and to == [] and [e for e, _ in events].count("scale_unplaced") == 1
     c.on_node_report(node("", free=None), 0.5)
-    c.step(0.6, {})
+    c.on_node_report(node("", free=None), 1.5)
+    c.step(1.6, {})
     assert [(a, type(m)) for a, m in to] == [("tcp://:7404", ScaleOut)]
+    [joined] = [d for e, d in events if e == "node_joined"]  # once, at its first report
+    assert joined["node"] == "" and joined["run_id"] == "r1"
 
 
 def test_a_model_at_zero_starts_on_the_chosen_node_with_its_path_and_options():

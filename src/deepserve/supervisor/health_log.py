@@ -53,6 +53,7 @@ SEVERITY: dict[str, str] = {
     "scale_unplaced": ERROR,  # the CM: no node has room for a scaled TE of a model
     "scale_refused": WARNING,  # a node: a ScaleOut beyond its free devices, or an unknown model
     "model_learned": INFO,  # a joined node: a model the head placed here, from its ScaleOut
+    "node_joined": INFO,  # the CM: a node's first report (new, restarted, or back after lost)
     "node_lost": ERROR,
     "weights_forked": INFO,  # a node pulled a model's files from a peer (fork)
     "fork_failed": ERROR,  # no peer gave them: the TEs waiting for it are refused  # the CM: a node's reports stopped; its scaled TEs start elsewhere

@@ -51,8 +51,10 @@ class HostBook:
         self._te_node: dict[str, str] = {}  # TE id -> node (last known, lost nodes too)
 
     # -- inputs ------------------------------------------------------------------
-    def on_report(self, report: NodeReport, now: float) -> None:
+    def on_report(self, report: NodeReport, now: float) -> bool:
+        """True: a node not known until now (new, restarted, or back after it was lost)."""
         node = self._nodes.get(report.node)
+        joined = node is None or node.lost or node.report.run_id != report.run_id
         if node is None or node.report.run_id != report.run_id:
             node = self._nodes[report.node] = _Node(report, now)
         node.report, node.seen_at, node.lost = report, now, False
@@ -61,6 +63,7 @@ class HostBook:
             node.acked = report.scale_outs
         for te_id in report.tes:
             self._te_node[te_id] = report.node
+        return joined
 
     def expire(self, now: float) -> list[str]:
         """Nodes whose reports stopped since the last call (each named once)."""

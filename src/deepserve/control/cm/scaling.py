@@ -131,8 +131,13 @@ class ScalingControl:
             self.restarting[te_id] = (model, now + self.startup_timeout_s)
 
     def on_node_report(self, report: NodeReport, now: float) -> None:
-        if self.hosts is not None:
-            self.hosts.on_report(report, now)
+        if self.hosts is not None and self.hosts.on_report(report, now):
+            log.warning("node %s joined: %s free devices, %.1f GiB available, %d ready pods",
+                        report.node or "(this host)", report.free_devices,
+                        report.available_bytes / (1 << 30), report.ready_pods)
+            self.events("node_joined", node=report.node, run_id=report.run_id,
+                        free_devices=report.free_devices, ready_pods=report.ready_pods,
+                        serves=report.serves)
 
     def _on_lost_node(self, te_id: str) -> bool:
         """te_id ran on a node that is lost: nobody restarts it there."""
