@@ -143,6 +143,19 @@ def test_queue_scale_out_then_scale_in_only_after_sustained_low_load():
     assert scaler.decide(116.0, {M: ["a", "b"]}) == []
 
 
+def test_tes_over_max_are_scaled_in_at_once_the_least_loaded_first():
+    """A node lost and replaced comes back with its TE: 3 up where max_tes is 2.
+    The extra one goes at once (no sustain, no cooldown): the least loaded; at
+    max_tes exactly nothing goes."""
+    scaler = Autoscaler([ModelPolicy(M, min_tes=1, max_tes=2)], ScalingOptions(), now=0.0)
+    for te, running in (("a", 2), ("b", 0), ("c", 1)):
+        scaler.on_load(M, te, 0, running, 0.0)
+    [d] = scaler.decide(0.0, {M: ["a", "b", "c"]})
+    assert (d.direction, d.te_id, d.reason) == ("in", "b", "over_max")
+    assert scaler.decide(0.1, {M: ["a", "b", "c"]}) == []  # b is on its way out
+    assert scaler.decide(0.2, {M: ["a", "c"]}) == []
+
+
 def test_scale_in_picks_least_loaded_and_breaks_ties_last():
     opts = ScalingOptions(in_load_per_te=2.0, in_sustain_s=0.0, in_cooldown_s=0.0)
     scaler = Autoscaler([ModelPolicy(M, min_tes=1, max_tes=4)], opts)

@@ -17,6 +17,9 @@ most one of these, checked in this order:
    starting below the bound -> scale out to it (capped at max_tes) at once,
    no cooldown: "demand_from_zero" (none up or starting, parked > 0) or "min_tes".
 2. Idle: bound 0 because of idle_s -> one "idle" Decision per up TE.
+   Over max_tes (a lost node came back with TEs that were replaced meanwhile,
+   or a restart raced a replacement) -> scale in the extra TEs, the least
+   loaded first, at once: "over_max".
 3. Scale out one TE, if up + starting < max_tes and out_cooldown_s passed
    since the model's last scale-out:
      "queue" waiting (sum over its up TEs) / (up + starting) > out_queue_per_te,
@@ -197,6 +200,12 @@ class Autoscaler:
                 self._mark_event(m, now)
                 m.removing.update(up_ids)
             return [Decision(p.name, "in", te_id=t, reason="idle", inputs=x) for t in up_ids]
+        if up > p.max_tes:
+            victims = sorted(up_ids, key=lambda t: (sum(loads[t]), up_ids.index(t)))
+            victims = victims[:up - p.max_tes]
+            self._mark_event(m, now)
+            m.removing.update(victims)
+            return [Decision(p.name, "in", te_id=t, reason="over_max", inputs=x) for t in victims]
         if capacity < p.max_tes and now - m.last_out >= opts.out_cooldown_s:
             all_busy = all(w + r > 0 for w, r in loads.values())
             is_queue = up > 0 and (x["mean_waiting"] > opts.out_queue_per_te
