@@ -236,6 +236,7 @@ def test_a_decode_task_stages_its_disk_blocks_up_then_orders_the_prefill(env):
     [reserve] = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=5,
                                        slots=[3, ON_DISK, ON_DISK], disk_dir="/d"), 0.1).sends
     assert isinstance(reserve, TierReserve) and reserve.hashes == lookup.hashes[1:3]
+    assert reserve.hold  # slots only for what the tier can hold for the prefill TE
     [op] = tiers.on_reserved(TierReserved(reserve_id=reserve.reserve_id, lease_id=6,
                                           slots=[7, NO_SLOT], segment="seg"), 0.2).ops
     assert (op.kind, op.block_ids, op.slots, op.hashes, op.disk_dir) == (

@@ -100,6 +100,32 @@ def test_a_commit_holds_only_while_half_the_slots_are_free_of_readers():
     idx.check_integrity()
 
 
+def test_a_staging_reserve_gets_only_the_slots_a_hold_can_keep():
+    """hold=True (DualPath's decode-path staging): new slots only while half the
+    pool minus the read-pinned slots minus the staging slots reserved and not
+    committed yet has room, in block order; the rest NO_SLOT and counted. A
+    block staged past that would be committed unpinned and evicted before its
+    prefill TE loads it: read from storage twice."""
+    idx = TierIndex(num_slots=8, block_bytes=B)
+    write(idx, [1])
+    pinned, _ = idx.lookup([1], 0.0)  # 1 slot read-pinned: room for 4 - 1 = 3
+    first, slots, _ = idx.reserve([1, 2, 3, 4, 5], 0.0, hold=True)
+    assert slots[0] == NO_SLOT and all(s != NO_SLOT for s in slots[1:4])  # 1: present
+    assert slots[4] == NO_SLOT and idx.holds_cut == 1  # the 4th new block: no room
+    second, more, _ = idx.reserve([6, 7], 0.0, hold=True)  # the first's 3 are pending
+    assert more == [NO_SLOT, NO_SLOT] and second == 0 and idx.holds_cut == 3
+    plain, fresh, _ = idx.reserve([6, 7], 0.0)  # a write-through is not limited
+    assert NO_SLOT not in fresh
+    idx.commit(first, slots[1:4], hold=True)  # 1 + 3 = 4 of 8 read-pinned: held
+    assert first in idx.leases and all(idx.readers[s] == 1 for s in slots[1:4])
+    idx.commit(plain, fresh)
+    idx.release(pinned)
+    _, last, _ = idx.reserve([8, 9], 0.0, hold=True)  # 3 held: room for 1
+    assert last[0] != NO_SLOT and last[1] == NO_SLOT
+    idx.release(first)
+    idx.check_integrity()
+
+
 def test_a_held_commit_lapses_with_its_lease(idx):
     lease, slots, _ = idx.reserve([1], 0.0)
     idx.commit(lease, slots, hold=True)

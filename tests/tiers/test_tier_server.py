@@ -72,6 +72,17 @@ def test_blocks_reach_disk_and_come_back_from_it(rig, tmp_path):
     assert bytes(first) == bytes([0]) * NBYTES
 
 
+def test_a_staging_reserve_over_the_wire_gets_what_the_tier_can_hold(rig):
+    """TierReserve(hold=True), as a decode TE stages for its prefill TE: an
+    8-slot host tier gives slots to 4 blocks (half), NO_SLOT to the other 2."""
+    service, out, back, reply = rig
+    out.put(TierReserve(reserve_id=1, model_key="m", geometry=GEOM, hashes=list(range(30, 36)),
+                        reply_to=reply, hold=True))
+    reserved = back.get(timeout=5)
+    assert [s == NO_SLOT for s in reserved.slots] == [False] * 4 + [True] * 2
+    assert service.call(lambda s: s.pools["m"].index.holds_cut) == 2
+
+
 def test_context_soak_ends_where_it_began(rig):
     service, out, back, reply = rig
     write(service, out, back, reply, [1, 2])  # ordinary cache, not pinned

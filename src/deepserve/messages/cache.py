@@ -86,6 +86,10 @@ class TierReserve(msgspec.Struct, tag="tier_reserve", **_STRUCT):
     reply_to: str
     context_id: str | None = None
     expires_at: float = 0.0
+    hold: bool = False
+    """For a staging whose blocks stay held until its prefill TE loads them
+    (DualPath's decode path): slots only for as many leading blocks as the
+    tier can hold (tiers/tier_index.py); the rest NO_SLOT."""
 
 
 class TierReserved(msgspec.Struct, tag="tier_reserved", **_STRUCT):

@@ -21,6 +21,15 @@ Pins, three kinds, none of which evicts:
   leases    expire `lease_s` after they were given (a TE that died
             releases nothing), their pins with them.
 
+A held commit (DualPath's decode-path staging: the blocks stay read-pinned
+until the prefill TE loaded them) is held only while at most half the slots
+are read-pinned, so that the write-through keeps room. A staging reserve
+(hold=True) therefore gets slots only for as many leading blocks as that
+half still has room for, counting the holds reserved and not committed yet:
+a block staged past it would be committed unpinned, evicted by the next
+writes before its prefill TE loads it, and read from storage twice
+(`holds_cut` counts the blocks refused so).
+
 check_integrity() asserts every invariant above.
 """
 
@@ -42,6 +51,7 @@ class Lease:
     slots: list[int] = field(default_factory=list)  # read-pinned host slots
     disk: list[int] = field(default_factory=list)  # read-pinned disk hashes
     writing: set[int] = field(default_factory=set)  # reserved slots
+    hold: bool = False  # reserved for a staging that will hold what it writes
 
 
 class TierIndex:
@@ -58,6 +68,7 @@ class TierIndex:
         self.readers = [0] * num_slots
         self.slot_of: dict[int, int] = {}  # hash -> slot (WRITING or VALID)
         self.free: deque[int] = deque(range(num_slots))
+        self.holds_cut = 0  # staging blocks refused a slot: the held half was full
         self.lru: OrderedDict[int, None] = OrderedDict()  # VALID hashes, oldest first
         self.disk: OrderedDict[int, int] = OrderedDict()  # hash -> bytes, oldest first
         self.disk_bytes = 0
@@ -121,17 +132,25 @@ class TierIndex:
 
     # -- writes --------------------------------------------------------------------
     def reserve(self, hashes: list[int], now: float, context_id: str | None = None,
-                expires_at: float = 0.0) -> tuple[int, list[int], str | None]:
+                expires_at: float = 0.0, hold: bool = False
+                ) -> tuple[int, list[int], str | None]:
         """(lease id, slot to write or NO_SLOT per hash, error). A context's
-        hashes are pinned whether or not they need writing."""
+        hashes are pinned whether or not they need writing. hold: for a
+        staging that will hold its blocks: no more new slots than the held
+        half has room for (module doc)."""
         if context_id is not None and not self.pin(context_id, hashes, expires_at):
             return 0, [], "over_budget"
-        lease = Lease(now + self.lease_s)
+        lease = Lease(now + self.lease_s, hold=hold)
+        room = self._hold_room() if hold else len(hashes)
         out = []
         for h in hashes:
             if h in self.slot_of:
                 if self.state[self.slot_of[h]] == VALID:
                     self.lru.move_to_end(h)
+                out.append(NO_SLOT)
+                continue
+            if len(lease.writing) >= room:
+                self.holds_cut += 1
                 out.append(NO_SLOT)
                 continue
             slot = self._alloc()
@@ -284,6 +303,13 @@ class TierIndex:
         return files
 
     # -- internals -------------------------------------------------------------------
+    def _hold_room(self) -> int:
+        """Slots a held commit could still take: half the pool, less the slots
+        read-pinned and the staging slots reserved and not committed yet."""
+        busy = sum(1 for r in self.readers if r)
+        pending = sum(len(lease.writing) for lease in self.leases.values() if lease.hold)
+        return max(0, self.num_slots // 2 - busy - pending)
+
     def _add_lease(self, lease: Lease) -> int:
         lease_id = next(_lease_ids)
         self.leases[lease_id] = lease

@@ -155,7 +155,7 @@ class TierServer:
                                                        error="unavailable"))
                 return
             lease, slots, error = pool.index.reserve(msg.hashes, now, msg.context_id,
-                                                     msg.expires_at)
+                                                     msg.expires_at, hold=msg.hold)
             self._reply(msg.reply_to, TierReserved(reserve_id=msg.reserve_id, lease_id=lease,
                                                    slots=slots, segment=pool.segment,
                                                    error=error))

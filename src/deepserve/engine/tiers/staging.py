@@ -14,6 +14,13 @@ instead of reading storage through its own bucket:
     CacheOpsDone ──TierCommit(hold)──> staged: the master orders the prefill now
     ... its KV arrives (or the task ends) ──TierRelease of both leases──> unpinned
 
+The reserve asks for a hold (TierReserve.hold): the tier gives slots only
+to as many leading blocks as it can keep pinned (half its slots, less those
+pinned or promised already); the rest the prefill TE reads through its own
+path. Before, the blocks past that were staged all the same, committed
+unpinned, and mostly evicted before the prefill TE looked (at a 16 MiB host
+tier, 102k tokens staged against at most 58k taken from host): read twice.
+
 Both leases (the lookup's, pinning the prompt's blocks already in host
 memory, and the staged slots' own) are held until the prefill TE has loaded
 them: released when the task's KV arrives, or when it ends (unstage), else
@@ -91,7 +98,7 @@ class TierStaging:
         st.deadline = now + ch.lookup_timeout_s
         self.stages[rid] = st
         effects.sends.append(TierReserve(reserve_id=rid, model_key=ch.key, geometry=ch.geometry,
-                                         hashes=disk, reply_to=ch.address))
+                                         hashes=disk, reply_to=ch.address, hold=True))
         st.hashes = disk
         return True
 
