@@ -186,7 +186,8 @@ def test_a_node_relays_its_fork_under_way_and_the_source_sends_the_model_once(tm
             time.sleep(0.005)
         out["b"] = fork_model(ctx, [relay, source], "/m", tmp_path / "b", chunk=256 << 10)
         fork_a.join(30)
-        assert out["b"].source == relay and _same(src, tmp_path / "a") and _same(src, tmp_path / "b")
+        assert out["b"].source == relay
+        assert _same(src, tmp_path / "a") and _same(src, tmp_path / "b")
         assert up.num_served == nbytes and a.num_served == nbytes  # each byte left the source once
         assert a.num_relayed > 0  # some of it while A's own copy was under way
         assert partial.have == {} and partial.files is None  # A's copy whole: served as such

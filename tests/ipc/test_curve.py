@@ -4,6 +4,7 @@ supervisor inbox for the peer_refused events."""
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
@@ -311,3 +312,48 @@ def test_raw_bytes_on_a_secure_port_are_refused_and_members_still_get_in(secure,
     finally:
         push.close()
         pull.close()
+
+
+def test_a_watch_counts_a_refusal_at_the_third_handshake_broken_off():
+    """BROKEN_OFF_AFTER at its boundary, against a real peer that accepts each
+    connection and closes it (no detail: a reset could be one): two broken-off
+    handshakes are not a refusal yet, the third is."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    allowed = threading.Semaphore(0)
+
+    def accept_and_close() -> None:
+        while allowed.acquire(timeout=10):
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.close()
+    threading.Thread(target=accept_and_close, daemon=True).start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    watch = curve.HandshakeWatch(sub)
+    sub.connect(f"tcp://127.0.0.1:{server.getsockname()[1]}")
+    try:
+        def seen(n: int) -> bool:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                refused = watch.poll()
+                if watch.num_failed >= n:
+                    return refused
+                time.sleep(0.01)
+            raise AssertionError(f"{watch.num_failed} broken-off handshakes, want {n}")
+        allowed.release()
+        allowed.release()
+        assert curve.HandshakeWatch.BROKEN_OFF_AFTER == 3
+        assert seen(2) is False and watch.num_failed == 2
+        assert not watch.definite and "broke the handshake off" in watch.reason
+        allowed.release()
+        assert seen(3) is True and watch.num_failed == 3
+    finally:
+        watch.close()
+        sub.close()
+        ctx.term()
+        server.close()

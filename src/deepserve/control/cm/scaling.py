@@ -21,9 +21,10 @@ node without them. The second and later nodes of one scale-out that fork
 get the one before them first: a chain, each relaying its copy under way,
 so no source sends the model to every node. A ScaleIn goes to the node that
 runs the TE. With no node room (or no report yet: a CM that just started),
-the scale-out waits (logged once: scale_unplaced). A node whose reports stop is lost (node_lost): its TEs
-starting or restarting there stop counting as capacity at once, so the
-autoscaler's next step starts them elsewhere. One host is a cluster of one
+the scale-out waits (logged once: scale_unplaced). A node whose reports
+stop is lost (node_lost): its TEs starting or restarting there stop
+counting as capacity at once, so the autoscaler's next step starts them
+elsewhere. One host is a cluster of one
 node: the CM's own, which reports like any other.
 
 A TE is drained before it is stopped, so scale-in loses nothing: the CM
