@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from tests.scratch import Scratch
 
@@ -82,6 +83,17 @@ class Cluster:
             host, [*wrap, sys.executable, "-m", "deepserve.supervisor", "--conf", conf],
             stdout=log, stderr=subprocess.STDOUT, env=self.scratch.env())
         log.close()
+
+    def serving(self, num_tes: int) -> Iterator["Cluster"]:
+        """A module fixture's end, its nodes started: the gateway lists num_tes
+        TEs (asserted), then this cluster; stopped whatever happens
+        (`yield from cluster.serving(n)`)."""
+        try:
+            [up] = self.client("wait", URL, str(num_tes), str(START_S), timeout=START_S + 30)
+            assert up["num_tes"] == num_tes, self.logs()
+            yield self
+        finally:
+            self.stop()
 
     def stop(self) -> None:
         """SIGTERM every node (a node stops its children and cleans up), reap them,

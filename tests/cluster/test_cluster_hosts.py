@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.nodes import KEY, PORT, START_S, URL, Cluster, head_conf, node_conf
+from tests.cluster.nodes import KEY, PORT, URL, Cluster, head_conf, node_conf
 from tests.scratch import Scratch
 
 pytestmark = pytest.mark.slow  # three nodes' process trees
@@ -39,12 +39,7 @@ def cluster(hosts, tiny_model, tmp_path_factory):
                                ["colocated", "prefill"]))
     c.start(2, "h2", node_conf(d, tiny_model, "h2", hosts.addresses[2], head,
                                ["colocated", "decode"]))
-    try:
-        [up] = c.client("wait", URL, "4", str(START_S), timeout=START_S + 30)
-        assert up["num_tes"] == 4, c.logs()
-        yield c
-    finally:
-        c.stop()
+    yield from c.serving(4)
 
 
 def _te_ports(hosts, host: int) -> set[str]:

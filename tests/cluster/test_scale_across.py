@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from tests.cluster.nodes import KEY, PORT, START_S, TE, URL, Cluster, head_conf, node_conf
+from tests.cluster.nodes import KEY, PORT, TE, URL, Cluster, head_conf, node_conf
 from tests.scratch import Scratch
 
 pytestmark = pytest.mark.slow  # three nodes, TEs started on demand
@@ -45,12 +45,7 @@ def cluster(hosts, tiny_model, tmp_path_factory):
     hide = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
             'mount -t tmpfs tmpfs "$0" && exec "$@"', str(tiny_model.parent))
     c.start(2, "h2", node_conf(d, tiny_model, "h2", hosts.addresses[2], head, []), wrap=hide)
-    try:
-        [up] = c.client("wait", URL, "0", str(START_S), timeout=START_S + 30)
-        assert up["num_tes"] == 0, c.logs()  # the gateway answers; no TE anywhere yet
-        yield c
-    finally:
-        c.stop()
+    yield from c.serving(0)  # the gateway answers; no TE anywhere yet
 
 
 def _scaled_out(cluster, node: str) -> list[dict]:

@@ -72,11 +72,8 @@ class _Models:
     def holds(self, path):
         return path == "/m"
 
-    def cached(self):
-        return ["/m"]
-
-    def served(self):
-        return {"/m": "/m"}
+    def holdings(self):
+        return ["/m"], ["/m"]
 
     def fork(self, path, sources):
         self.forks.append((path, list(sources)))

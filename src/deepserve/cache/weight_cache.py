@@ -80,13 +80,6 @@ class WeightCache:
             return None
         return entry
 
-    def holds(self, model_dir: str | Path) -> bool:
-        """model_dir is cached (its use time left as it is)."""
-        try:
-            return (self.root / self.key(model_dir)).is_dir()
-        except OSError:
-            return False
-
     def ensure(self, model_dir: str | Path) -> Path | None:
         """The cached copy of model_dir, copied in if absent (evicting the least
         recently used entries to fit); None, copying nothing, when the model

@@ -57,6 +57,8 @@ WINDOW = 4
 POLL_S = 0.2
 RETRY_S = 0.02
 """A chunk a relay has not received yet is asked for again this much later."""
+FILES_TTL_S = 1.0
+"""How long a server trusts its scan of a model's files between listings."""
 
 
 class ForkError(RuntimeError):
@@ -95,6 +97,7 @@ class WeightServer:
         self.encoder = msgspec.msgpack.Encoder()
         self.num_served = 0  # bytes sent
         self.num_relayed = 0  # of which from forks under way
+        self._files: dict[str, tuple[float, dict[str, tuple[Path, int]]]] = {}  # _held's
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weight-server", daemon=True)
         self._thread.start()
@@ -122,54 +125,71 @@ class WeightServer:
         finally:
             self.sock.close()
 
-    def _answer(self, msg) -> list[bytes]:
-        local = self.dirs().get(msg.path)
-        partial = self.partials().get(msg.path) if local is None else None
-        if partial is not None:
-            return self._relay(msg, partial)
-        try:
-            files = {f.name: f for f in model_files(local)} if local is not None else None
-        except OSError:
-            files = None
+    def _answer(self, msg) -> list:
+        files = self._held(msg.path, fresh=isinstance(msg, WeightList))
         if files is None:
+            partial = self.partials().get(msg.path)
+            if partial is not None:
+                return self._relay(msg, partial)
             error = f"model {msg.path!r} is not held here"
             return [self.encoder.encode(WeightFiles(error=error) if isinstance(msg, WeightList)
                                         else WeightChunk(name="", offset=0, error=error))]
         if isinstance(msg, WeightList):
             return [self.encoder.encode(WeightFiles(
-                files=[(name, f.stat().st_size) for name, f in sorted(files.items())]))]
-        f = files.get(msg.name)
-        if f is None or msg.offset < 0 or not 0 < msg.length <= MAX_CHUNK_BYTES:
+                files=[(name, size) for name, (_, size) in sorted(files.items())]))]
+        entry = files.get(msg.name)
+        if entry is None or msg.offset < 0 or not 0 < msg.length <= MAX_CHUNK_BYTES:
             return [self.encoder.encode(WeightChunk(name=msg.name, offset=msg.offset,
                                                     error="no such file or range"))]
-        with open(f, "rb") as fh:  # read into one buffer that ZeroMQ then sends as it is
-            data = bytearray(min(msg.length, max(0, f.stat().st_size - msg.offset)))
-            data = memoryview(data)[:os.preadv(fh.fileno(), [data], msg.offset)]
+        return self._chunk(entry[0], msg.name, msg.offset,
+                           min(msg.length, max(0, entry[1] - msg.offset)))
+
+    def _held(self, path: str, fresh: bool) -> dict[str, tuple[Path, int]] | None:
+        """Model `path`'s files here: name -> (file, size); None: not held. Looked
+        up again on a listing, or once FILES_TTL_S old, so that a chunk costs no
+        directory scan; a miss is never remembered (a fork may finish any time)."""
+        now = time.monotonic()
+        memo = self._files.get(path)
+        if memo is not None and not fresh and now - memo[0] <= FILES_TTL_S:
+            return memo[1]
+        local = self.dirs().get(path)
+        try:
+            files = {f.name: (f, f.stat().st_size) for f in model_files(local)} \
+                if local is not None else None
+        except OSError:
+            files = None
+        if files is None:
+            self._files.pop(path, None)
+        else:
+            self._files[path] = (now, files)
+        return files
+
+    def _chunk(self, file: Path, name: str, offset: int, length: int) -> list:
+        """One chunk: its header and the bytes, read into one buffer that ZeroMQ
+        sends as it is."""
+        with open(file, "rb") as fh:
+            data = memoryview(bytearray(length))
+            data = data[:os.preadv(fh.fileno(), [data], offset)]
         self.num_served += len(data)
-        return [self.encoder.encode(WeightChunk(name=msg.name, offset=msg.offset,
+        return [self.encoder.encode(WeightChunk(name=name, offset=offset,
                                                 crc=zlib.crc32(data))), data]
 
-    def _relay(self, msg, partial: Partial) -> list[bytes]:
+    def _relay(self, msg, partial: Partial) -> list:
         """A fork under way: its listing, and the chunks already written; `retry`
         for what has not come yet."""
         if isinstance(msg, WeightList):
             files = partial.files
             return [self.encoder.encode(WeightFiles(files=files or [], retry=files is None))]
         length = partial.have.get((msg.name, msg.offset))
-        if length is None or msg.length != length or partial.tmp is None:
-            return [self.encoder.encode(WeightChunk(name=msg.name, offset=msg.offset,
-                                                    retry=True))]
-        try:
-            with open(partial.tmp / msg.name, "rb") as fh:
-                data = memoryview(bytearray(length))
-                data = data[:os.preadv(fh.fileno(), [data], msg.offset)]
-        except FileNotFoundError:  # just renamed into place: asked again, found whole
-            return [self.encoder.encode(WeightChunk(name=msg.name, offset=msg.offset,
-                                                    retry=True))]
-        self.num_served += len(data)
-        self.num_relayed += len(data)
-        return [self.encoder.encode(WeightChunk(name=msg.name, offset=msg.offset,
-                                                crc=zlib.crc32(data))), data]
+        tmp = partial.tmp
+        if length is not None and msg.length == length and tmp is not None:
+            try:
+                reply = self._chunk(tmp / msg.name, msg.name, msg.offset, length)
+                self.num_relayed += length
+                return reply
+            except FileNotFoundError:  # just renamed into place: asked again, found whole
+                pass
+        return [self.encoder.encode(WeightChunk(name=msg.name, offset=msg.offset, retry=True))]
 
     def stop(self) -> None:
         self._stop.set()

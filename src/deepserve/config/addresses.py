@@ -4,7 +4,8 @@
     many hosts       what other hosts reach binds tcp://[cluster] host:port+k
                      (config/cluster.py: the head's cluster manager and PUB,
                      gateway replies, TE inboxes, a joined node's supervisor
-                     inbox); same-host sockets stay ipc://
+                     inbox, every node's weight server); same-host sockets
+                     stay ipc://
 
 The node derives them (RunAddresses.for_node) and writes them into the run's
 resolved config; its children read them from there (config/loading.py).

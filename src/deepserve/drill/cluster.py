@@ -30,6 +30,7 @@ from pathlib import Path
 import psutil
 
 from deepserve.ipc.segments import SHM_DIR
+from deepserve.drill.target import model_dir
 from deepserve.supervisor.node_config import with_cluster
 from deepserve.supervisor.process_table import sweep_scratch
 from deepserve.supervisor.ray_fabric import node_command
@@ -102,8 +103,8 @@ class LocalCluster:
         from deepserve.supervisor.node_config import load_node_config
         node_config = load_node_config(self.node_conf)
         for config in (self.config, node_config):  # a joined node without it dies at once
-            model = config.node.model or (config.models[0].path if config.models else None)
-            if model is not None and not (Path(model) / "config.json").is_file():
+            model = model_dir(config)
+            if model and not (Path(model) / "config.json").is_file():
                 raise FileNotFoundError(f"no model at {model} (make it with "
                                         "tools/make_model.py, or point the config elsewhere)")
         for name, host in JOINERS:

@@ -55,8 +55,8 @@ from deepserve.cache.weight_cache import ENV_VAR as WEIGHT_CACHE_ENV
 from deepserve.cache.weight_cache import WeightCache
 from deepserve.config.child import child_argv
 from deepserve.config.loading import write_run_config
-from deepserve.config.models import ModelSpec
 from deepserve.config.addresses import RunAddresses
+from deepserve.config.models import ModelSpec
 from deepserve.ipc import curve
 from deepserve.faults import ENV_VAR as DRILL_ENV
 from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
@@ -178,7 +178,6 @@ class Node:
         tes = {**self.run.tes, te_id: f"tcp://{self.config.cluster.host}:{port}"}
         self.run = msgspec.structs.replace(self.run, tes=tes)
         self._write_run_config()
-
 
     def _to_cm(self, msg) -> None:
         if self.supervisor is not None:

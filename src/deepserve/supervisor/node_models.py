@@ -115,21 +115,26 @@ class NodeModels:
         here, in the weight cache's copy (memory) when it has one."""
         with self._lock:
             models, forked = self._all(), dict(self.forked)
-        dirs = {m.path: Path(m.path) for m in models if has_model(m.path)}
+        dirs = {m.path: self._cached_copy(m.path) or Path(m.path)
+                for m in models if has_model(m.path)}
         dirs.update(forked)
-        if self.weights is not None:
-            for path in list(dirs):
-                if has_model(path) and self.weights.holds(path):
-                    dirs[path] = self.weights.root / self.weights.key(path)
         return dirs
 
-    def cached(self) -> list[str]:
-        """Model directories whose weights the weight cache holds now."""
+    def holdings(self) -> tuple[list[str], list[str]]:
+        """(the model directories the weight cache holds, all those held here):
+        the node's report, from one scan."""
+        served = self.served()
+        root = self.weights.root if self.weights is not None else None
+        return sorted(p for p, d in served.items() if d.parent == root), sorted(served)
+
+    def _cached_copy(self, path: str) -> Path | None:
         if self.weights is None:
-            return []
-        with self._lock:
-            models = self._all()
-        return [m.path for m in models if self.weights.holds(m.path)]
+            return None
+        try:
+            entry = self.weights.root / self.weights.key(path)
+            return entry if entry.is_dir() else None
+        except OSError:  # the directory went meanwhile
+            return None
 
     def _all(self) -> list[ModelSpec]:
         return list(self.config.all_models) + list(self.learned.values())

@@ -12,8 +12,8 @@ cluster manager's ScaleOut / ScaleIn (messages/scaling.py).
 
 Many hosts: the head's CM places each scaled TE on a node (its own, or a
 joined one). A joined node declares no [[model]]: a ScaleOut carries the
-model's path and options, and the node learns the model from it (Node.learn,
-which also caches its weights). Its scaled TEs are named after the node
+model's path and options, and the node learns the model from it
+(Node.model_spec; node_models.py, which also caches its weights). Its scaled TEs are named after the node
 (h1-tiny-0) and bind tcp inboxes after its [[te]] ones. A ScaleOut for more
 TEs than the node's free devices ([node] num_devices minus every TE's tp)
 starts what fits; each TE refused is a ScaleEvent "failed" (the CM's slot
@@ -209,14 +209,15 @@ class NodeScaler:
 
     def report(self) -> NodeReport:
         """This node's capacity, for the CM's placement."""
+        cached, serves = self.node.models.holdings()
         return NodeReport(node=self.config.cluster.name, run_id=self.node.run_id,
                           address=self.node.run.node_inbox or self.node.run.hb,
                           free_devices=self.free_devices(),
                           available_bytes=psutil.virtual_memory().available,
                           ready_pods=sum(1 for p, ready in self.pods.items()
                                          if ready and self.node.table.poll(p) is None),
-                          cached=self.node.models.cached(), weights=self.node.run.weights,
-                          serves=sorted(self.node.models.served()), tes=dict(self.scaled),
+                          cached=cached, weights=self.node.run.weights, serves=serves,
+                          tes=dict(self.scaled),
                           scale_outs=self.taken)
 
     def start_te(self, te_id: str, model: str, reason: str, now: float,
@@ -313,12 +314,11 @@ class NodeScaler:
                       **start.stages, "scaler_post": round(now - ready_at, 4)}
             source = start.source + ("_cache" if start.weights == "cache" and
                                      start.source == "prewarmed" else "")
-            if start.fork_s is not None:
-                start.weights = "fork"
+            weights = "fork" if start.fork_s is not None else start.weights
             total = round(now - start.decided_at, 4)
             self.node.health.write(te_id, "scaled_out", self.node.table.pid(te_id),
                                    model=start.model, reason=start.reason, source=source,
-                                   weights=start.weights, total_s=total, stages=stages)
+                                   weights=weights, total_s=total, stages=stages)
             self._tell_cm(ScaleEvent(model=start.model, te_id=te_id, direction="out",
                                      source=source, reason=start.reason, stages=stages,
                                      total_s=total))

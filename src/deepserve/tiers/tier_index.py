@@ -176,8 +176,7 @@ class TierIndex:
         if lease is None:
             return []
         if hold:
-            busy = sum(1 for r in self.readers if r)
-            hold = busy + len(written) <= self.num_slots // 2
+            hold = self._num_read_pinned() + len(written) <= self.num_slots // 2
         to_disk, held = [], Lease(lease.expires_at)
         for slot in written:
             if slot not in lease.writing:
@@ -306,9 +305,11 @@ class TierIndex:
     def _hold_room(self) -> int:
         """Slots a held commit could still take: half the pool, less the slots
         read-pinned and the staging slots reserved and not committed yet."""
-        busy = sum(1 for r in self.readers if r)
         pending = sum(len(lease.writing) for lease in self.leases.values() if lease.hold)
-        return max(0, self.num_slots // 2 - busy - pending)
+        return max(0, self.num_slots // 2 - self._num_read_pinned() - pending)
+
+    def _num_read_pinned(self) -> int:
+        return sum(1 for r in self.readers if r)
 
     def _add_lease(self, lease: Lease) -> int:
         lease_id = next(_lease_ids)

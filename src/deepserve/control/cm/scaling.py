@@ -24,8 +24,8 @@ runs the TE. With no node room (or no report yet: a CM that just started),
 the scale-out waits (logged once: scale_unplaced). A node whose reports
 stop is lost (node_lost): its TEs starting or restarting there stop
 counting as capacity at once, so the autoscaler's next step starts them
-elsewhere. One host is a cluster of one
-node: the CM's own, which reports like any other.
+elsewhere. One host is a cluster of one node: the CM's own, which reports
+like any other.
 
 A TE is drained before it is stopped, so scale-in loses nothing: the CM
 lists it as draining; once DRAIN_SETTLE_S has passed (the JE has seen the
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from deepserve.cache.weight_cache import model_files
 from deepserve.control.cm.autoscaler import Autoscaler, Decision, ModelPolicy, ScalingOptions
 from deepserve.control.cm.hosts import HostBook
 from deepserve.messages.control import TEInfo, TEReport
@@ -77,8 +78,9 @@ def targets_of(models: Iterable) -> dict[str, Target]:
 
 
 def _weights_bytes(path: str) -> int:
+    """What a node holds of the model (the files a weight cache or a fork copies)."""
     try:
-        return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+        return sum(f.stat().st_size for f in model_files(Path(path)))
     except OSError:
         return 0
 
