@@ -189,7 +189,8 @@ CASES = [
     ("cluster", "host", "10.0.0.2", "cluster-manager",
      lambda s, t: (s.inbox, s.pub) == ("tcp://10.0.0.2:7400", "tcp://10.0.0.2:7401")),
     ("cluster", "host", "10.0.0.2", "gateway",
-     lambda s, t: s.reply_address == "tcp://10.0.0.2:7403" and s.je_address.startswith("ipc")),
+     lambda s, t: s.reply_address == "tcp://10.0.0.2:7403"
+     and s.je_address == "tcp://10.0.0.2:7402"),  # standby heads' gateways submit there too
     ("cluster", "port", 9000, "cluster-manager", lambda s, t: s.inbox == "tcp://10.0.0.2:9000"),
     ("cluster", "head", "10.0.0.1:7500", "node", lambda s, t: s.cluster.joins
      and [te.te_id for te in s.tes] == ["n10-0-0-2-te0"]
@@ -197,10 +198,22 @@ CASES = [
     ("cluster", "name", "h7", "node", lambda s, t: [te.te_id for te in s.tes] == ["h7-te0"]),
     ("cluster", "secure", True, "node", lambda s, t: s.cluster.secure),
     ("cluster", "keys", "etc/k", "node", lambda s, t: s.cluster.keys.endswith("/etc/k")),
+    ("cluster", "standby", True, "node", lambda s, t: s.cluster.standby
+     and RunAddresses.for_node(t, "r", [], False, s.cluster).je
+     == "tcp://10.0.0.2:7402,tcp://10.0.0.1:7402"),
+    ("cluster", "standby", True, "cluster-manager", lambda s, t:
+     (s.inbox, s.pub) == ("tcp://10.0.0.2:7400,tcp://10.0.0.1:7400",
+                          "tcp://10.0.0.2:7401,tcp://10.0.0.1:7401")),
+    ("cluster", "failover_s", 7.5, "node", lambda s, t: s.cluster.failover_s == 7.5),
+    ("cluster", "state_dir", "var/ds", "job-executor",
+     lambda s, t: s.contexts_path == at(t, "var/ds") + "/contexts.json"),
 ]
 WITH = {("cluster", "port"): {"host": "10.0.0.2"}, ("cluster", "head"): {"host": "10.0.0.2"},
         ("cluster", "name"): {"host": "10.0.0.2", "head": "10.0.0.1:7400"},
-        ("cluster", "secure"): {"host": "10.0.0.2"}}
+        ("cluster", "secure"): {"host": "10.0.0.2"},
+        ("cluster", "standby"): {"host": "10.0.0.2", "head": "10.0.0.1:7400"},
+        ("cluster", "failover_s"): {"host": "10.0.0.2", "head": "10.0.0.1:7400"},
+        ("cluster", "state_dir"): {"host": "10.0.0.2"}}
 """Keys a case needs next to its own (a joining node needs its host)."""
 SECTION_TYPES = {"node": NodeSection, "gateway": GatewaySection, "router": RouterSection,
                  "supervisor": SupervisorConfig, "te": TESection, "model": ModelSection,
@@ -659,6 +672,46 @@ def test_cluster_section_checks_its_values_and_derives_the_addresses(tmp_path):
             EngineConfig("/m", kv_bind_host=host)
 
 
+def test_standby_heads_list_every_head_and_bind_their_own_first(tmp_path):
+    """`head` takes several HOST:PORT (the head, then standby heads); each must
+    be well formed, listed once, and not this node. A standby joins a head and
+    its head sockets list itself first (it binds them on take-over, ipc/sockets.py);
+    a plain node connects to every head; the command line keeps the file's
+    other [cluster] keys (secure and keys included)."""
+    for head in ("10.0.0.1:7400,10.0.0.3", "10.0.0.1:7400,:7400", "10.0.0.1:7400,,x:1",
+                 "10.0.0.1:0", "10.0.0.1:65536"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            ClusterSection(host="10.0.0.2", head=head)
+    assert ClusterSection(host="10.0.0.2", head="10.0.0.1:65535").heads == [("10.0.0.1", 65535)]
+    with pytest.raises(ValueError, match="named twice"):
+        ClusterSection(host="10.0.0.2", head="10.0.0.1:7400,10.0.0.1:7400")
+    with pytest.raises(ValueError, match="is this node"):
+        ClusterSection(host="10.0.0.2", head="10.0.0.1:7400,10.0.0.2:7400", standby=True)
+    # a node on the head's host with the head's port (as Ray's fabric starts one) joins it
+    assert ClusterSection(host="10.0.0.1", head="10.0.0.1:7400").heads == [("10.0.0.1", 7400)]
+    with pytest.raises(ValueError, match="standby: a standby head joins"):
+        ClusterSection(host="10.0.0.2", standby=True)
+    for bad in (0.49, 600.1):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert({"host": "h", "failover_s": bad}, ClusterSection)
+    for ok in (0.5, 600):
+        assert msgspec.convert({"host": "h", "failover_s": ok}, ClusterSection).failover_s == ok
+    node = ClusterSection(host="10.0.0.3", head="10.0.0.1:7400,10.0.0.2:7500")
+    run = RunAddresses.for_node(tmp_path, "r", ["n-te0"], False, node)
+    assert run.cm == "tcp://10.0.0.1:7400,tcp://10.0.0.2:7500" and run.je == ""
+    assert run.cm_pub == "tcp://10.0.0.1:7401,tcp://10.0.0.2:7501"
+    standby = ClusterSection(host="10.0.0.2", port=7500, head="10.0.0.1:7400", standby=True)
+    run = RunAddresses.for_node(tmp_path, "r", [], False, standby)
+    assert (run.cm, run.je, run.gw_reply, run.node_inbox) == (
+        "tcp://10.0.0.2:7500,tcp://10.0.0.1:7400", "tcp://10.0.0.2:7502,tcp://10.0.0.1:7402",
+        "tcp://10.0.0.2:7503", "tcp://10.0.0.2:7504")
+    secure = NodeConfig.build(model="/m", tes=[TESpec("te0", "colocated")], cluster=ClusterSection(
+        host="10.0.0.2", secure=True, keys="/k", failover_s=9.0))
+    joined = with_cluster(secure, join="10.0.0.1:7400", standby=True)
+    assert (joined.cluster.secure, joined.cluster.keys, joined.cluster.failover_s,
+            joined.cluster.standby) == (True, "/k", 9.0, True)
+
+
 def test_cluster_secure_needs_a_host_and_resolves_its_keys_against_the_root(tmp_path):
     """secure = true on one host is an error (nothing crosses hosts); keys, set
     or left at its default, is an absolute path under the repository root; a
@@ -703,7 +756,7 @@ def test_k8s_manifest_opens_the_ports_the_cluster_binds():
     [worker_group] = raycluster["spec"]["workerGroupSpecs"]
     worker = worker_group["template"]["spec"]
     ports = lambda pod: {p["containerPort"] for p in pod["containers"][0]["ports"]}  # noqa: E731
-    assert {c.port, c.port + 1, c.port + 3, c.te_port(0), 8000, 6379} <= ports(head)
+    assert {c.port, c.port + 1, c.port + 2, c.port + 3, c.te_port(0), 8000, 6379} <= ports(head)
     assert {c.te_port(0), c.te_port(0) + 1} <= ports(worker)
     for pod in (head, worker):
         assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]

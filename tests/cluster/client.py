@@ -92,6 +92,10 @@ if __name__ == "__main__":
     elif command == "get":
         print(httpx.get(f"{args[0]}{args[1]}", timeout=10,
                         headers={"Authorization": f"Bearer {args[2]}"}).text, flush=True)
+    elif command == "post":  # URL PATH KEY JSON: {"status": ..., "body": ...}
+        r = httpx.post(f"{args[0]}{args[1]}", json=json.loads(args[3]), timeout=60,
+                       headers={"Authorization": f"Bearer {args[2]}"})
+        print(json.dumps({"status": r.status_code, "body": r.json()}), flush=True)
     elif command == "generate":
         generate(args[0], args[1], args[2], int(args[3]), json.loads(args[4]))
     else:

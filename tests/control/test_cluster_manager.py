@@ -38,12 +38,14 @@ class _Wire:
         self.sub = SubSocket(ctx, pub, bind=False, type=FromClusterManager)
         time.sleep(0.2)  # the SUB's subscription reaches the PUB
 
-    def run(self, seconds: float) -> list[TEList]:
+    def run(self, seconds: float, complete: bool = True) -> list[TEList]:
+        """The TE lists published in `seconds` (complete: only those that list TEs)."""
         lists = []
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             self.cm.step(timeout=0.02)
-            lists += [m for m in self.sub.drain() if isinstance(m, TEList)]
+            lists += [m for m in self.sub.drain()
+                      if isinstance(m, TEList) and (m.is_complete or not complete)]
         return lists
 
     def close(self) -> None:
@@ -57,6 +59,21 @@ def test_a_fresh_cm_publishes_no_te_list_before_its_tes_reannounce(ctx, tmp_path
     wire = _Wire(ctx, tmp_path)
     try:
         assert wire.run(1.2) == []  # inside the default grace (3 s): silence
+    finally:
+        wire.close()
+
+
+def test_within_its_grace_a_cm_sends_only_an_empty_incomplete_list_each_second(ctx, tmp_path):
+    """Its sign of life for a standby head (supervisor/head_watch.py): without
+    it a CM restarting on a live head is silent for the whole grace, and the
+    standby takes over from a head that was coming back."""
+    wire = _Wire(ctx, tmp_path)
+    try:
+        wire.te.put(_te_up("te0"))
+        beacons = wire.run(1.5, complete=False)  # inside the grace (3 s)
+        assert 1 <= len(beacons) <= 2, beacons  # at once, then after REPUBLISH_S
+        assert all(not b.is_complete and b.tes == [] for b in beacons)
+        assert {b.cm_incarnation for b in beacons} == {wire.cm.incarnation}
     finally:
         wire.close()
 

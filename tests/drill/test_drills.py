@@ -64,7 +64,7 @@ def test_scenarios_by_name_alias_and_mode():
                               "stall-worker", "slow-worker", "drop-cache", "kv-transfer-fail",
                               "poison", "kill-cm", "kill-je", "kill-kv-tier", "kill-gateway",
                               "disk-full", "corrupt-disk", "dualpath-de-fail", "kill-node",
-                              "scale-across"}
+                              "scale-across", "kill-head"}
     assert get_scenario("kill-je").node_process and get_scenario("poison").every_te_of_type
     assert get_scenario("hang-worker").fault == "SIGSTOP"
     assert get_scenario("hang-worker", "stall").name == "stall-worker"

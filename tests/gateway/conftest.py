@@ -47,11 +47,13 @@ class Stack:
 
 @contextmanager
 def running_stack(send_buffer: int | None = None, backend_type=FakeBackend,
-                  healthy: bool = True, **overrides):
+                  healthy: bool = True, standby: bool = False, **overrides):
     """Yield a Stack; stop and join everything on the way out. send_buffer:
     SO_SNDBUF of the listening socket (accepted sockets inherit it);
     backend_type(je_address, cm_address): what plays the JE, TEs and CM;
-    healthy=False: yield once uvicorn serves, before any TE list."""
+    healthy=False: yield once uvicorn serves, before any TE list; standby: the
+    gateway's JE address lists a second head's (Stack.standby_je, where
+    FakeBackend.move_je moves the JE) after the backend's."""
     run_dir = tempfile.mkdtemp(prefix="dsgw-", dir="/tmp")
     backend = backend_type(ipc_address(run_dir, "je"), ipc_address(run_dir, "cm")).start()
     # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else ~40 ms a reply)
@@ -62,7 +64,10 @@ def running_stack(send_buffer: int | None = None, backend_type=FakeBackend,
     try:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        config = GatewayConfig(je_address=backend.je_address, cm_address=backend.cm_address,
+        je_address = backend.je_address
+        if standby:
+            je_address += "," + ipc_address(run_dir, "je-standby")
+        config = GatewayConfig(je_address=je_address, cm_address=backend.cm_address,
                                reply_address=ipc_address(run_dir, "reply"), port=port,
                                served_model=MODEL, **overrides)
         server = uvicorn.Server(server_config(config, create_app(config), log_level="warning",

@@ -121,6 +121,7 @@ class FakeBackend:
         self._unseeded = itertools.count(12345)
         self._thread = threading.Thread(target=self._run, name="fake-backend", daemon=True)
         self._restart_je_s: float | None = None
+        self._move_to: str | None = None
         self.num_je_restarts = 0
 
     # -- control from the test thread -------------------------------------------
@@ -153,6 +154,12 @@ class FakeBackend:
         before = self.num_je_restarts
         self._restart_je_s = down_s
         assert self.wait_for(lambda: self.num_je_restarts > before, timeout_s)
+
+    def move_je(self, address: str, down_s: float = 0.2, timeout_s: float = 5.0) -> None:
+        """Play a head's death and a standby's take-over: the JE inbox closes
+        here and binds at `address` (another head's) after down_s."""
+        self._move_to = address
+        self.restart_je(down_s, timeout_s)
 
     def submits_for(self, request_id_prefix: str) -> list[SubmitRequest]:
         return [s for s in list(self.submits) if s.request_id.startswith(request_id_prefix)]
@@ -187,9 +194,10 @@ class FakeBackend:
             if self._restart_je_s is not None:
                 self._inbox.close()
                 time.sleep(self._restart_je_s)
+                self.je_address = self._move_to or self.je_address
                 self._inbox = PullSocket(ctx, self.je_address, bind=True,
                                          type=_JE_INBOX)
-                self._restart_je_s = None
+                self._restart_je_s, self._move_to = None, None
                 self.num_je_restarts += 1
             if time.monotonic() >= next_publish:
                 self._publish()

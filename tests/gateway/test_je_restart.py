@@ -180,3 +180,37 @@ def test_a_context_call_a_dead_je_took_is_answered_not_left_hanging(make_stack):
     response = results["ctx"]
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "engine_dead"
+
+
+def test_with_a_standby_head_requests_follow_the_je_to_the_other_head(make_stack):
+    """The gateway's PUSH connects to both heads' JEs (ZMQ_IMMEDIATE): the JE
+    moves from the first to the second (the head died, the standby took over).
+    A stream in flight resumes at the new JE from its tokens, as after a JE
+    restart; a request sent while no JE is anywhere is not refused (nothing can
+    wait in a pipe: it waits in its route) and reaches the new JE once, as it
+    was. Fails without the waiting: 503, or a request that never arrives."""
+    stack = make_stack(request_timeout_s=10.0, standby=True)
+    backend, results, client = stack.backend, {}, _client(stack)
+    standby = stack.config.je_address.split(",")[1]
+    with stack.http(timeout=15.0) as http:
+        whole = _stream_text(http, "stream on", 3, 16)
+        backend.delay_s = 0.15
+        backend.submits.clear()
+        mover = threading.Thread(target=backend.move_je, args=(standby, 1.0), name="je-move")
+
+        def on_chunk(i: int) -> None:
+            if i == 3:
+                mover.start()
+                assert backend.wait_for(lambda: not client.can_route, 3.0)
+                results["thread"] = _complete(stack, "sent with no JE anywhere", results, "during")
+        text = _stream_text(http, "stream on", 3, 16, on_chunk=on_chunk)
+    mover.join(5.0)
+    results["thread"].join(15.0)
+    assert text == whole
+    assert backend.je_address == standby
+    first = backend.submits[0]
+    resumed = [s for s in backend.submits if s.request_id == f"{first.request_id}.je1"]
+    assert len(resumed) == 1 and resumed[0].attempt == 1 and resumed[0].resumed_output_ids >= 3
+    assert results["during"].status_code == 200, results["during"].text
+    during = [s for s in backend.submits if s.prompt == "sent with no JE anywhere"]
+    assert len(during) == 1 and during[0].attempt == 0 and "." not in during[0].request_id

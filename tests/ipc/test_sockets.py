@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import msgspec
@@ -9,7 +10,7 @@ import pytest
 import zmq
 
 from deepserve.ipc.sockets import (PubSocket, PullSocket, PushSocket, SubSocket,
-                                   ipc_address)
+                                   endpoints, ipc_address)
 
 
 class Ping(msgspec.Struct, tag=True, array_like=True):
@@ -76,3 +77,41 @@ def test_pub_sub_delivers_once_subscribed(short_dir):
     finally:
         sub.close()
         pub.close()
+
+
+def test_an_address_of_several_heads_binds_its_first_and_sends_to_the_one_that_is_there(
+        short_dir):
+    """Standby heads ("A,B": the same socket on each head host): a binder takes
+    the first; a sender connects to all with ZMQ_IMMEDIATE, so nothing queues
+    for a head nobody binds. While no head is there a put without a timeout
+    neither blocks nor queues (counted in num_unsent); with a timeout it
+    times out. When the peer moves from A to B, B gets what is sent once the
+    PUSH has seen A go."""
+    ctx = zmq.Context.instance()
+    a, b = ipc_address(short_dir, "head-a"), ipc_address(short_dir, "head-b")
+    heads = f"{a},{b}"
+    assert endpoints(heads) == [a, b] and endpoints(a) == [a]
+    push = PushSocket(ctx, heads, bind=False)
+    assert push.to_heads and push.socket.getsockopt(zmq.IMMEDIATE) == 1
+    try:
+        started = time.monotonic()
+        push.put(Ping(0))  # nobody anywhere: dropped at once, not queued
+        assert push.num_unsent == 1 and time.monotonic() - started < 0.5
+        with pytest.raises(TimeoutError):
+            push.put(Ping(0), timeout=0.1)
+        on_a = PullSocket(ctx, heads, bind=True, type=Command)  # the head: binds A
+        assert on_a.socket.getsockopt(zmq.LAST_ENDPOINT).decode() == a
+        push.put(Ping(1), timeout=3.0)  # waits for the connection to A
+        assert on_a.get(2.0) == Ping(1)  # the dropped Ping(0) never arrives
+        assert not on_a.poll(0.2)
+        on_a.close()  # the head dies; the standby binds B
+        on_b = PullSocket(ctx, b, bind=True, type=Command)
+        deadline = time.monotonic() + 5  # what goes before the PUSH sees A gone is lost
+        while not on_b.poll(0.05):  # with A (as a dead head's CM loses a report)
+            assert time.monotonic() < deadline, "nothing reached the standby's socket"
+            with contextlib.suppress(TimeoutError):
+                push.put(Ping(2), timeout=0.1)
+        assert on_b.get(1.0) == Ping(2)
+        on_b.close()
+    finally:
+        push.close()

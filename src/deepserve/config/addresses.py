@@ -2,10 +2,13 @@
 
     one host         every socket ipc:// in the run directory (RunAddresses.in_dir)
     many hosts       what other hosts reach binds tcp://[cluster] host:port+k
-                     (config/cluster.py: the head's cluster manager and PUB,
-                     gateway replies, TE inboxes, a joined node's supervisor
-                     inbox, every node's weight server); same-host sockets
-                     stay ipc://
+                     (config/cluster.py: the head's cluster manager, PUB and
+                     job executor, gateway replies, TE inboxes, a joined node's
+                     supervisor inbox, every node's weight server); same-host
+                     sockets stay ipc://
+    standby heads    the head's sockets are lists ("tcp://S:p,tcp://H:p"):
+                     processes bind the first (their host's) and connect to all
+                     (ipc/sockets.py), so they reach whichever head is alive
 
 The node derives them (RunAddresses.for_node) and writes them into the run's
 resolved config; its children read them from there (config/loading.py).
@@ -17,8 +20,9 @@ from pathlib import Path
 
 import msgspec
 
-from deepserve.config.cluster import (HEAD_WEIGHTS_PORT_OFFSET, NODE_PORT_OFFSET,
-                                      WEIGHTS_PORT_OFFSET, ClusterSection)
+from deepserve.config.cluster import (GATEWAY_PORT_OFFSET, HEAD_WEIGHTS_PORT_OFFSET,
+                                      JE_PORT_OFFSET, NODE_PORT_OFFSET, WEIGHTS_PORT_OFFSET,
+                                      ClusterSection)
 
 
 class RunAddresses(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,14 +64,15 @@ class RunAddresses(msgspec.Struct, frozen=True, kw_only=True):
         if not cluster.is_cluster:
             return local
         head = cluster.head_address
+        own = lambda offset: f"tcp://{cluster.host}:{cluster.port + offset}"  # noqa: E731
         tes = {t: f"tcp://{cluster.host}:{cluster.te_port(i)}" for i, t in enumerate(te_ids)}
-        je = "" if cluster.joins else local.je
-        node_inbox = f"tcp://{cluster.host}:{cluster.port + NODE_PORT_OFFSET}" \
-            if cluster.joins else ""
-        offset = WEIGHTS_PORT_OFFSET if cluster.joins else HEAD_WEIGHTS_PORT_OFFSET
-        weights = f"tcp://{cluster.host}:{cluster.port + offset}"
+        heads = not cluster.joins or cluster.standby  # runs a gateway, may run CM and JE
+        je = head(JE_PORT_OFFSET) if heads else ""  # gateways on other head hosts reach it
+        node_inbox = own(NODE_PORT_OFFSET) if cluster.joins else ""
+        weights = own(WEIGHTS_PORT_OFFSET if cluster.joins else HEAD_WEIGHTS_PORT_OFFSET)
+        gw_reply = own(GATEWAY_PORT_OFFSET) if heads else head(GATEWAY_PORT_OFFSET)
         return msgspec.structs.replace(local, cm=head(0), cm_pub=head(1), je=je,
-                                       gw_reply=head(3), tes=tes, node_inbox=node_inbox,
+                                       gw_reply=gw_reply, tes=tes, node_inbox=node_inbox,
                                        weights=weights)
 
     @classmethod

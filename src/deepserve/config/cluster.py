@@ -1,14 +1,20 @@
 """[cluster]: one node of many hosts (a head, or a node that joins one).
 
     head   [cluster] host = H            cluster manager tcp://H:port, its PUB :port+1,
-                                         gateway replies :port+3; TEs :port+8, 4 ports each
+                                         job executor :port+2, gateway replies :port+3;
+                                         TEs :port+8, 4 ports each
     node   [cluster] host = N, head = H:P  its supervisor's inbox tcp://N:port+4 (the CM's
                                          ScaleOut / ScaleIn), weight server :port+5 (fork;
                                          the head's: port+6); its TEs tcp://N:port+8...
                                          (scaled ones after its [[te]] ones); the head's sockets
                                          for the cluster manager, its PUB and replies
 
-RunAddresses.for_node (config/node.py) turns this into a run's addresses;
+standby  [cluster] host = S, head = H:P, standby = true: a joined node with
+         a gateway (replies tcp://S:port+3) that binds the head's sockets on S
+         (port .. port+2) when the head is silent for failover_s; nodes then join
+         with head = "H:P,S:P" and talk to whichever head binds them.
+
+RunAddresses.for_node (config/addresses.py) turns this into a run's addresses;
 sockets that stay on one host (heartbeats, the KV tier, the job executor's
 inbox, a TE's own processes) remain ipc:// and shared memory.
 """
@@ -25,6 +31,10 @@ WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*", "[::]")
 TE_PORT_OFFSET = 8
 """[cluster] ports: the head's control sockets take port .. port+3, its TEs (and
 a joining node's from `port` on) take TE_PORTS_EACH each after this offset."""
+JE_PORT_OFFSET = 2
+"""The head's job executor inbox (gateways on every head host submit there): port+2."""
+GATEWAY_PORT_OFFSET = 3
+"""A head's (or standby head's) gateway reply inbox: port+3."""
 NODE_PORT_OFFSET = 4
 """A joined node's supervisor inbox (ScaleOut / ScaleIn from the head's CM): port+4."""
 WEIGHTS_PORT_OFFSET = 5
@@ -49,7 +59,23 @@ class ClusterSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     (port+1), the gateway's reply inbox (port+3); TEs from port+8, 4 ports each."""
     head: str = ""
     """HOST:PORT of the head's [cluster] host and port: this node joins that
-    cluster and runs only its TEs (and its KV tier); "": this node is the head."""
+    cluster and runs only its TEs (and its KV tier); "": this node is the head.
+    Several, comma-separated ("H0:P,H1:P"): the head and its standby heads, in
+    the order they take over; the node talks to whichever is alive."""
+    standby: bool = False
+    """A joining node that is a standby head: it runs a gateway of its own, and
+    takes over the cluster manager and the job executor (started here, bound
+    to this host's port .. port+3) once the head has been silent for failover_s.
+    Other nodes list it in their `head` after the head."""
+    state_dir: str = ""
+    """A directory the head and its standby heads all reach (shared storage): the
+    job executor keeps its context registry there (contexts.json), so a standby
+    that takes over knows every context made before; "": the run directory (a
+    standby knows none). Relative to the repository root."""
+    failover_s: Annotated[float, Meta(ge=0.5, le=600)] = 4.0
+    """A standby head takes over after the head's cluster manager has published
+    nothing (it does every second) for this long: above the time the head's own
+    supervisor takes to restart a crashed cluster manager (about 2 s)."""
     name: str = ""
     """This node's name, the prefix of its TE ids (h1-te0, ...) so they are unique
     in the cluster; "" (resolved on load): derived from host."""
@@ -65,11 +91,22 @@ class ClusterSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if self.host in WILDCARD_HOSTS[1:]:
             raise ValueError(f"host: {self.host!r} is a wildcard; name this host's address")
         if self.head:
-            head_host, colon, head_port = self.head.rpartition(":")
-            if not colon or not head_port.isdigit() or not head_host:
-                raise ValueError(f"head: want HOST:PORT, got {self.head!r}")
+            heads = [h.strip() for h in self.head.split(",")]
+            for head in heads:
+                head_host, colon, head_port = head.rpartition(":")
+                if not colon or not head_port.isdigit() or not head_host \
+                        or not 1 <= int(head_port) <= 65535:
+                    raise ValueError(f"head: want HOST:PORT[,HOST:PORT...], got {self.head!r}")
+            if len(set(heads)) != len(heads):
+                raise ValueError(f"head: a head named twice in {self.head!r}")
             if not self.host:
                 raise ValueError("head: a joining node needs host (its own address)")
+            if self.standby and f"{self.host}:{self.port}" in heads:
+                raise ValueError(f"head: {self.host}:{self.port} is this node; a standby "
+                                 "head lists the heads before it only")
+        if self.standby and not self.head:
+            raise ValueError("standby: a standby head joins the head it stands by for "
+                             "(head = HOST:PORT)")
         if not self.name and self.host:
             name = "".join(c if c.isalnum() else "-" for c in self.host).strip("-")
             msgspec.structs.force_setattr(self, "name", f"n{name}")
@@ -87,11 +124,20 @@ class ClusterSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         """This node joins a head (runs TEs only)."""
         return bool(self.head)
 
+    @property
+    def heads(self) -> list[tuple[str, int]]:
+        """(host, port) of every head this node may talk to, in the order they
+        take over: a standby head itself first (its own sockets bind there)."""
+        listed = [(h.rpartition(":")[0], int(h.rpartition(":")[2]))
+                  for h in self.head.split(",") if h.strip()]
+        own = [(self.host, self.port)] if self.standby or not self.head else []
+        return own + listed
+
     def head_address(self, offset: int) -> str:
-        """tcp:// address of the head's socket at port + offset."""
-        host, port = (self.head.rpartition(":")[::2] if self.head
-                      else (self.host, str(self.port)))
-        return f"tcp://{host}:{int(port) + offset}"
+        """tcp:// address of the heads' socket at port + offset: several
+        endpoints, comma-separated, with standby heads (ipc/sockets.py binds the
+        first, which is this host's on a head, and connects to them all)."""
+        return ",".join(f"tcp://{host}:{port + offset}" for host, port in self.heads)
 
     def te_port(self, index: int) -> int:
         port = self.port + TE_PORT_OFFSET + TE_PORTS_EACH * index

@@ -26,10 +26,11 @@ from deepserve.config.addresses import RunAddresses
 from deepserve.config.node import _SECTION_TYPES, ENGINE_OPTIONS, NodeConfig, TESpec
 
 _PATHS = {"node": ("model", "disk_cache_dir"), "router": ("pd_heatmap", "pd_predictor"),
-          "supervisor": ("log_dir",), "model": ("path",), "cluster": ("keys",)}
+          "supervisor": ("log_dir",), "model": ("path",),
+          "cluster": ("keys", "state_dir")}
+"""Keys holding paths, resolved against the repository root."""
 _ARRAYS = ("te", "model")
 """Sections written as arrays of tables ([[te]], [[model]])."""
-"""Keys holding paths, resolved against the repository root."""
 
 
 def load_node_config(path: str | Path, overrides: dict | None = None) -> NodeConfig:

@@ -7,13 +7,17 @@ into a running node under streaming load and report what the clients saw.
         --log-dir /tmp/ds-logs --drill-dir /tmp/ds-drill --conf conf/drill.toml
     bin/deepserve-drill kill-node                      # a head and two joined nodes
     bin/deepserve-drill scale-across                   # the same, TEs placed by the head
+    bin/deepserve-drill kill-head                      # a head, a standby head, a node
 
 Without --url a node is started from --conf (supervisor.drill forced on, a
 free port) and always stopped at the end, on errors and Ctrl-C too;
 kill-node starts a cluster instead (drill/cluster.py: the head from --conf,
 two nodes from conf/cluster-node.toml joined on 127.0.0.2 and 127.0.0.3) and
 has no --url form; so does scale-across (conf/cluster-scaled-head.toml and
-conf/cluster-scaled-node.toml: a head without devices, capacity-only nodes). With
+conf/cluster-scaled-node.toml: a head without devices, capacity-only nodes) and
+kill-head (drill/cluster.py: HeadCluster; the head from --conf as a process on
+127.0.0.1, this process's node a standby head on 127.0.0.2 from
+conf/cluster-node.toml, whose gateway takes the load, n2 joined to both). With
 --url the node is someone else's: --conf must describe it (deadlines, TE
 types, model), --log-dir is its health log's folder (pids for signal
 scenarios; the fault's proof, detection and recovery for all) and --drill-dir
@@ -61,6 +65,9 @@ def _describe(report: DrillReport) -> str:
                                                  list(d["bad"].items())[:10]))
     if d.get("lost_ids"):
         lines.append(f"lost: {d['lost_ids'][:20]}")
+    if d.get("no_service_s") is not None and report.scenario == "kill-head":
+        lines.append(f"no service for {d['no_service_s']:.3f} s (the kill to the first token "
+                     "of a request sent after it)")
     if "restarts" in d:
         lines.append(f"restarts: {len(d['restarts'])} {d['restarts']}; lost: {report.lost}; "
                      f"bad_streams: {report.bad_streams}")
@@ -89,8 +96,9 @@ def _describe(report: DrillReport) -> str:
               help="The node's config; default: the scenario's (conf/drill.toml, "
                    "conf/dualpath.toml for dualpath-de-fail).")
 @click.option("--node-conf", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="kill-node, scale-across: the joined nodes' config (default "
-                   "conf/cluster-node.toml, conf/cluster-scaled-node.toml).")
+              help="kill-node, scale-across, kill-head: the joined nodes' config (default "
+                   "conf/cluster-node.toml, conf/cluster-scaled-node.toml; kill-head: the "
+                   "standby head's and n2's).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Write the report's JSON here.")
 @click.option("--duration", default=10.0, show_default=True, type=float,
@@ -135,7 +143,17 @@ def main(scenario, mode, url, log_dir, drill_dir, conf, node_conf, json_path, du
         if chosen.kills_node and url is not None:
             raise click.BadParameter(f"{chosen.name} starts a cluster of its own; no --url",
                                      param_hint="--url")
-        if chosen.kills_node:
+        if chosen.kills_head:
+            from deepserve.drill.cluster import HeadCluster
+            node_file = Path(node_conf) if node_conf else ROOT / "conf" / chosen.node_conf
+            node = cluster = HeadCluster(Path(conf), drill_config(
+                load_node_config(node_file), chosen), node_file)
+            config = cluster.config
+            echo(f"starting a cluster: head from {conf} on {cluster.head_address}, standby "
+                 f"head on {cluster.url} (the load's gateway), node n2 joined to both")
+            cluster.start()
+            url, log_dir, drill_dir = cluster.url, cluster.log_dir, cluster.drill_dir
+        elif chosen.kills_node:
             from deepserve.drill.cluster import LocalCluster
             node = cluster = LocalCluster(drill_config(config, chosen), Path(node_conf)
                                           if node_conf else ROOT / "conf" / chosen.node_conf)

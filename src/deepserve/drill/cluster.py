@@ -1,4 +1,5 @@
-"""A cluster of three nodes on this machine, for the kill-node drill.
+"""A cluster of three nodes on this machine, for the kill-node drill (and,
+as HeadCluster, for kill-head: a head, a standby head and a node).
 
     head   this process's Node (conf/cluster-head.toml): cluster manager, job
            executor, gateway, [cluster] host 127.0.0.1; no TE
@@ -39,6 +40,7 @@ from deepserve.supervisor.restart_policy import terminate
 ROOT = Path(__file__).resolve().parents[3]
 NODE_CONF = ROOT / "conf" / "cluster-node.toml"
 JOINERS = (("n1", "127.0.0.2"), ("n2", "127.0.0.3"))
+STANDBY = ("s1", "127.0.0.2")  # kill-head: the standby head (HeadCluster), in n1's place
 PORT_BLOCK = 16  # a node's first ports: control (head) and TE inboxes (4 each)
 STOP_S = 30.0
 
@@ -72,7 +74,7 @@ class LocalCluster:
         from deepserve.supervisor.node import Node
         port = free_port_block("127.0.0.1")
         self.config = with_cluster(head_config, host="127.0.0.1", port=port)
-        self.head = Node(self.config)
+        self.own = Node(self.config)  # the node in this process: the drill's url and logs
         self.head_address = f"127.0.0.1:{port}"
         self.node_conf = node_conf
         self.nodes: dict[str, subprocess.Popen] = {}
@@ -83,15 +85,15 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        return self.head.url
+        return self.own.url
 
     @property
     def log_dir(self):
-        return self.head.log_dir
+        return self.own.log_dir
 
     @property
     def drill_dir(self):
-        return self.head.drill_dir
+        return self.own.drill_dir
 
     @property
     def num_tes(self) -> int:
@@ -117,7 +119,7 @@ class LocalCluster:
                              "--cluster-port", str(port)),
                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
             out.close()
-        self.head.start()
+        self.own.start()
 
     def kill_node(self, name: str) -> tuple[list[int], float]:
         """SIGKILL node `name` and every process under it at once; (pids, time)."""
@@ -136,7 +138,7 @@ class LocalCluster:
     def stop(self) -> None:
         for proc in self.nodes.values():
             terminate(proc, STOP_S)
-        self.head.stop()
+        self.own.stop()
         for runs in self._scratch.values():  # what the killed node could not remove
             for run in runs:
                 sweep_scratch(run)  # its TEs' segments and run directories
@@ -149,6 +151,57 @@ class LocalCluster:
     def tail(self, name: str, nbytes: int = 3000) -> str:
         path = self.logs / f"{name}.log"
         return path.read_bytes()[-nbytes:].decode(errors="replace") if path.exists() else ""
+
+
+class HeadCluster(LocalCluster):
+    """kill-head's cluster: the head is the process killed, so it runs as a child
+    here and the drill's own node (this process's Node) is a standby head:
+
+        head   `python -m deepserve.supervisor --conf HEAD_CONF` on 127.0.0.1
+               (cluster manager, job executor, gateway)
+        s1     this process's Node: node_conf on 127.0.0.2, [cluster] standby,
+               its gateway on 127.0.0.2 (the drill's load), its TEs
+        n2     node_conf on 127.0.0.3, joined to "head,s1": it follows the live head
+
+    url, log_dir and drill_dir are the standby's; kill_node("head") kills the head."""
+
+    def __init__(self, head_conf: Path, node_config, node_conf: Path = NODE_CONF):
+        from deepserve.supervisor.node import Node
+        from deepserve.supervisor.node_config import with_port
+        self.head_conf, self.node_conf = Path(head_conf), node_conf
+        self.head_address = f"127.0.0.1:{free_port_block('127.0.0.1')}"
+        standby = with_cluster(node_config, self.head_address, STANDBY[1], STANDBY[0],
+                               free_port_block(STANDBY[1]), standby=True)
+        self.config = with_port(standby, STANDBY[1], free_port_block(STANDBY[1], 1))
+        self.own = Node(self.config)  # the standby head
+        self.nodes: dict[str, subprocess.Popen] = {}
+        self.node_tes: dict[str, list[str]] = {"head": []}
+        self.logs = Path(tempfile.mkdtemp(prefix="ds-drill-cluster-"))
+        self.killed: dict[str, list[int]] = {}
+        self._scratch: dict[str, list[str]] = {}
+
+    def start(self) -> None:
+        """The head, then the standby (it waits until the head lists its TEs),
+        then n2 (joined to both)."""
+        from deepserve.supervisor.node_config import load_node_config
+        host, port = self.head_address.split(":")
+        self._popen("head", node_command(str(self.head_conf), host, None, "--cluster-port", port,
+                                         "--port", str(free_port_block(host, 1))))
+        self.own.start()
+        name, host = JOINERS[1]
+        port = free_port_block(host)
+        joined = with_cluster(load_node_config(self.node_conf), self.head_address, host, name,
+                              port)
+        self.node_tes[name] = [te.te_id for te in joined.tes]
+        standby = f"{self.config.cluster.host}:{self.config.cluster.port}"
+        self._popen(name, node_command(str(self.node_conf), host,
+                                       f"{self.head_address},{standby}", "--node-name", name,
+                                       "--cluster-port", str(port)))
+
+    def _popen(self, name: str, argv: list[str]) -> None:
+        with open(self.logs / f"{name}.log", "wb") as out:
+            self.nodes[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                                cwd=ROOT)
 
 
 def _run_ids(proc: psutil.Process) -> list[str]:

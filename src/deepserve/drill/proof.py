@@ -277,6 +277,36 @@ class NodeLost(FaultProof):
                             f"TEs never removed {missing}, node_lost seen {self.lost}")
 
 
+class HeadLost(FaultProof):
+    """kill-head: every pid of the head gone, then the standby's head_taken_over
+    (its own cluster manager and job executor started: the fault reached it)."""
+
+    def __init__(self, events: HealthEvents, pids: list[int], since: float):
+        super().__init__()
+        self.events, self.pids, self.since = events, pids, since
+        self.gone = False
+        self.taken: dict | None = None
+
+    def _is_shown(self) -> bool:
+        return self.gone and self.taken is not None
+
+    def poll(self, t: float) -> None:
+        if not self.gone and self.pids and all(is_gone(pid) for pid in self.pids):
+            self.gone = True
+            self.evidence.append(f"all {len(self.pids)} processes of the head are gone")
+        if self.taken is None:
+            self.taken = self.events.first(self.since, {"head_taken_over"}, None)
+            if self.taken is not None:
+                self.evidence.append(f"the standby took over (+{self.taken['t'] - self.since:.3f}"
+                                     f" s): {self.taken['details']}")
+
+    def finish(self, records: list[RequestRecord]) -> None:
+        self.poll(float("inf"))
+        if not self._is_shown() and self.failure is None:
+            self.failure = (f"head kill not shown: pids gone {self.gone}, "
+                            f"head_taken_over seen {self.taken is not None}")
+
+
 class Logged(FaultProof):
     def __init__(self, events: HealthEvents, event: str, component: str | None, since: float,
                  after: FaultProof | None = None, poke: Callable[[], object] | None = None,

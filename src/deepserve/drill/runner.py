@@ -33,8 +33,8 @@ from deepserve.drill.load import LoadDriver
 from deepserve.drill.poison import PoisonRequest, Quarantined, has_recovered, poison_ids, summary
 from deepserve.drill.prompts import (make_long_prompts, make_probe_prompt, make_prompts,
                                      token_counter)
-from deepserve.drill.proof import (CacheMissed, FaultProof, HookFired, Logged, NodeLost,
-                                   Proofs, SignalDetected, TECrashed, TransferResumed)
+from deepserve.drill.proof import (CacheMissed, FaultProof, HeadLost, HookFired, Logged,
+                                   NodeLost, Proofs, SignalDetected, TECrashed, TransferResumed)
 from deepserve.drill.report import DrillReport, build_report
 from deepserve.drill.scenarios import DETECT_EVENTS, RECOVERED, TE_REMOVED, Scenario, deadline_of
 from deepserve.drill.stream import COMPLETED, RequestRecord, first_success_after, now
@@ -104,7 +104,8 @@ class Drill:
         if scenario.kills_node:
             self.injection.killer = lambda: cluster.kill_node(self.te)
         self.deadline_s = deadline_of(scenario, self.supervisor,
-                                      getattr(getattr(config, "node", None), "te_timeout_s", 10))
+                                      getattr(getattr(config, "node", None), "te_timeout_s", 10),
+                                      getattr(getattr(config, "cluster", None), "failover_s", 4))
         self.bound_s = recovery_bound_s(self.supervisor)
         if scenario.fault == "poison":  # resume-once: up to two TE restarts, one after the other
             self.bound_s *= 2
@@ -171,6 +172,8 @@ class Drill:
 
     def _make_proof(self, fault_at: float) -> FaultProof:
         inj, s = self.injection, self.scenario
+        if s.kills_head:
+            return HeadLost(self.events, inj.pids, fault_at)
         if s.kills_node:
             return NodeLost(self.events, inj.components, inj.pids, fault_at,
                             node=self.te if s.scales_across else None)
@@ -286,6 +289,8 @@ class Drill:
     def _first_detection(self, fault_at: float) -> dict | None:
         """The first fault the supervisor saw in the target TE (poison: in any
         TE it was injected into: the request of death may land on either)."""
+        if self.scenario.kills_head:  # the standby heard nothing from the head
+            return self.events.first(fault_at, {"head_lost"}, None)
         if self.scenario.kills_node:  # the cluster manager drops the node's TEs
             tes = set(self.injection.components)
             return self.events.first_where(fault_at, lambda e: e.get("event") == TE_REMOVED
@@ -373,8 +378,15 @@ class Drill:
             hook_consumed=self.consumed_at is not None, notes=inj.notes,
             completed_after_fault=sum(1 for r in records
                                       if r.status == COMPLETED and r.start > fault_at),
+            no_service_s=_since(first_success_after(records, fault_at), fault_at),
             restarts=[e.get("component") for e in self.events.events(fault_at)
                       if e.get("event") == "restarting"],
             timeline=[f"+{e['t'] - fault_at:.3f} {e.get('component')} {e.get('event')} "
                       f"pid={e.get('pid')} {json.dumps(e.get('details') or {})}"
                       for e in self.events.events(fault_at)])
+
+
+def _since(t: float | None, fault_at: float) -> float | None:
+    """Seconds from the fault to t (no_service_s: to the first token of a request
+    sent after the fault); None: never."""
+    return None if t is None else round(t - fault_at, 3)

@@ -30,6 +30,8 @@ proving it proof.py.
     dualpath-de-fail  <decode>/worker0  hook file <decode>.worker0.stage-die heartbeat_deadline_s
                       (conf/dualpath.toml; the worker exits 13 half-way through
                       staging a prompt's storage blocks for its prefill TE)
+    kill-head         the head host     SIGKILL it whole; a standby head     [cluster] failover_s
+                                        takes over (drill/cluster.py: HeadCluster)
     kill-node         node n2 (a host)  SIGKILL the node process and every   [node] te_timeout_s
                       of its cluster    process under it (drill/cluster.py: a head and two
                                         joined nodes on 127.0.0.1-3, conf/cluster-*.toml)
@@ -44,6 +46,16 @@ for te_timeout_s (detection: the cluster manager's `te_removed` events for
 all of them), their requests resume on the other node, nothing restarts
 (the host is gone). Proof: every killed pid is gone and each of the node's
 TEs was removed. Recovery: a request that started after the detection completed.
+
+kill-head loses the head host: the head (cluster manager, job executor,
+gateway; no TE) runs as a process on 127.0.0.1 and the drill's own node is a
+standby head on 127.0.0.2 (its gateway takes the load) with n2 on 127.0.0.3
+joined to both (drill/cluster.py: HeadCluster). Detection: the standby's
+`head_lost` (the head's CM silent for failover_s); proof: every killed pid
+gone and the standby's `head_taken_over` (it started the CM and JE);
+recovery: a request that started after the detection completed. The report
+adds no_service_s: from the kill to the first completion of a request sent
+after it (the window with no service).
 
 scale-across is the serverless case of it: the killed node ran the only TE
 of a model the head's autoscaler placed there (the drill finds the node in
@@ -119,7 +131,7 @@ from dataclasses import dataclass
 
 DETECT_EVENTS = frozenset({"crashed", "killed", "hung", "heartbeat_missed"})
 RECOVERED = "recovered"
-HEARTBEAT, PROGRESS, TE_TIMEOUT = "heartbeat", "progress", "te_timeout"
+HEARTBEAT, PROGRESS, TE_TIMEOUT, FAILOVER = "heartbeat", "progress", "te_timeout", "failover"
 NODE_KILL = "node-kill"
 TE_REMOVED = "te_removed"
 
@@ -167,6 +179,9 @@ class Scenario:
     """The conf/ file the joined nodes of a node-killing drill take (--node-conf overrides)."""
     scales_across: bool = False
     """The node killed is the one the head placed the model's first TE on (scale-across)."""
+    kills_head: bool = False
+    """The node killed is the head; the load goes through a standby head's gateway
+    (drill/cluster.py: HeadCluster)."""
 
     @property
     def kills_node(self) -> bool:
@@ -230,6 +245,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("kill-node", "n2", NODE_KILL, TE_TIMEOUT, False, conf="cluster-head.toml",
              description="a joined node (a host) dies whole under load: its TEs leave the "
                          "list, their requests resume on the other node"),
+    Scenario("kill-head", "head", NODE_KILL, FAILOVER, False, conf="cluster-head.toml",
+             kills_head=True,
+             description="the head host (cluster manager, job executor, gateway) dies whole "
+                         "under load: a standby head takes over, its gateway's requests end"),
     Scenario("scale-across", "", NODE_KILL, TE_TIMEOUT, False, conf="cluster-scaled-head.toml",
              node_conf="cluster-scaled-node.toml", scales_across=True,
              description="a model at zero starts on a joined node (the head has no devices), "
@@ -253,12 +272,16 @@ def get_scenario(name: str, mode: str | None = None) -> Scenario:
     return SCENARIOS[name]
 
 
-def deadline_of(scenario: Scenario, supervisor, te_timeout_s: float = 10.0) -> float | None:
+def deadline_of(scenario: Scenario, supervisor, te_timeout_s: float = 10.0,
+                failover_s: float = 4.0) -> float | None:
     """The configured deadline (seconds) that applies to `scenario`;
     `supervisor` is NodeConfig.supervisor (or None: the defaults 3 / 5 s);
-    te_timeout_s: [node] te_timeout_s (kill-node)."""
+    te_timeout_s: [node] te_timeout_s (kill-node); failover_s: [cluster]
+    failover_s of the standby head (kill-head)."""
     if scenario.deadline == TE_TIMEOUT:
         return float(te_timeout_s)
+    if scenario.deadline == FAILOVER:
+        return float(failover_s)
     if scenario.deadline == HEARTBEAT:
         return float(getattr(supervisor, "heartbeat_deadline_s", 3.0))
     if scenario.deadline == PROGRESS:

@@ -4,6 +4,7 @@ fault goes to.
     aim(scenario, te, te_types, cluster)  -> (target, components)
         node-level process (kill-cm ...)   the process itself
         node kill (kill-node)              the node (n2) and its TEs
+        head kill (kill-head)              the head itself
         scale-across                       "" until placed_target() after the
                                            first requests: the node the head's
                                            autoscaler placed the model's TE on
@@ -27,6 +28,8 @@ def aim(scenario: Scenario, te: str | None, te_types: dict[str, str],
         cluster=None) -> tuple[str, list[str]]:
     """(the target TE, node process or node; the components the fault goes to)."""
     if scenario.node_process:  # kill-cm / kill-je: the process is its own "TE"
+        return scenario.part, [scenario.part]
+    if scenario.kills_head:  # the head process (and every process under it)
         return scenario.part, [scenario.part]
     if scenario.kills_node:  # the node's TEs are the components
         if cluster is None:

@@ -48,19 +48,37 @@ def ipc_address(run_dir: str | Path, name: str) -> str:
     return f"ipc://{path}"
 
 
+def endpoints(addr: str) -> list[str]:
+    """The endpoints of an address: one, or several joined by commas (a cluster
+    with standby heads: the same socket on each head host, this host's first)."""
+    return [a.strip() for a in addr.split(",") if a.strip()]
+
+
+def bind_or_connect(sock: zmq.Socket, addr: str, bind: bool) -> None:
+    """Bind addr's first endpoint (this host's), or connect to every one. With
+    several, a sending socket gets ZMQ_IMMEDIATE: it queues only to a peer that
+    is there (the live head), never to an endpoint nobody binds yet."""
+    first, *others = endpoints(addr) or [addr]
+    if bind:
+        sock.bind(first)
+        return
+    if others:
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+    for endpoint in (first, *others):
+        sock.connect(endpoint)
+
+
 def _open(ctx: zmq.Context, kind: int, addr: str, bind: bool,
           before: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
-    """A socket bound or connected to addr; `before(sock)` runs just before that."""
+    """A socket bound or connected to addr (bind_or_connect); `before(sock)`
+    runs just before that."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         curve.secure(sock, addr, bind)
         if before is not None:
             before(sock)
-        if bind:
-            sock.bind(addr)
-        else:
-            sock.connect(addr)
+        bind_or_connect(sock, addr, bind)
     except BaseException:
         sock.close(linger=0)
         raise
@@ -75,10 +93,24 @@ class _Sender:
     def __init__(self, ctx: zmq.Context, kind: int, addr: str, bind: bool):
         self.socket = _open(ctx, kind, addr, bind)
         self._encoder = msgspec.msgpack.Encoder()
+        self.to_heads = not bind and len(endpoints(addr)) > 1
+        """Connected to every head's socket (standby heads): at most one is there."""
+        self.num_unsent = 0
+        """Messages put without a timeout that no head was there to take (to_heads)."""
 
     def put(self, obj: Any, timeout: float | None = None) -> None:
-        """Send `obj`; with a timeout, TimeoutError if it cannot be queued in time."""
+        """Send `obj`; with a timeout, TimeoutError if it cannot be queued in time.
+        Without one it waits for a peer, but for a socket to every head's
+        (to_heads): while no head is there (a standby taking over) the message is
+        dropped and counted, as what goes to a cluster manager is sent again
+        (TEUp, TEReport): a TE's loop never stalls on a failover."""
         data = self._encoder.encode(obj)
+        if timeout is None and self.to_heads:
+            try:
+                self.socket.send(data, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self.num_unsent += 1
+            return
         if timeout is None:
             self.socket.send(data, copy=False)
             return

@@ -1,10 +1,11 @@
 """`python -m deepserve.supervisor --conf conf/node.toml [--host H] [--port P]
 [--model [NAME=]DIR ...] [--scale-to-zero-after SECONDS]
-[--cluster-host ADDR] [--join HEAD:PORT] [--node-name NAME]`:
+[--cluster-host ADDR] [--join HEAD:PORT[,STANDBY:PORT]] [--node-name NAME] [--standby]`:
 start a node, print how to call it, serve until Ctrl-C or SIGTERM. The
 node's supervisor restarts what fails; a gateway, job executor or cluster
 manager that crash-loops stops the node. With --join the node adds its
-[[te]] TEs to the head's cluster and runs nothing else ([cluster], README)."""
+[[te]] TEs to the head's cluster and runs nothing else ([cluster], README);
+with --standby also a gateway, and the head's control once the head dies."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ _VITAL = ("gateway", "job-executor", "cluster-manager")
 
 
 def _usage(node: Node) -> str:
+    if node.joins and node.standby:
+        c = node.config.cluster
+        return (f"DeepServe standby head {c.name} ({c.host}) joined the cluster at {c.head}; "
+                f"its gateway is up at {node.url} and it takes over the cluster manager and "
+                f"job executor after {c.failover_s:g} s without the head. Ctrl-C stops it.")
     if node.joins:
         c = node.config.cluster
         tes = (f"TEs {', '.join(node.te_ids)} are listed" if node.te_ids else
@@ -56,14 +62,18 @@ Ctrl-C stops every process."""
               help="every model goes to zero TEs after this long without a request")
 @click.option("--cluster-host", default=None, metavar="ADDR",
               help="overrides [cluster] host: this host's address for cross-host sockets")
-@click.option("--join", default=None, metavar="HOST:PORT",
-              help="overrides [cluster] head: join that head's cluster with this node's TEs")
+@click.option("--join", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+              help="overrides [cluster] head: join that head's cluster with this node's TEs "
+                   "(several: the head, then its standby heads)")
 @click.option("--node-name", default=None, help="overrides [cluster] name (prefix of TE ids)")
+@click.option("--standby", is_flag=True, default=None,
+              help="sets [cluster] standby: this joining node also runs a gateway and takes "
+                   "over the head's cluster manager and job executor if the head dies")
 @click.option("--cluster-port", default=None, type=int,
               help="overrides [cluster] port (this node's first TCP port)")
 def main(conf: str, host: str | None, port: int | None, models: tuple[str, ...],
          idle_s: float | None, cluster_host: str | None, join: str | None,
-         node_name: str | None, cluster_port: int | None) -> None:
+         node_name: str | None, cluster_port: int | None, standby: bool | None) -> None:
     for value in models:
         path = value.partition("=")[2] if "=" in value else value
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -71,7 +81,7 @@ def main(conf: str, host: str | None, port: int | None, models: tuple[str, ...],
                                      param_hint="--model")
     try:
         config = with_models(with_port(load_node_config(conf), host, port), models, idle_s)
-        config = with_cluster(config, join, cluster_host, node_name, cluster_port)
+        config = with_cluster(config, join, cluster_host, node_name, cluster_port, standby)
     except ValueError as e:  # names the file, the section and the key
         raise click.UsageError(str(e)) from None
     life = ActorLife("node")  # SIGTERM / SIGINT only set its flag
@@ -82,7 +92,7 @@ def main(conf: str, host: str | None, port: int | None, models: tuple[str, ...],
         raise click.UsageError(str(e)) from None
     status = {"code": 0}
 
-    vital = set() if node.joins else set(_VITAL)
+    vital = set(_VITAL) if not node.joins or node.standby else set()
 
     def watch() -> bool:
         failed = sorted(node.supervisor.failed & vital)

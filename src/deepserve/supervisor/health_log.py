@@ -55,6 +55,8 @@ SEVERITY: dict[str, str] = {
     "model_learned": INFO,  # a joined node: a model the head placed here, from its ScaleOut
     "node_joined": INFO,  # the CM: a node's first report (new, restarted, or back after lost)
     "node_lost": ERROR,
+    "head_lost": ERROR,  # a standby head: the head's CM silent for failover_s
+    "head_taken_over": WARNING,  # the standby started the CM and JE on its own host
     "weights_forked": INFO,  # a node pulled a model's files from a peer (fork)
     "fork_failed": ERROR,  # no peer gave them: the TEs waiting for it are refused  # the CM: a node's reports stopped; its scaled TEs start elsewhere
     "cache_block_corrupt": WARNING,

@@ -24,6 +24,11 @@ num_devices set, a TE starts only when all its devices (tp) are free
 together; a TE may evict running TEs of lower priority to get them (each
 eviction is logged with its reason), else it stays down.
 
+A standby head ([cluster] standby) joins like any node and also runs a
+gateway; when the head's CM has been silent for failover_s (head_watch.py)
+it starts the cluster manager and job executor itself (take_over), on its
+own host's head sockets, which every node and gateway already connects to.
+
 Scaling (scaler.py): the node starts each scalable model's min_tes TEs and
 the pre-warmed pool; from then on the cluster manager's autoscaler decides
 and the supervisor's scaler carries it out. On many hosts the CM places a
@@ -60,8 +65,9 @@ from deepserve.config.models import ModelSpec
 from deepserve.ipc import curve
 from deepserve.faults import ENV_VAR as DRILL_ENV
 from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
-from deepserve.ipc.sockets import SubSocket
+from deepserve.ipc.sockets import SubSocket, endpoints
 from deepserve.messages.control import FromClusterManager, TEList
+from deepserve.supervisor.head_watch import HeadWatch
 from deepserve.supervisor.health_log import HealthLog
 from deepserve.supervisor.node_config import NodeConfig, TESpec
 from deepserve.supervisor.placement import Gang, place
@@ -87,6 +93,7 @@ class Node:
                                          [te.te_id for te in config.tes],
                                          config.node.host_cache_bytes > 0, config.cluster)
         self.joins = config.cluster.joins  # a joining node: its TEs (and KV tier) only
+        self.standby = config.cluster.standby  # and a gateway; the head's CM and JE later
         sup = config.supervisor
         self.log_dir = Path(sup.log_dir) if sup.log_dir else self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -122,10 +129,7 @@ class Node:
             self.supervisor = self._supervisor()  # its inbox first: no early heartbeat is lost
             conf = self._write_run_config()  # each child reads its part: --conf PATH --role NAME
             if not self.joins:  # the head's (or the only node's) control processes
-                self._spawn("cluster-manager", "deepserve.control.cm.cluster_manager",
-                            *child_argv(conf, "cluster-manager"))
-                self._spawn("job-executor", "deepserve.control.je.job_executor",
-                            *child_argv(conf, "job-executor"))
+                self._spawn_control(conf)
             if self.run.kv_cache:  # before the TEs: their first lookups find it
                 self._spawn(KV_CACHE, "deepserve.tiers.tier_server",
                             *child_argv(conf, KV_CACHE, run_id=self.te_run_id(KV_CACHE)))
@@ -137,6 +141,7 @@ class Node:
                 self.scaler.start_te(te_id, model, "min_tes", time.monotonic())
             if not self.joins:
                 self.scaler.fill_pool()
+            if not self.joins or self.standby:
                 self._spawn("gateway", "deepserve.gateway", *self._gateway_args())
             self.models.fill_in_background(self.config.all_models)
             if self.run.weights:  # peers fork what this node holds
@@ -148,11 +153,38 @@ class Node:
             raise
 
     def _supervisor(self) -> Supervisor:
-        watched = ("kv-cache",) if self.joins else NODE_PROCESSES
+        watched = NODE_PROCESSES if not self.joins else \
+            ("kv-cache", "gateway") if self.standby else ("kv-cache",)
+        watch = HeadWatch(self.config.cluster.failover_s, self.take_over) \
+            if self.standby else None
         return Supervisor(self.table, self.health, self.config.supervisor, tes=self.te_ids,
                           inbox=self.run.hb, cm_pub=self.run.cm_pub, cm=self.run.cm,
                           scaler=self.scaler, watched=watched, node_inbox=self.run.node_inbox,
-                          te_address=lambda te_id: self.run.te_address(te_id))
+                          te_address=lambda te_id: self.run.te_address(te_id),
+                          head_watch=watch)
+
+    def _spawn_control(self, conf: Path) -> None:
+        self._spawn("cluster-manager", "deepserve.control.cm.cluster_manager",
+                    *child_argv(conf, "cluster-manager"))
+        self._spawn("job-executor", "deepserve.control.je.job_executor",
+                    *child_argv(conf, "job-executor"))
+
+    def take_over(self, silent_s: float) -> None:
+        """A standby head whose head went silent (head_watch.py): start the
+        cluster manager and job executor here, on this host's head sockets (the
+        first of each list: every node and gateway connects to all of them). The
+        TEs re-announce themselves to the new CM; the gateways resume what the
+        old JE held (gateway/link/job_client.py)."""
+        heads = self.config.cluster.head
+        self.health.write("cluster-manager", "head_lost", None, head=heads,
+                          silent_s=round(silent_s, 3))
+        self._spawn_control(self.run_dir / RUN_CONFIG)
+        if self.supervisor is not None:
+            for name in ("cluster-manager", "job-executor"):
+                self.supervisor.watch_process(name)
+        self.health.write("cluster-manager", "head_taken_over", self.table.pid("cluster-manager"),
+                          head=heads, cm=endpoints(self.run.cm)[0],
+                          je=endpoints(self.run.je)[0])
 
     # -- models and scaled TEs placed here by the head's CM (scaler.py) -----------------
     def model_spec(self, name: str, path: str = "", options: dict | None = None):
@@ -337,7 +369,7 @@ class Node:
 
 def _listed(msgs) -> set[str]:
     """TE ids in the newest TEList among the cluster manager's messages."""
-    lists = [m for m in msgs if isinstance(m, TEList)]
+    lists = [m for m in msgs if isinstance(m, TEList) and m.is_complete]
     return {te.te_id for te in lists[-1].tes} if lists else set()
 
 

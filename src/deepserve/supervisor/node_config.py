@@ -17,19 +17,20 @@ __all__ = ["NodeConfig", "SupervisorConfig", "TESpec", "load_node_config", "with
 
 
 def with_cluster(config: NodeConfig, join: str | None = None, host: str | None = None,
-                 name: str | None = None, port: int | None = None) -> NodeConfig:
-    """The command line's --join HOST:PORT / --cluster-host ADDR / --node-name /
-    --cluster-port over the file's [cluster] (checked as the file's; a joining
+                 name: str | None = None, port: int | None = None,
+                 standby: bool | None = None) -> NodeConfig:
+    """The command line's --join HOST:PORT[,HOST:PORT] / --cluster-host ADDR /
+    --node-name / --cluster-port / --standby over the file's [cluster] (checked
+    as the file's; the rest of it, secure and keys included, kept; a joining
     node's TEs are renamed after it)."""
-    if join is None and host is None and name is None and port is None:
+    if join is None and host is None and name is None and port is None and standby is None:
         return config
     c = config.cluster
     derived = c.name == "" or c.name == ClusterSection(host=c.host).name
-    cluster = msgspec.convert({"host": c.host if host is None else host,
-                               "port": c.port if port is None else port,
-                               "head": c.head if join is None else join,
-                               "name": name if name is not None else ("" if derived else c.name)},
-                              ClusterSection)
+    given = {"host": host, "port": port, "head": join, "standby": standby}
+    fields = {**msgspec.structs.asdict(c), **{k: v for k, v in given.items() if v is not None},
+              "name": name if name is not None else ("" if derived else c.name)}
+    cluster = msgspec.convert(fields, ClusterSection)
     if cluster.joins and config.models:
         raise ValueError("--join: a joining node runs [[te]] TEs only; this file has "
                          "[[model]] tables (they scale on the head)")

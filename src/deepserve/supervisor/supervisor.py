@@ -47,6 +47,7 @@ from deepserve.ipc.sockets import PullSocket, PushSocket, SubSocket
 from deepserve.messages.control import FromClusterManager, TEDown, TEList
 from deepserve.messages.health import HealthEvent, Heartbeat, Ready, ToSupervisor
 from deepserve.messages.scaling import NODE_REPORT_S, ScaleIn, ScaleOut
+from deepserve.supervisor.head_watch import HeadWatch
 from deepserve.supervisor.health_log import EVENTS, HealthLog
 from deepserve.supervisor.process_table import ProcessTable
 from deepserve.supervisor.restart_policy import GIVE_UP, GONE, RestartPolicy
@@ -72,12 +73,13 @@ class Supervisor:
     for heartbeats; cm_pub / cm: the cluster manager's PUB (TEList) and inbox
     (TEDown); cfg: a SupervisorConfig (deadlines, restart budget, kill grace);
     node_inbox: a joined node's tcp inbox for the head's ScaleOut / ScaleIn ("": none);
+    head_watch: a standby head's HeadWatch, fed with what the CM's PUB says;
     with a scaler, a NodeReport goes to the CM every NODE_REPORT_S."""
 
     def __init__(self, table: ProcessTable, health: HealthLog, cfg, *, tes: Container[str],
                  inbox: str, cm_pub: str, cm: str, watched: Iterable[str] = NODE_PROCESSES,
                  tick_s: float = 0.1, scaler=None, te_address=lambda te_id: "",
-                 node_inbox: str = ""):
+                 node_inbox: str = "", head_watch: HeadWatch | None = None):
         self.table, self.health, self.cfg, self.tick_s = table, health, cfg, tick_s
         self.tes, self.watched = tes, tuple(watched)
         self.watchdog = Watchdog()
@@ -98,6 +100,7 @@ class Supervisor:
         self.tes_listed: set[str] = set()
         self.scaler = scaler  # scaler.py (None: a fixed set of TEs, no pool)
         self.te_address = te_address  # te id -> its inbox (TEDown names it: ours, no namesake)
+        self.head_watch = head_watch  # a standby head's (head_watch.py): when to take over
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -136,8 +139,13 @@ class Supervisor:
             if now - self.reported_at >= NODE_REPORT_S:
                 self.reported_at = now
                 self._send_cm(self.scaler.report())
-        for msg in self.cm_pub.drain():
-            if isinstance(msg, TEList):
+        heard = self.cm_pub.drain()
+        if self.head_watch is not None:
+            if heard:
+                self.head_watch.heard(now)
+            self.head_watch.check(now)
+        for msg in heard:
+            if isinstance(msg, TEList) and msg.is_complete:  # else: a CM's sign of life
                 self._on_te_list({te.te_id for te in msg.tes}, now)
         if self.scaler is not None:  # a TE stopped for scale-in is not watched
             for component in self.watchdog.names:
@@ -229,6 +237,13 @@ class Supervisor:
         self._log(fault.component, fault.kind, fault.pid, latency_s=round(fault.latency_s, 3),
                   **fault.detail)
         self._fail(owner, now, fault.pid, part=fault.component.partition("/")[2] or "host")
+
+    def watch_process(self, name: str) -> None:
+        """Watch a node-level process started after start() (a standby head's
+        cluster manager and job executor once it takes over)."""
+        if name not in self.watched:
+            self.watched = (*self.watched, name)
+        self._watch(name, self.table.pid(name), self.cfg.startup_grace_s)
 
     # -- acting ------------------------------------------------------------------------
     def _fail(self, name: str, now: float, faulty_pid: int | None, part: str = "") -> None:

@@ -12,10 +12,12 @@ First publish of an incarnation: a CM that starts (or restarts under load)
 knows no TE yet; the TEs re-announce themselves every TEUP_INTERVAL_S
 (messages/control.py). Publishing at once would hand the JE an empty or
 partial list, and the JE fails every task of a TE that is not listed. So an
-incarnation publishes nothing until every TE of the node's config has
+incarnation publishes no list of TEs until every TE of the node's config has
 announced itself, or FIRST_PUBLISH_GRACE_S (1.5 TEUp intervals) after its
 start, whichever comes first: by then every live TE has re-announced. Every
-TEList names the incarnation (cm_incarnation) and says is_complete. Reports
+TEList names the incarnation (cm_incarnation) and says is_complete; until
+then the CM sends an empty one with is_complete = False every second, which
+readers ignore but a standby head hears (supervisor/head_watch.py). Reports
 are relayed meanwhile (their `finished` ids end the JE's tasks).
 
 A TE that went down stays down for REUP_FENCE_S: a TEUp that arrives that
@@ -88,6 +90,7 @@ class ClusterManager:
         self.down_parts: dict[str, str] = {}  # te id -> the part it went down with (TEList)
         self.down_incarnation: dict[str, str] = {}  # te id -> the incarnation that went
         self.last_published: float | None = None
+        self.beacon_at = -REPUBLISH_S  # the last incomplete list (publish)
         self.conflicts: set[tuple[str, str]] = set()  # (te id, address) refused (logged once)
         self.scaling: ScalingControl | None = None  # enable_scaling
         self.outboxes: tuple = ()  # the scaling's sockets (to the nodes), closed here
@@ -222,8 +225,14 @@ class ClusterManager:
             self.publish()
 
     def publish(self) -> None:
-        """Send the TE list, unless this incarnation has not heard from its TEs yet."""
+        """Send the TE list; before this incarnation has heard from its TEs, an
+        empty incomplete one instead, at most every REPUBLISH_S: a sign of life
+        (every reader ignores its contents; a standby head counts the head alive
+        by it, so a CM restarting on a live head is no reason to take over)."""
         if not self.is_listing:
+            if self.clock() - self.beacon_at >= REPUBLISH_S:
+                self.pub.put(TEList(tes=[], cm_incarnation=self.incarnation, is_complete=False))
+                self.beacon_at = self.clock()
             return
         if self.last_published is None:
             log.warning("cluster manager %s: first TE list, %d TE(s)", self.incarnation,

@@ -35,7 +35,8 @@ class JESettings(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache: str = ""
     """The KV tier service's inbox (ContextUnpin); "": none."""
     contexts_path: str = ""
-    """Where the context registry is kept (the run directory's contexts.json)."""
+    """Where the context registry is kept: contexts.json in [cluster] state_dir
+    (shared with standby heads), else in the run directory."""
     continuity: bool = True
     """[router] token_continuity."""
     tenants: TenantsSection = TenantsSection()
@@ -48,5 +49,6 @@ def load_settings(args: ChildArgs) -> JESettings:
                       scalable=tuple(m.name for m in config.all_models if m.scalable),
                       cm=run.cm, queue_timeout_s=config.scaling.queue_timeout_s,
                       max_attempts=config.node.max_attempts, router=config.router,
-                      kv_cache=run.kv_cache, contexts_path=f"{run.run_dir}/contexts.json",
+                      kv_cache=run.kv_cache,
+                      contexts_path=f"{config.cluster.state_dir or run.run_dir}/contexts.json",
                       continuity=config.router.token_continuity, tenants=config.tenants)

@@ -69,7 +69,7 @@ from deepserve.control.je.routing.pd_policy import PDPolicy, pd_policy_of
 from deepserve.control.je.routing.router import NoTEAvailable, PromptHashes, Router
 from deepserve.errors import InvalidRequestError
 from deepserve.ipc.outboxes import Outboxes
-from deepserve.ipc.sockets import PullSocket, SubSocket
+from deepserve.ipc.sockets import PullSocket, SubSocket, endpoints
 from deepserve.messages.control import FromClusterManager, TEList, TEReport
 from deepserve.messages.cache import ContextUnpin
 from deepserve.messages.contexts import CreateContext, DeleteContext, GetContext, TurnDone
@@ -99,7 +99,8 @@ class JobExecutor:
                          else DualPathScheduler(**msgspec.structs.asdict(r.dualpath)))
         self.ctx = ctx
         self.inbox = PullSocket(ctx, s.inbox, bind=True, type=_IN)
-        self.inbox_address = s.inbox  # done_to of every task (TaskDone)
+        self.inbox_address = endpoints(s.inbox)[0]  # done_to of every task (TaskDone): the
+        # one this JE binds (with standby heads, s.inbox lists every head's)
         self.share = FairShare(s.tenants)  # tenants' limits, TE slots, fair queues
         self.cm = SubSocket(ctx, s.cm_pub, bind=False, type=FromClusterManager)
         self.book = ModelBook(s.models, s.scalable)  # tokenizers, TEs and demand per model
@@ -117,7 +118,8 @@ class JobExecutor:
         self.parking = ParkingLot(self.book, self._dispatch)  # _dispatch parks here
         self.kv_cache = s.kv_cache  # the tier service: ContextUnpin
         self.turns = TurnBook(s.continuity)  # token-id continuity (turns.py)
-        self.contexts = ContextJobs(ContextBook(s.contexts_path or None), self.book, s.inbox,
+        self.contexts = ContextJobs(ContextBook(s.contexts_path or None), self.book,
+                                    self.inbox_address,
                                     lambda m, ids: self._dispatch(m, ids, time.monotonic() + PARK_S),
                                     self._reply, self._unpin)
         self.poller = zmq.Poller()

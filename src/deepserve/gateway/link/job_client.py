@@ -28,7 +28,11 @@ new JE (its submission may still be in the pipe). So nothing lost inside the
 dead JE is lost, and the new JE learns every open task: a TE crash after the
 JE restart still migrates them. Sub-requests sent while no JE is there wait
 in the PUSH's pipe for the next one (bounded by their deadline and the
-pipe's high-water mark): they are not refused.
+pipe's high-water mark): they are not refused. With standby heads the PUSH
+connects to every head's JE with ZMQ_IMMEDIATE (a pipe to a head that is not
+there would hold messages forever): there is no pipe to wait in, so a
+submission (or a resumed attempt) that finds no JE is held by the JELink
+(send_or_hold) and sent, in order, once a JE takes it.
 
 Admission counts open *streams* (ReplyStream not yet closed), not routes: a
 stream whose TE has finished but whose client has not read it still holds a
@@ -52,15 +56,16 @@ from deepserve.gateway.link.cluster_view import ClusterView
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.errors import APIError
 from deepserve.gateway.link.je_link import JELink
+from deepserve.gateway.link.latency_samples import LatencySamples
 from deepserve.gateway.link.open_share import admits, open_by_tenant
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.gateway.link.reply_stream import SHUTDOWN, IsDisconnected, ReplyStream
 from deepserve.gateway.link.routes import Route, RouteTable, next_attempt
 from deepserve.ipc import curve
 from deepserve.ipc.outboxes import Outboxes
+from deepserve.ipc.sockets import bind_or_connect
 from deepserve.messages.control import FromClusterManager, TEReport
 from deepserve.messages.contexts import TurnDone
-from deepserve.messages.scaling import RequestLatencies
 from deepserve.messages.engine import (RETRYABLE_ERRORS, AbortRequest, RequestDelta,
                                        RequestFailed, SubmitRequest, ToClient)
 from deepserve.messages.sampling import SamplingParams
@@ -70,9 +75,6 @@ logger = logging.getLogger(__name__)
 MAX_ORPHANS = 4096
 """Orphan wire ids remembered (each aborted once): a gateway restarted under
 load gets deltas of its predecessor's streams and stops their TEs."""
-LATENCY_INTERVAL_S = 1.0
-MAX_LATENCY_SAMPLES = 1000
-"""Per model per interval: the autoscaler needs rates, not every request."""
 
 
 class JobClient:
@@ -86,10 +88,9 @@ class JobClient:
         self._je = JELink(self._on_new_je)
         self._te_outboxes: Outboxes | None = None
         self._encoder = msgspec.msgpack.Encoder()
-        self._latencies: dict[str, list] = {}  # _note_latency
+        self._latencies = LatencySamples()  # the autoscaler's SLO samples, to the JE
         self._calls: dict[str, tuple[asyncio.Future, int]] = {}  # context calls: id ->
         # (its answer, the JE epoch it was sent to)
-        self._latencies_sent_at = 0.0
         self._ctx: zmq.asyncio.Context | None = None
         self._sockets: list = []
         self._tasks: list[asyncio.Task] = []
@@ -110,6 +111,9 @@ class JobClient:
         self._tasks = [asyncio.create_task(self._recv_replies(), name="gateway-replies"),
                        asyncio.create_task(self._recv_cluster(), name="gateway-cluster"),
                        asyncio.create_task(self._je.watch(), name="gateway-je-link")]
+        if self._je.to_heads:
+            self._tasks.append(asyncio.create_task(self._je.flush_forever(self._sending_held),
+                                                   name="gateway-held"))
 
     async def close(self) -> None:
         """Stop receiving, abort open sub-requests, wake their streams, close sockets."""
@@ -136,7 +140,7 @@ class JobClient:
         sock.setsockopt(zmq.LINGER, 0)
         self._sockets.append(sock)
         curve.secure(sock, addr, bind)
-        sock.bind(addr) if bind else sock.connect(addr)
+        bind_or_connect(sock, addr, bind)
         return sock
 
     # -- requests --------------------------------------------------------------
@@ -167,7 +171,7 @@ class JobClient:
         self._streams.add(stream)
         for index, (rid, payload) in enumerate(zip(ids, payloads)):
             self._routes.add(Route(rid, stream, index, submits[index], je_epoch=self._je.epoch))
-            if not self._send(payload):
+            if not self._je.send_or_hold(rid, payload):
                 stream.close()
                 raise APIError.unavailable("The job executor is not accepting requests.",
                                            "job_executor_busy")
@@ -216,12 +220,16 @@ class JobClient:
             raise APIError.bad_request(f"The request cannot be encoded: {exc}") from None
 
     def _send(self, payload: bytes) -> bool:
-        try:
-            self._push.send(payload, flags=zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:
-            logger.warning("JE queue full: dropped a message to %s", self.config.je_address)
-            return False
+        """One message to the JE; with standby heads, one that finds no JE (a
+        take-over under way) is not worth a warning: its sender copes."""
+        return self._je.send(payload, quiet=self._je.to_heads)
+
+    def _sending_held(self, request_id: str) -> bool:
+        """A held submission goes now (je_link.py), if its request is still open."""
+        route = self._routes.get(request_id)
+        if route is not None:
+            route.je_epoch = self._je.epoch
+        return route is not None
 
     def _resume(self, route: Route) -> bool:
         """Resubmit a sub-request whose TE (or JE) was lost, from where its stream is."""
@@ -231,7 +239,7 @@ class JobClient:
         route.je_epoch = self._je.epoch
         logger.warning("resuming %s as %s (attempt %d) after %d tokens", route.request_id,
                        route.wire_id, route.attempt, len(route.token_ids))
-        return self._send(self._encoder.encode(resumed))
+        return self._je.send_or_hold(route.request_id, self._encoder.encode(resumed))
 
     def _on_new_je(self, epoch: int) -> None:
         """A JE is linked; resume what was sent to the incarnations before it
@@ -241,6 +249,8 @@ class JobClient:
                 future.set_result(RequestFailed(request_id=call_id, error="engine_dead",
                                                 message="the job executor restarted"))
         for route in self._routes:
+            if self._je.holds(route.request_id):  # never reached a JE: flushed later
+                continue
             if route.je_epoch >= epoch:
                 continue  # sent to this JE (it waited in the PUSH's pipe)
             orphan = AbortRequest(request_id=route.wire_id)
@@ -351,20 +361,9 @@ class JobClient:
                         request_id=route.submit.request_id, output_ids=route.token_ids)))
 
     def _note_latency(self, model: str, timing) -> None:
-        """TTFT / TPOT per model, to the JE at most every LATENCY_INTERVAL_S: the
-        autoscaler's SLO samples (control/cm/scaling.py)."""
-        if timing.first_token_at is None:
-            return
-        ttft = (timing.first_token_at - timing.submitted_at) * 1e3
-        tpot = None if timing.num_tokens < 2 else \
-            (timing.finished_at - timing.first_token_at) * 1e3 / (timing.num_tokens - 1)
-        samples = self._latencies.setdefault(model, [])
-        if len(samples) < MAX_LATENCY_SAMPLES:
-            samples.append((round(ttft, 3), None if tpot is None else round(tpot, 3)))
-        now = time.monotonic()
-        if now - self._latencies_sent_at >= LATENCY_INTERVAL_S:
-            self._send(self._encoder.encode(RequestLatencies(samples=self._latencies)))
-            self._latencies, self._latencies_sent_at = {}, now
+        batch = self._latencies.note(model, timing, time.monotonic())
+        if batch is not None:
+            self._send(self._encoder.encode(batch))
 
     async def call(self, msg, timeout_s: float):
         """Send a context message (CreateContext, ...) to the JE and await its
