@@ -705,6 +705,14 @@ def test_standby_heads_list_every_head_and_bind_their_own_first(tmp_path):
     assert (run.cm, run.je, run.gw_reply, run.node_inbox) == (
         "tcp://10.0.0.2:7500,tcp://10.0.0.1:7400", "tcp://10.0.0.2:7502,tcp://10.0.0.1:7402",
         "tcp://10.0.0.2:7503", "tcp://10.0.0.2:7504")
+    scaled = ModelSpec(name="x", path="/x", min_tes=2)
+    with pytest.raises(ValueError, match="joining node runs"):  # a plain node: the head's
+        NodeConfig.build(model="/m", cluster=ClusterSection(host="10.0.0.3",
+                                                             head="10.0.0.1:7400"),
+                         tes=[TESpec("te0", "colocated")], models=[scaled])
+    mirror = NodeConfig.build(model="/m", cluster=standby, models=[scaled],
+                              tes=[TESpec("te0", "colocated")])
+    assert "x" in mirror.served_models and mirror.initial_scaled_tes() == {}  # none started
     secure = NodeConfig.build(model="/m", tes=[TESpec("te0", "colocated")], cluster=ClusterSection(
         host="10.0.0.2", secure=True, keys="/k", failover_s=9.0))
     joined = with_cluster(secure, join="10.0.0.1:7400", standby=True)

@@ -54,8 +54,9 @@ port = {PORT}
 
 
 def node_conf(d: Path, model: Path, name: str, host: str, head: str, tes: list[str],
-              cluster: str = "") -> str:
-    """A node joining `head` with one TE of each type in `tes`."""
+              cluster: str = "", tables: str = "") -> str:
+    """A node joining `head` with one TE of each type in `tes`; `tables`: more
+    tables ([[model]] on a standby head)."""
     return conf(d / f"{name}.toml", f"""
 [node]
 model = "{model}"
@@ -68,7 +69,7 @@ host = "{host}"
 head = "{head}:{PORT}"
 name = "{name}"
 {cluster}
-""" + "".join(f'[[te]]\ntype = "{t}"\n{TE}' for t in tes))
+""" + "".join(f'[[te]]\ntype = "{t}"\n{TE}' for t in tes) + tables)
 
 
 class Cluster:

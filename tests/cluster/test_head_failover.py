@@ -12,7 +12,8 @@ and job executor on its own host (head_taken_over), the TEs of h1 and h2
 announce themselves to it, the gateway resumes what the dead JE held, and
 every stream ends with the greedy tokens; requests sent afterwards are served.
 Both heads keep the context registry in one shared state_dir: a context made
-through h0's JE is known to h1's.
+through h0's JE is known to h1's; both declare a [[model]] at zero, which h0's
+autoscaler scales first and h1's after the take-over.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.slow  # three nodes' process trees
 
 PROMPTS = ["Say hi", "The cluster", "One two three", "Hello there, host"]
 FAILOVER_S = 4.0  # the default: above a CM restart on a live head (test below)
+SCALED = "tinys"  # a [[model]] at zero declared on both heads
 CONTEXT = "You are a careful assistant. Every answer is short and exact. " * 4
 
 
@@ -43,18 +45,22 @@ def cluster(hosts, tiny_model, tmp_path_factory):
     head, standby = hosts.addresses[0], hosts.addresses[1]
     state = f'state_dir = "{d / "state"}"'  # shared by the heads: the context registry
     (d / "state").mkdir()
+    scaled = (f'[[model]]\nname = "{SCALED}"\npath = "{tiny_model}"\nmin_tes = 0\n'
+              f'max_tes = 1\n{TE}[scaling]\nqueue_timeout_s = 150\n')  # on both heads
     c.start(0, "head", head_conf(d, tiny_model, head, cluster=state,
-                                 tables=f'[[te]]\ntype = "colocated"\n{TE}'))
+                                 tables=f'[[te]]\ntype = "colocated"\n{TE}' + scaled))
     c.start(1, "h1", node_conf(d, tiny_model, "h1", standby, head, ["colocated"],
-                               cluster=f"standby = true\nfailover_s = {FAILOVER_S}\n{state}"))
+                               cluster=f"standby = true\nfailover_s = {FAILOVER_S}\n{state}",
+                               tables=scaled))
     c.start(2, "h2", node_conf(d, tiny_model, "h2", hosts.addresses[2],
                                f"{head}:{PORT},{standby}", ["colocated"]))
     yield from c.serving(3)
 
 
-def _generate(hosts, prompts: list[str], max_tokens: int) -> subprocess.Popen:
+def _generate(hosts, prompts: list[str], max_tokens: int,
+              model: str = "tiny") -> subprocess.Popen:
     """The client in h1, on h1's gateway (127.0.0.1:8000 inside h1), streaming."""
-    client = hosts.python(1, "tests.cluster.client", "generate", URL, KEY, "tiny",
+    client = hosts.python(1, "tests.cluster.client", "generate", URL, KEY, model,
                           str(max_tokens), json.dumps(prompts), stdout=subprocess.PIPE, text=True)
     assert json.loads(client.stdout.readline()) == {"event": "streaming"}
     return client
@@ -78,6 +84,8 @@ def _call(hosts, *args: str) -> dict:
 
 def test_the_standbys_gateway_serves_through_the_head(cluster, hosts, greedy):
     _all_greedy(cluster, hosts, greedy, _generate(hosts, PROMPTS, 12), PROMPTS, 12)
+    scaled = _generate(hosts, PROMPTS, 12, SCALED)  # from zero, by the head's autoscaler
+    _all_greedy(cluster, hosts, greedy, scaled, PROMPTS, 12)
     assert not cluster.events("head_taken_over", "h1")  # the head is alive: no take-over
     made = _call(hosts, "post", URL, "/v1/contexts", KEY, json.dumps(
         {"model": "tiny", "prompt": CONTEXT, "ttl_s": 600}))
@@ -119,6 +127,8 @@ def test_the_head_host_dies_and_the_standby_takes_over_losing_nothing(cluster, h
     assert taken["details"]["cm"] == f"tcp://{hosts.addresses[1]}:{PORT}"
     _all_greedy(cluster, hosts, greedy, client, prompts, 48)  # in flight: resumed, no repeat
     _all_greedy(cluster, hosts, greedy, _generate(hosts, PROMPTS, 12), PROMPTS, 12)  # afterwards
+    scaled = _generate(hosts, PROMPTS, 12, SCALED)  # the [[model]]: h1's CM scales it now
+    _all_greedy(cluster, hosts, greedy, scaled, PROMPTS, 12)
     # the context made through the dead head's JE: the new JE read the shared registry
     ctx = cluster.context
     got = _call(hosts, "get", URL, f"/v1/contexts/{ctx['id']}", KEY)
@@ -128,6 +138,6 @@ def test_the_head_host_dies_and_the_standby_takes_over_losing_nothing(cluster, h
          "context_id": ctx["id"]}))
     assert used["status"] == 200, used
     assert used["body"]["usage"]["prompt_tokens"] > ctx["tokens"], used
-    # the new CM lists h1's and h2's TEs (h0's died with it)
-    assert _call(hosts, "wait", URL, "2", "30") == {"num_tes": 2}, cluster.logs()
+    # the new CM lists h1's and h2's TEs (h0's died with it), and the scaled one
+    assert _call(hosts, "wait", URL, "3", "30") == {"num_tes": 3}, cluster.logs()
     assert time.time() - killed_at < 300

@@ -66,7 +66,9 @@ class ClusterSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """A joining node that is a standby head: it runs a gateway of its own, and
     takes over the cluster manager and the job executor (started here, bound
     to this host's port .. port+3) once the head has been silent for failover_s.
-    Other nodes list it in their `head` after the head."""
+    Other nodes list it in their `head` after the head. It declares the head's
+    [[model]] tables too (its gateway serves them; its CM scales them once it
+    took over) but starts none of their TEs itself."""
     state_dir: str = ""
     """A directory the head and its standby heads all reach (shared storage): the
     job executor keeps its context registry there (contexts.json), so a standby

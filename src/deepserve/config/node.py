@@ -261,9 +261,9 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self):
         if not self.tes and not self.models and not self.cluster.is_cluster:
             raise ValueError("te: a node needs at least one [[te]] or [[model]]")
-        if self.cluster.joins and self.models:
+        if self.cluster.joins and self.models and not self.cluster.standby:
             raise ValueError("model: a joining node runs [[te]] TEs only; [[model]] tables "
-                             "(scaled TEs) live on the head")
+                             "(scaled TEs) live on the head (and its standby heads)")
         if self.cluster.is_cluster and not self.cluster.joins and not self.tes \
                 and not self.models and not self.node.model:
             raise ValueError('node: model: required (model = "DIR")')
@@ -306,8 +306,8 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     def initial_scaled_tes(self) -> dict[str, str]:
         """TE id -> model of the TEs the node starts for scalable models'
         min_tes (the CM expects them; later ones are numbered on)."""
-        if self.node.num_devices == 0:  # the CM places them on joined nodes
-            return {}
+        if self.node.num_devices == 0 or self.cluster.joins:  # the CM places them on
+            return {}  # joined nodes / a standby head's [[model]] are the head's, till it dies
         return {m.te_id(i): m.name for m in self.models for i in range(m.min_tes)}
 
     def model_spec(self, name: str) -> ModelSpec:

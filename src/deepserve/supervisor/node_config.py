@@ -31,7 +31,7 @@ def with_cluster(config: NodeConfig, join: str | None = None, host: str | None =
     fields = {**msgspec.structs.asdict(c), **{k: v for k, v in given.items() if v is not None},
               "name": name if name is not None else ("" if derived else c.name)}
     cluster = msgspec.convert(fields, ClusterSection)
-    if cluster.joins and config.models:
+    if cluster.joins and config.models and not cluster.standby:
         raise ValueError("--join: a joining node runs [[te]] TEs only; this file has "
                          "[[model]] tables (they scale on the head)")
     return replace(config, cluster=cluster, tes=named_for_cluster(config.tes, cluster))
