@@ -663,6 +663,7 @@ def test_cluster_section_checks_its_values_and_derives_the_addresses(tmp_path):
     head_run = RunAddresses.for_node(tmp_path, "r", [], False, ClusterSection(host="10.0.0.1"))
     assert head_run.node_inbox == ""  # the CM is on the head: its heartbeat inbox
     assert (run.weights, head_run.weights) == ("tcp://10.0.0.2:7405", "tcp://10.0.0.1:7406")
+    assert (run.kv_peer, head_run.kv_peer) == ("tcp://10.0.0.2:7407", "")  # the remote tier
     single = RunAddresses.for_node(tmp_path, "r", ["te0"], False, ClusterSection())
     assert single == RunAddresses.in_dir(tmp_path, "r", ["te0"]) and single.weights == ""
     with pytest.raises(ValueError, match="wildcard"):

@@ -54,16 +54,19 @@ port = {PORT}
 
 
 def node_conf(d: Path, model: Path, name: str, host: str, head: str, tes: list[str],
-              cluster: str = "", tables: str = "") -> str:
+              cluster: str = "", tables: str = "", supervisor: str = "",
+              node: str = "") -> str:
     """A node joining `head` with one TE of each type in `tes`; `tables`: more
-    tables ([[model]] on a standby head)."""
+    tables ([[model]] on a standby head); `supervisor` / `node`: more lines of them."""
     return conf(d / f"{name}.toml", f"""
 [node]
 model = "{model}"
 served_model = "tiny"
 startup_timeout_s = {START_S}
+{node}
 [supervisor]
 log_dir = "{d / (name + '-logs')}"
+{supervisor}
 [cluster]
 host = "{host}"
 head = "{head}:{PORT}"

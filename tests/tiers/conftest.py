@@ -10,7 +10,8 @@ import zmq
 
 from deepserve.ipc.segments import list_segments, segment_name
 from deepserve.ipc.sockets import ipc_address
-from deepserve.tiers.tier_server import TierServer, TierSettings
+from deepserve.tiers.tier_server import TierServer
+from deepserve.tiers.tier_settings import TierSettings
 
 
 class TierService:

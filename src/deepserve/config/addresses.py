@@ -21,8 +21,8 @@ from pathlib import Path
 import msgspec
 
 from deepserve.config.cluster import (GATEWAY_PORT_OFFSET, HEAD_WEIGHTS_PORT_OFFSET,
-                                      JE_PORT_OFFSET, NODE_PORT_OFFSET, WEIGHTS_PORT_OFFSET,
-                                      ClusterSection)
+                                      JE_PORT_OFFSET, KV_PEER_PORT_OFFSET, NODE_PORT_OFFSET,
+                                      WEIGHTS_PORT_OFFSET, ClusterSection)
 
 
 class RunAddresses(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,6 +49,9 @@ class RunAddresses(msgspec.Struct, frozen=True, kw_only=True):
     node_inbox: str = ""
     """A joined node's supervisor's tcp inbox ([cluster] port+4): the head's CM sends
     it ScaleOut / ScaleIn; "": the heartbeat inbox (the CM is on this host)."""
+    kv_peer: str = ""
+    """The KV tier service's tcp socket for other hosts' ([cluster] port+7; the
+    remote tier, tiers/remote_tier.py); "": one host, or no KV tier."""
     weights: str = ""
     """The node's weight server ([cluster] port+5, the head's port+6;
     cache/weight_fork.py): peers fork model files from it; "": one host, none."""
@@ -71,9 +74,10 @@ class RunAddresses(msgspec.Struct, frozen=True, kw_only=True):
         node_inbox = own(NODE_PORT_OFFSET) if cluster.joins else ""
         weights = own(WEIGHTS_PORT_OFFSET if cluster.joins else HEAD_WEIGHTS_PORT_OFFSET)
         gw_reply = own(GATEWAY_PORT_OFFSET) if heads else head(GATEWAY_PORT_OFFSET)
+        kv_peer = own(KV_PEER_PORT_OFFSET) if kv_cache else ""
         return msgspec.structs.replace(local, cm=head(0), cm_pub=head(1), je=je,
                                        gw_reply=gw_reply, tes=tes, node_inbox=node_inbox,
-                                       weights=weights)
+                                       weights=weights, kv_peer=kv_peer)
 
     @classmethod
     def in_dir(cls, run_dir: str | Path, run_id: str, te_ids,

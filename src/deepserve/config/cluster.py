@@ -5,7 +5,8 @@
                                          TEs :port+8, 4 ports each
     node   [cluster] host = N, head = H:P  its supervisor's inbox tcp://N:port+4 (the CM's
                                          ScaleOut / ScaleIn), weight server :port+5 (fork;
-                                         the head's: port+6); its TEs tcp://N:port+8...
+                                         the head's: port+6), KV tier for other hosts
+                                         :port+7 (remote tier); its TEs tcp://N:port+8...
                                          (scaled ones after its [[te]] ones); the head's sockets
                                          for the cluster manager, its PUB and replies
 
@@ -42,6 +43,8 @@ WEIGHTS_PORT_OFFSET = 5
 the head's is port+6 (HEAD_WEIGHTS_PORT_OFFSET), so that a joined node on the
 head's host with the same port (as Ray's fabric starts one) takes none of the head's."""
 HEAD_WEIGHTS_PORT_OFFSET = 6
+KV_PEER_PORT_OFFSET = 7
+"""Every node's KV tier service for other hosts' (the remote tier): port+7."""
 TE_PORTS_EACH = 4
 """A TE's inbox P, its master's PD inbox P+1 (messages/pd.py), its tier replies P+2."""
 

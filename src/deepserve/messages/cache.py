@@ -4,7 +4,9 @@ the cache ops a step carries to the workers.
     TE master ──TierLookup / TierReserve / TierCommit / TierRelease / TierDrop──┐
     job executor ──ContextUnpin─────────────────────────────────────────────────┴> [kv-cache PULL]
     kv-cache ──TierHits / TierReserved / TierCommitted──> the master's tier reply PULL
-    kv-cache ──TierReport (PUSH, every second)──> cluster manager ──(PUB)──> JEs, gateways
+    kv-cache ──TierReport (PUSH, every second)──> cluster manager ──(PUB)──> JEs, gateways,
+                                                              other hosts' kv-caches
+    kv-cache ──PeerGet──> another host's kv-cache ──PeerBlocks + bytes──> (remote tier)
 
     master ══ StepBatch.cache_ops: CacheOp ══> every worker (its cache executor thread)
     worker r ──CacheOpsDone──> master
@@ -56,6 +58,9 @@ class TierLookup(msgspec.Struct, tag="tier_lookup", **_STRUCT):
     geometry: BlockGeometry
     hashes: list[int]
     reply_to: str
+    prefill_tokens_per_s: float = 0.0
+    """The TE's measured prefill speed: a tier service fetches what other hosts'
+    hold only when the link beats recomputing at this speed (0: unknown, fetch)."""
 
 
 class TierHits(msgspec.Struct, tag="tier_hits", **_STRUCT):
@@ -159,6 +164,27 @@ class TierReport(msgspec.Struct, tag="tier_report", **_STRUCT):
     pinned_bytes: int = 0
     disk_enabled: bool = False
     num_corrupt: int = 0
+    peer: str = ""
+    """Where other hosts' tier services fetch this one's blocks (tiers/remote_tier.py;
+    "": one host). The CM relays the report, so every tier service learns its peers."""
+    num_remote_hits: int = 0
+    """Blocks this service fetched from other hosts' tiers (so far)."""
+
+
+# -- tier service <-> tier service on another host (tiers/remote_tier.py) ------------
+class PeerGet(msgspec.Struct, tag="peer_get", **_STRUCT):
+    """The leading run of these blocks that the peer holds in host memory."""
+
+    model_key: str
+    geometry: BlockGeometry
+    hashes: list[int]
+
+
+class PeerBlocks(msgspec.Struct, tag="peer_blocks", **_STRUCT):
+    """The first num_blocks of the asked hashes; their bytes follow in one frame
+    (num_blocks whole blocks, in order)."""
+
+    num_blocks: int = 0
 
 
 # -- master -> workers (inside a StepBatch) ------------------------------------------

@@ -8,6 +8,11 @@
                                     │ results (queue) ──> disk_written, deletes
     every REPORT_S: TierReport ──> cluster manager (relayed to gateways: /metrics)
 
+Many hosts ([cluster]): a lookup whose run stops short may wait for the
+blocks other hosts' tier services hold (remote_tier.py: fetched over tcp
+when the link beats recomputing), which land in this host pool first; this
+service serves its own host pool to them the same way.
+
 Host pools: one shared-memory segment per model key, (num_slots, 2, L, H,
 bs, D) in the model's dtype, created on the key's first message (its
 geometry is in every lookup / reserve); workers attach it by name and copy
@@ -45,46 +50,22 @@ import numpy as np
 import zmq
 
 from deepserve.actor import ActorLife, run_main
-from deepserve.config.loading import read_run_config
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
 from deepserve.ipc.sockets import PullSocket, PushSocket
-from deepserve.messages.cache import (BlockGeometry, ContextUnpin, TierCommit, TierCommitted,
-                                      TierDrop, TierHits, TierLookup, TierRelease, TierReport,
-                                      TierReserve, TierReserved, ToTier)
+from deepserve.messages.cache import (BlockGeometry, ContextUnpin, PeerGet, TierCommit,
+                                      TierCommitted, TierDrop, TierHits, TierLookup, TierRelease,
+                                      TierReport, TierReserve, TierReserved, ToTier)
 from deepserve.tiers import block_file
 from deepserve.tiers.disk_upkeep import TICK_S, Corrupt, DiskBack, DiskUpkeep
+from deepserve.tiers.remote_tier import Fetch, RemoteTier, read_run, write_blocks
 from deepserve.tiers.tier_index import TierIndex
+from deepserve.tiers.tier_settings import TierSettings, load_settings
 
 log = logging.getLogger(__name__)
 REPORT_S = 1.0
 EXPIRE_S = 0.25
 MAX_KEYS = 64  # model keys at most (each has a pool): a forged key cannot exhaust memory
-
-
-class TierSettings(msgspec.Struct, frozen=True, kw_only=True):
-    inbox: str
-    cm: str = ""
-    run_id: str = "kvc"
-    host_bytes: int = 0
-    """Per model key."""
-    disk_dir: str = ""
-    disk_bytes: int = 0
-    """Per model key (0: no disk tier)."""
-    pin_bytes: int = 0
-    """Per model key (0: half of its lowest persistent tier)."""
-    fsync: str = "never"
-    lease_s: float = 30.0
-
-
-def load_settings(args) -> TierSettings:
-    config, run = read_run_config(args.conf)
-    node = config.node
-    n = max(1, len(config.all_models))
-    return TierSettings(inbox=run.kv_cache, cm=run.cm, run_id=args.run_id or "kvc",
-                        host_bytes=node.host_cache_bytes // n, disk_dir=node.disk_cache_dir,
-                        disk_bytes=node.disk_cache_bytes // n,
-                        pin_bytes=node.context_cache_bytes // n, fsync=node.disk_fsync)
 
 
 @dataclass
@@ -118,6 +99,7 @@ class TierServer:
                                          daemon=True)
         self._writer.start()
         self._reported = self._expired = 0.0
+        self.remote = RemoteTier(ctx, s.peer, s.cm_pub) if s.peer else None
 
     # -- the loop -------------------------------------------------------------------
     def step(self) -> None:
@@ -129,6 +111,11 @@ class TierServer:
                 self.num_handled += 1
         self._apply_disk_results()
         now = time.monotonic()
+        if self.remote is not None:
+            self.remote.learn(now)
+            self.remote.serve(self._read_for_peer)
+            for fetched in self.remote.finished():
+                self._apply_fetch(fetched, now)
         if now - self._expired >= EXPIRE_S:
             self._expired = now
             for pool in self.pools.values():
@@ -143,11 +130,7 @@ class TierServer:
     def handle(self, msg) -> None:
         now = time.monotonic()
         if isinstance(msg, TierLookup):
-            pool = self._pool(msg.model_key, msg.geometry)
-            lease, slots = pool.index.lookup(msg.hashes, now) if pool else (0, [])
-            self._reply(msg.reply_to, TierHits(
-                lookup_id=msg.lookup_id, lease_id=lease, slots=slots,
-                segment=pool.segment if pool else "", disk_dir=pool.disk_dir if pool else ""))
+            self._answer(msg, now, self.remote)
         elif isinstance(msg, TierReserve):
             pool = self._pool(msg.model_key, msg.geometry)
             if pool is None:
@@ -183,6 +166,43 @@ class TierServer:
         elif isinstance(msg, ContextUnpin):
             for pool in self.pools.values():
                 self._delete(pool, pool.index.unpin(msg.context_id))
+
+    def _answer(self, msg: TierLookup, now: float, remote: RemoteTier | None = None) -> None:
+        """TierHits for what this host holds; with a remote tier, a lookup whose
+        run stops short waits for what other hosts hold when that is worth it
+        (remote_tier.py), and is answered by _apply_fetch."""
+        pool = self._pool(msg.model_key, msg.geometry)
+        lease, slots = pool.index.lookup(msg.hashes, now) if pool else (0, [])
+        missing = len(msg.hashes) - len(slots)
+        if remote is not None and pool is not None and remote.worth_fetching(
+                msg, missing, pool.index.block_bytes):
+            pool.index.release(lease)
+            remote.fetch(Fetch(msg, len(slots), pool.index.block_bytes))
+            return
+        self._reply(msg.reply_to, TierHits(
+            lookup_id=msg.lookup_id, lease_id=lease, slots=slots,
+            segment=pool.segment if pool else "", disk_dir=pool.disk_dir if pool else ""))
+
+    def _apply_fetch(self, fetched: Fetch, now: float) -> None:
+        """Blocks another host sent: into this host pool (and on to disk, as a
+        TE's write would go), then the lookup answered from here."""
+        pool = self.pools.get(fetched.lookup.model_key)
+        if pool is not None and fetched.count:
+            hashes = fetched.lookup.hashes[fetched.start:fetched.start + fetched.count]
+            for slot, h in write_blocks(pool.index, pool.slots, hashes, fetched.data, now):
+                self._writes.put((pool.key, slot, h))
+            self._delete(pool, pool.index.reaped)
+            pool.index.reaped = []
+        self._answer(fetched.lookup, now)
+
+    def _read_for_peer(self, msg: PeerGet) -> tuple[int, bytes]:
+        pool = self.pools.get(msg.model_key)
+        if pool is None or pool.geometry != msg.geometry:
+            return 0, b""
+        found = read_run(pool.index, pool.slots, msg.hashes, time.monotonic())
+        self._delete(pool, pool.index.reaped)
+        pool.index.reaped = []
+        return found
 
     def _reply(self, address: str, msg) -> None:
         self.replies.put(address, msg)
@@ -328,7 +348,8 @@ class TierServer:
             disk_capacity=self.s.disk_bytes * len(pools) if self.disk_enabled else 0,
             num_contexts=sum(len(p.index.contexts) for p in pools),
             pinned_bytes=sum(p.index.pinned_bytes for p in pools),
-            disk_enabled=self.disk_enabled, num_corrupt=self.num_corrupt)
+            disk_enabled=self.disk_enabled, num_corrupt=self.num_corrupt,
+            peer=self.s.peer, num_remote_hits=self.remote.num_fetched if self.remote else 0)
 
     def close(self) -> None:
         self._writes.put(None)
@@ -340,6 +361,8 @@ class TierServer:
             except BufferError:  # a view is still alive: the name goes anyway
                 pass
             unlink_segment(pool.segment)
+        if self.remote is not None:
+            self.remote.close()
         for sock in (self.inbox, self.replies, self.to_cm):
             if sock is not None:
                 sock.close()

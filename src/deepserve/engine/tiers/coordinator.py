@@ -150,6 +150,7 @@ class TierCoordinator:
             effects.ready.append(seq)
             return
         lookup, num_device = found
+        lookup.prefill_tokens_per_s = self.cost.prefill_tokens_per_s  # remote: worth it?
         self.lookups[lookup.lookup_id] = _Lookup(seq, num_device, lookup.hashes,
                                                  now + self.channel.lookup_timeout_s,
                                                  room_deadline)
