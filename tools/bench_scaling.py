@@ -5,15 +5,18 @@ by side, and the client-visible TTFT of a request to a model at zero TEs.
     python tools/bench_scaling.py [--preset tiny,small] [--rounds 3] [--sizes 1,2,4] \\
         [--json PATH]
 
-Sources (one node each, all three alive for the whole preset, always stopped):
+Sources (one node each, all four alive for the whole preset, always stopped):
   cold             [scaling] pool_size 0, no weight cache: a new TE process
                    (Python + torch imports) loading its weights from disk
   prewarmed        pool_size max(--sizes), no weight cache: a pre-warmed
                    process from the pool, loading from disk
   prewarmed_cache  the same pool, plus the node's shared-memory weight cache
-  fork             not measured here (one node): a node without the model's
-                   directory pulls it from a peer's weight server; its stage
-                   alone, N hosts at once: tools/bench_fork.py
+  fork             the prewarmed pool, and a model the node does not have: its
+                   files forked from a peer's weight server (this process,
+                   cache/weight_fork.py, over loopback tcp) into /dev/shm, the
+                   N TEs of one ScaleOut sharing one fork (its own stage); a
+                   new path each time, so every measurement forks afresh. N
+                   hosts forking at once (star, chain): tools/bench_fork.py
 
 A measurement injects ScaleOut(model, count=N) into the node's supervisor
 inbox (bypassing the autoscaler) and waits for N `scaled_out` events in the
@@ -58,6 +61,7 @@ import click
 import httpx
 import zmq
 
+from deepserve.cache.weight_fork import WeightServer
 from deepserve.config.models import ModelSpec, ScalingSection
 from deepserve.ipc.sockets import PushSocket, free_port
 from deepserve.messages.scaling import STAGES, ScaleIn, ScaleOut
@@ -67,7 +71,8 @@ from deepserve.supervisor.node_config import NodeConfig, SupervisorConfig
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))  # tools/bench_stats.py
 import bench_stats  # noqa: E402
-SOURCES = ("cold", "prewarmed", "prewarmed_cache")
+SOURCES = ("cold", "prewarmed", "prewarmed_cache", "fork")
+FORK = "fork"
 MODEL = "m"
 CONTROL = ("cluster-manager", "job-executor", "gateway")
 TE_OPTIONS = {"max_num_batched_tokens": 256, "kv_cache_memory": 64 << 20}
@@ -105,8 +110,8 @@ class Subject:
     """A node serving MODEL with one source's [scaling] settings."""
 
     def __init__(self, source: str, model_dir: Path, log_dir: Path, pool_size: int,
-                 cache_bytes: int, startup_timeout_s: float):
-        self.source, self.model_dir = source, str(model_dir)
+                 cache_bytes: int, startup_timeout_s: float, peer: "Peer | None" = None):
+        self.source, self.model_dir, self.peer = source, str(model_dir), peer
         self.pool_size = 0 if source == "cold" else pool_size
         cache = cache_bytes if source == "prewarmed_cache" else 0
         config = NodeConfig.build(
@@ -202,10 +207,11 @@ def _failures(s: Subject, since: int, te_ids) -> list[dict]:
             and (te_ids is None or e["component"] in te_ids)]
 
 
-def scale_in(s: Subject, te_ids: list[str], since: int, timeout_s: float) -> None:
+def scale_in(s: Subject, te_ids: list[str], since: int, timeout_s: float,
+             model: str = MODEL) -> None:
     """ScaleIn each TE; wait until all are gone (a scale-in we did not ask for counts)."""
     for te_id in te_ids:
-        s.send(ScaleIn(te_id=te_id, model=MODEL, reason="bench"))
+        s.send(ScaleIn(te_id=te_id, model=model, reason="bench"))
     gone = lambda: {e["component"] for e in s.events(since, "scaled_in")}  # noqa: E731
     wait_until(lambda: set(te_ids) <= gone() and not set(te_ids) & set(s.tes()), timeout_s,
                f"{s.source}: scale-in of {te_ids}", [s])
@@ -216,16 +222,49 @@ def sample_of(events: list[dict]) -> dict:
     tes = [{"te_id": e["component"], "source": e["details"]["source"],
             "weights": e["details"].get("weights"), "total_s": e["details"]["total_s"],
             "stages": e["details"]["stages"]} for e in events]
+    forks = [t["stages"].get("fork") for t in tes if t["stages"].get("fork") is not None]
     slowest = max(tes, key=lambda t: t["total_s"])
     return {"total_s": slowest["total_s"], "first_s": min(t["total_s"] for t in tes),
             "stages": slowest["stages"], "sources": sorted({t["source"] for t in tes}),
-            "tes": tes}
+            "weights": sorted({t["weights"] or "" for t in tes}),
+            "fork_s": max(forks) if forks else None, "tes": tes}
+
+
+class Peer:
+    """The fork source's peer: a weight server in this process sharing the
+    model's directory under a new name for every measurement (a fresh fork)."""
+
+    def __init__(self, ctx: zmq.Context, model_dir: Path):
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.paths: dict[str, Path] = {}
+        self.server = WeightServer(ctx, self.address, lambda: dict(self.paths))
+        self.model_dir, self.count = model_dir, 0
+
+    def order(self, count: int) -> ScaleOut:
+        """A ScaleOut of a model the node does not have, from this peer."""
+        self.count += 1
+        path = f"/bench-peer/{self.count}/{self.model_dir.name}"
+        self.paths[path] = self.model_dir
+        return ScaleOut(model=f"{MODEL}-fork{self.count}", count=count, reason="bench",
+                        path=path, options=TE_OPTIONS, sources=[self.address])
+
+    def drop(self, node: Node, order: ScaleOut) -> None:
+        """The node's forked copy goes (the next measurement forks afresh)."""
+        self.paths.pop(order.path, None)
+        copy = node.models.forked.pop(order.path, None)
+        if copy is not None:
+            shutil.rmtree(copy, ignore_errors=True)
+
+    def stop(self) -> None:
+        self.server.stop()
 
 
 def measure_scale_out(s: Subject, count: int, timeout_s: float) -> dict:
     since, load = s.mark(), os.getloadavg()[0]
+    order = (s.peer.order(count) if s.peer is not None
+             else ScaleOut(model=MODEL, count=count, reason="bench"))
     sent = time.monotonic()
-    s.send(ScaleOut(model=MODEL, count=count, reason="bench"))
+    s.send(order)
 
     def outs():
         bad = _failures(s, since, None)
@@ -236,7 +275,9 @@ def measure_scale_out(s: Subject, count: int, timeout_s: float) -> dict:
     events = wait_until(outs, timeout_s, f"{s.source}: {count} TE(s) to serve", [s])[:count]
     observed = time.monotonic() - sent
     sample = {**sample_of(events), "observed_s": round(observed, 3), "load_avg": load}
-    scale_in(s, [t["te_id"] for t in sample["tes"]], since, timeout_s)
+    scale_in(s, [t["te_id"] for t in sample["tes"]], since, timeout_s, order.model)
+    if s.peer is not None:
+        s.peer.drop(s.node, order)
     return sample
 
 
@@ -295,14 +336,17 @@ def run_preset(preset: str, sizes: list[int], rounds: int, opts: dict, tmp: Path
     model_dir = model_dir_for(preset, tmp)
     pool = max(sizes)
     result = {"preset": preset, "model": str(model_dir), "weight_bytes": weight_bytes(model_dir),
-              "pool_size": pool, "rounds": rounds, "scale_out": [], "ttft": [], "error": None}
+              "pool_size": pool, "rounds": rounds, "sizes": sizes, "scale_out": [], "ttft": [],
+              "error": None}
     results.append(result)
     ctx = zmq.Context()
     subjects: list[Subject] = []
+    peer = Peer(ctx, model_dir)
     try:
         for source in SOURCES:
             log_dir = Path(tempfile.mkdtemp(prefix=f"{preset}-{source}-", dir=opts["log_dir"]))
-            s = Subject(source, model_dir, log_dir, pool, opts["cache_bytes"], opts["timeout"])
+            s = Subject(source, model_dir, log_dir, pool, opts["cache_bytes"], opts["timeout"],
+                        peer if source == FORK else None)
             subjects.append(s)
             t = time.monotonic()
             s.start(ctx)
@@ -320,6 +364,8 @@ def run_preset(preset: str, sizes: list[int], rounds: int, opts: dict, tmp: Path
                           f"{sample['load_avg']:.1f})", flush=True)
             if opts["ttft"]:
                 for s in subjects:
+                    if s.source == FORK:
+                        continue  # its model is one it does not have: no scale from zero
                     settle(subjects, opts["settle_timeout"])
                     sample = measure_ttft(s, s.node.url, opts["timeout"])
                     result["ttft"].append({"source": s.source, "round": r, **sample})
@@ -338,6 +384,7 @@ def run_preset(preset: str, sizes: list[int], rounds: int, opts: dict, tmp: Path
                 s.stop()
             except Exception as e:  # noqa: BLE001 - stop the others regardless
                 print(f"ERROR stopping {s.source}: {e}", file=sys.stderr)
+        peer.stop()
         ctx.term()
         result["summary"] = summarize(result, sizes)
 
@@ -362,9 +409,11 @@ def summarize(result: dict, sizes: list[int]) -> dict:
                            for k in STAGES},
                 "missing_stages": sum(1 for x in samples if set(STAGES) - set(x["stages"])),
                 "samples": len(samples),
+                "fork_s": _stat([x["fork_s"] for x in samples if x.get("fork_s") is not None]),
+                "weights_seen": sorted({y for x in samples for y in x.get("weights", [])}),
                 "sources_seen": sorted({y for x in samples for y in x["sources"]})})
     ttft = {}
-    for source in SOURCES:
+    for source in SOURCES[:-1]:  # not fork (run_preset)
         samples = [x for x in result["ttft"] if x["source"] == source]
         ttft[source] = {"ttft_s": _stat([x["ttft_s"] for x in samples]),
                         "scale_out_s": _stat([x["total_s"] for x in samples]),
@@ -374,7 +423,10 @@ def summarize(result: dict, sizes: list[int]) -> dict:
         by = {r["source"]: r["total_s"] for r in rows if r["n"] == n}
         ratios[f"n{n}"] = _ratio(by["cold"], by["prewarmed_cache"])
     ratios["ttft"] = _ratio(ttft["cold"]["ttft_s"], ttft["prewarmed_cache"]["ttft_s"])
-    return {"rows": rows, "ttft": ttft, "cold_over_prewarmed_cache": ratios}
+    forks = {r["n"]: r["total_s"] for r in rows if r["source"] == FORK}
+    fork_ratios = {f"n{n}": _ratio(forks[n], forks[sizes[0]]) for n in sizes[1:]}
+    return {"rows": rows, "ttft": ttft, "cold_over_prewarmed_cache": ratios,
+            "fork_over_fork_n1": fork_ratios}
 
 
 def _ratio(a: dict | None, b: dict | None) -> float | None:
@@ -409,25 +461,31 @@ def table(result: dict) -> str:
             lines.append("")
         last_n = row["n"]
         stages = " | ".join(f"{_s(row['stages'][k]):>{len(k)}}" for k in STAGES)
-        flag = "" if row["sources_seen"] in ([], [row["source"]]) else "  <- not the source asked"
+        pods = "prewarmed" if row["source"] == FORK else row["source"]  # fork: from the pool
+        flag = "" if row["sources_seen"] in ([], [pods]) else "  <- not the source asked"
         if row["missing_stages"]:
             flag += f"  ({row['missing_stages']}/{row['samples']} without the TE's stages)"
+        if row["source"] == FORK:
+            flag += (f"  (fork stage {_range(row['fork_s'])})" if row["fork_s"] and
+                     row["weights_seen"] == ["fork"] else "  <- weights not forked")
         lines.append(f"{row['source']:<16} {row['n']:>1} | {_range(row['total_s']):>23} | "
                      f"{_s(row['first_s'] and row['first_s']['median']):>7} | {stages} | "
                      f"{','.join(row['sources_seen']) or '-'}{flag}")
-    lines.append("fork             - | not measured on one node: tools/bench_fork.py times the "
-                 "fork stage")
     if any(v["ttft_s"] for v in summary["ttft"].values()):
         lines += ["", "scale-from-zero (N=1)    | client TTFT s (min-max) | its scale-out s "
                       "(min-max) | sources seen"]
         for source, v in summary["ttft"].items():
             lines.append(f"{source:<24} | {_range(v['ttft_s']):>23} | "
                          f"{_range(v['scale_out_s']):>25} | {','.join(v['sources_seen']) or '-'}")
-        lines.append("fork                     | not measured on one node (tools/bench_fork.py)")
+        lines.append("fork                     | not measured: the node has no model to scale "
+                     "from zero")
     ratios = ", ".join(f"{k.replace('n', 'N=') if k != 'ttft' else 'TTFT'} "
                        f"{'-' if v is None else f'x{v:.2f}'}"
                        for k, v in summary["cold_over_prewarmed_cache"].items())
-    lines += ["", f"cold / prewarmed_cache (medians): {ratios}"]
+    forks = ", ".join(f"N={k[1:]} x{v:.2f}" if v is not None else f"N={k[1:]} -"
+                      for k, v in summary["fork_over_fork_n1"].items())
+    lines += ["", f"cold / prewarmed_cache (medians): {ratios}",
+              f"fork N / fork N={result['sizes'][0]} (medians): {forks}"]
     if result["error"]:
         lines.append(f"INCOMPLETE: {result['error']}")
     return "\n".join(lines)
