@@ -39,7 +39,8 @@ from deepserve import LLM, SamplingParams
 from deepserve.errors import PromptTooLongError
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket, free_port, ipc_address
 from deepserve.messages.cache import (NO_SLOT, BlockGeometry, FromTier, TierCommit,
-                                      TierCommitted, TierLookup, TierReport, TierReserve)
+                                      TierCommitted, TierLookup, TierRelease, TierReport,
+                                      TierReserve)
 from deepserve.model.config import load_model_config
 from deepserve.tiers import block_file
 from deepserve.tiers.tier_server import TierServer
@@ -146,7 +147,9 @@ class Hosts:
         time.sleep(SETTLE_S)
         started = time.perf_counter()
         hits = self.lookup("b", hashes)
-        return time.perf_counter() - started, len(hits.slots)
+        elapsed = time.perf_counter() - started
+        self.to["b"].put(TierRelease(lease_id=hits.lease_id, model_key="m"))  # as a TE, loaded
+        return elapsed, len(hits.slots)
 
     def close(self) -> None:
         self._relaying.set()
@@ -212,13 +215,14 @@ def main() -> None:
                and x["seconds"] is not None]
         rem = [x for x in rows if x["tokens"] == n and x["way"] == "remote"]
         secs = [x["seconds"] for x in rem]
-        got = statistics.median(x["blocks"] for x in rem) * BLOCK
+        got = [x["blocks"] * BLOCK for x in rem]
         mb = statistics.median(x["bytes"] for x in rem) / 1e6
         recompute = (f"{statistics.median(rec):.3f} [{min(rec):.3f}-{max(rec):.3f}]" if rec
                      else "past the model's max_model_len")
         ratio = f"{statistics.median(rec) / statistics.median(secs):.1f}" if rec else "-"
         print(f"| {n} | {n // BLOCK * block_bytes / 1e6:.1f} | {recompute} | "
-              f"{statistics.median(secs):.3f} [{min(secs):.3f}-{max(secs):.3f}] | {got:.0f} | "
+              f"{statistics.median(secs):.3f} [{min(secs):.3f}-{max(secs):.3f}] | "
+              f"{statistics.median(got):.0f} [{min(got)}-{max(got)}] | "
               f"{ratio} | {mb / 1e3 / statistics.median(secs):.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

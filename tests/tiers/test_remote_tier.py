@@ -2,17 +2,19 @@
 loopback tcp, peers learned from TierReports as the CM relays them. B's
 lookup of blocks only A holds gets them (bytes equal), another tenant's salt
 finds nothing, a TE whose recompute is faster than the link gets no fetch,
-and a peer that never answers costs a bounded wait, not a stall."""
+a peer that never answers costs a bounded wait, not a stall, and a peer's
+request is bounded in size."""
 
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
 
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket, free_port, ipc_address
-from deepserve.messages.cache import FromTier, TierLookup, TierReport
-from deepserve.tiers.remote_tier import CHUNK_BLOCKS
+from deepserve.messages.cache import FromTier, PeerBlocks, TierLookup, TierReport
+from deepserve.tiers.remote_tier import CHUNK_BLOCKS, MAX_REQUEST_BYTES
 from tests.tiers.test_tier_server import GEOM, NBYTES, write
 
 
@@ -114,3 +116,27 @@ def test_a_peer_that_never_answers_costs_a_bounded_wait(hosts):
     finally:
         mute.close(linger=0)
         ctx.term()
+
+
+def test_a_peer_request_is_bounded_and_garbage_gets_nothing(hosts):
+    """A request of MAX_REQUEST_BYTES that does not decode: 0 blocks; one byte
+    more: the connection drops, no answer; the service serves on."""
+    a, b, socks, relay = hosts
+    write(a, *socks["a"], [4000])
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(a.settings.peer)
+        dealer.send(b"x" * MAX_REQUEST_BYTES)
+        assert dealer.poll(3000)
+        header, data = dealer.recv_multipart()
+        assert msgspec.msgpack.decode(header, type=PeerBlocks).num_blocks == 0 and data == b""
+        dealer.send(b"x" * (MAX_REQUEST_BYTES + 1))
+        assert not dealer.poll(500)  # dropped
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+    lookup(socks, "b", [1])
+    relay()
+    assert len(lookup(socks, "b", [4000]).slots) == 1  # a serves b as before

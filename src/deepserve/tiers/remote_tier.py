@@ -55,6 +55,8 @@ MAX_FETCH_BLOCKS = 1024
 """Blocks one lookup fetches at most."""
 PEER_TTL_S = 5.0
 """A peer not heard of (its TierReport relayed) for this long is forgotten."""
+MAX_REQUEST_BYTES = 1 << 20
+"""A peer's request larger than this is a protocol error: its connection drops."""
 MAX_WAITING = 64
 """Lookups waiting for a fetch at most; past it a lookup is answered at once."""
 
@@ -82,6 +84,7 @@ class RemoteTier:
         self.address, self.timeout_s, self.budget_s = bind, timeout_s, fetch_budget_s
         self.server = ctx.socket(zmq.ROUTER)
         self.server.setsockopt(zmq.LINGER, 0)
+        self.server.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # a PeerGet is small
         curve.secure(self.server, bind, True)
         self.server.bind(bind)
         self.reports = SubSocket(ctx, cm_pub, bind=False, type=FromClusterManager)
@@ -211,6 +214,8 @@ class RemoteTier:
              block_bytes: int) -> bytes | None:
         """The bytes of the blocks `peer` sent for msg; None: no answer in time
         (its socket dropped) or an answer that does not add up."""
+        if timeout_s <= 0:
+            return None
         sock = sockets.get(peer)
         if sock is None:
             sock = sockets[peer] = self._ctx.socket(zmq.DEALER)
@@ -218,7 +223,7 @@ class RemoteTier:
             curve.secure(sock, peer, False)
             sock.connect(peer)
         sock.send(self._encoder.encode(msg))
-        if timeout_s <= 0 or not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+        if not sock.poll(max(1, int(timeout_s * 1000)), zmq.POLLIN):
             sockets.pop(peer).close(linger=0)
             return None
         frames = sock.recv_multipart()
