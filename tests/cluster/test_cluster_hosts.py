@@ -87,3 +87,18 @@ def test_a_host_killed_mid_load_loses_no_request(cluster, hosts, greedy):
     migrated = cluster.events("request_migrated")
     assert migrated, cluster.logs()  # some streams were on h2 and resumed on h1
     assert all(e["details"]["attempt"] >= 1 for e in migrated)
+    # h2's colocated [[te]] TE is started on another node (its decode TE is not)
+    deadline = time.monotonic() + 120
+    while not (replaced := [e for e in cluster.events("scale_decision")
+                            if e["details"]["reason"] == "replace_lost"]):
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.5)
+    [decision] = replaced
+    assert decision["details"]["replaces"] == ["h2-te0"], decision
+    [(node, count)] = decision["details"]["placed"].items()
+    assert node != "h2" and count == 1
+    log = node if node in ("h1", "h2") else "head"  # the head is named after its address
+    while not [e for e in cluster.events("scaled_out", log)
+               if e["details"]["reason"] == "replace_lost"]:
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.5)

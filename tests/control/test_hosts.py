@@ -5,11 +5,14 @@ clock."""
 
 from __future__ import annotations
 
+import msgspec
+
 from deepserve.config.models import ModelSpec, ScalingSection
 from deepserve.control.cm.hosts import HostBook
 from deepserve.control.cm.scaling import ScalingControl, options_of, policies_of, targets_of
 from deepserve.messages.control import TEInfo
-from deepserve.messages.scaling import ModelDemand, NodeReport, ScaleEvent, ScaleIn, ScaleOut
+from deepserve.messages.scaling import (ModelDemand, NodeReport, ScaleEvent, ScaleIn, ScaleOut,
+                                       StaticTE)
 
 GB = 1 << 30
 
@@ -200,3 +203,33 @@ def test_nodes_that_fork_one_scale_out_form_a_chain_from_the_holder():
     c2.step(0.1, {})
     assert {a: m.sources for a, m in to2} == {"tcp://h1:7404": [],
                                                "tcp://h2:7404": ["tcp://h1:7405"]}
+
+
+def test_a_lost_nodes_colocated_static_tes_start_elsewhere_once():
+    """h2's [[te]] TEs (a colocated one and a decode one) go with it: the
+    colocated one is started on h1 at once, as a scaled TE of its model from
+    its path (forked if h1 lacks it); the decode one is not (a PD pair is a
+    layout); a later step does not start it again. Also without [[model]]s."""
+    sent, to, events = [], [], []
+    c = ScalingControl([], options_of(ScalingSection()), sent.append,
+                       lambda event, **d: events.append((event, d)), 0.0, 60.0, {},
+                       hosts=HostBook(3.0), send_to=lambda a, m: to.append((a, m)))
+    static = [StaticTE("h2-te0", "tiny", "/models/tiny"),
+              StaticTE("h2-te1", "tiny", "/models/tiny", "decode")]
+    c.on_node_report(msgspec.structs.replace(node("h2", serves=["/models/tiny"]),
+                                             static=static), 0.0)
+    c.on_node_report(node("h1"), 0.0)
+    c.step(0.1, {})
+    assert to == []
+    c.on_node_report(node("h1"), 3.0)
+    c.step(3.5, {})  # h2 silent for 3.5 s: lost
+    [(address, out)] = to
+    assert address == "tcp://h1:7404" and sent == []
+    assert (out.model, out.count, out.reason, out.path) == ("tiny", 1, "replace_lost",
+                                                             "/models/tiny")
+    assert out.sources == []  # the only holder is the lost node: h1 has it, or it cannot
+    [decision] = [d for e, d in events if e == "scale_decision"]
+    assert decision["replaces"] == ["h2-te0"] and decision["placed"] == {"h1": 1}
+    c.on_node_report(node("h1"), 4.0)
+    c.step(6.0, {})
+    assert len(to) == 1  # once per loss

@@ -66,6 +66,15 @@ NODE_REPORT_S = 1.0
 """How often every node's supervisor sends its NodeReport."""
 
 
+class StaticTE(msgspec.Struct, array_like=True, frozen=True):
+    """A node's [[te]] TE, as the CM needs it to replace it elsewhere if the node is lost."""
+
+    te_id: str
+    model: str  # the name clients use ([node] served_model)
+    path: str  # its model directory ([node] model)
+    te_type: str = "colocated"
+
+
 class NodeReport(msgspec.Struct, tag="node_report", **_STRUCT):
     """One node's capacity for scaled TEs, as the CM's placement needs it
     (control/cm/hosts.py); the CM counts a node lost once its reports stop."""
@@ -90,6 +99,8 @@ class NodeReport(msgspec.Struct, tag="node_report", **_STRUCT):
     """Model directories (the head's names) whose files it holds: on disk, cached or forked."""
     tes: dict[str, str] = {}
     """Its scaled TEs (starting or up): TE id -> model."""
+    static: list[StaticTE] = []
+    """Its [[te]] TEs: if the node is lost, the CM starts the colocated ones elsewhere."""
     scale_outs: int = 0
     """ScaleOut TEs this run has taken: the CM's placements still in flight are
     those it sent beyond this count."""

@@ -46,7 +46,8 @@ import psutil
 
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.messages.health import Ready
-from deepserve.messages.scaling import Assign, NodeReport, ScaleEvent, ScaleIn, ScaleOut
+from deepserve.messages.scaling import (Assign, NodeReport, ScaleEvent, ScaleIn, ScaleOut,
+                                        StaticTE)
 
 log = logging.getLogger(__name__)
 POOL_PREFIX = "pool"
@@ -217,8 +218,14 @@ class NodeScaler:
                           ready_pods=sum(1 for p, ready in self.pods.items()
                                          if ready and self.node.table.poll(p) is None),
                           cached=cached, weights=self.node.run.weights, serves=serves,
-                          tes=dict(self.scaled),
+                          tes=dict(self.scaled), static=self.static_tes(),
                           scale_outs=self.taken)
+
+    def static_tes(self) -> list[StaticTE]:
+        """The node's [[te]] TEs that run here (placed: not evicted or refused)."""
+        node = self.config.node
+        return [StaticTE(te.te_id, node.served_model, node.model, te.te_type)
+                for te in self.config.tes if te.te_id in self.node.te_ids]
 
     def start_te(self, te_id: str, model: str, reason: str, now: float,
                  fork_s: float | None = None) -> None:

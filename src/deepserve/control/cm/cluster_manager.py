@@ -271,6 +271,9 @@ class CMSettings(msgspec.Struct, frozen=True, kw_only=True):
     initial: dict[str, str] = {}
     """TE id -> model of the scaled TEs the node starts itself (min_tes)."""
     startup_timeout_s: float = 180.0
+    places: bool = False
+    """A head of many hosts: nodes report, and a lost one's TEs start on the
+    others (scaling.py), with or without scalable models."""
 
 
 def load_settings(args: ChildArgs) -> CMSettings:
@@ -280,16 +283,18 @@ def load_settings(args: ChildArgs) -> CMSettings:
                       te_ids=tuple(te.te_id for te in config.tes) + tuple(initial),
                       supervisor=run.hb, models=tuple(m for m in config.models if m.scalable),
                       scaling=config.scaling, initial=initial,
-                      startup_timeout_s=config.node.startup_timeout_s)
+                      startup_timeout_s=config.node.startup_timeout_s,
+                      places=config.cluster.is_cluster)
 
 
 def build(ctx: zmq.Context, settings: CMSettings, life: ActorLife) -> ClusterManager:
-    """The CM of a node; with scalable models its autoscaler, whose orders go
-    to its own node's supervisor (a PUSH socket) or to the node placement
+    """The CM of a node; with scalable models (or as the head of many hosts:
+    a lost node's TEs are replaced) its autoscaler and placement, whose orders
+    go to its own node's supervisor (a PUSH socket) or to the node placement
     picks (one PUSH per node address); the CM closes both."""
     cm = ClusterManager(ctx, settings.inbox, settings.pub, settings.te_timeout_s,
                         expected_tes=settings.te_ids, events=life.event)
-    if settings.models:
+    if settings.models or settings.places:
         to_supervisor = PushSocket(ctx, settings.supervisor, bind=False)
         to_nodes = Outboxes(ctx, timeout_s=0.5)
 

@@ -88,6 +88,11 @@ class HostBook:
         node = self._nodes.get(name)
         return sorted(node.report.tes) if node is not None else []
 
+    def static_of(self, name: str) -> list:
+        """The [[te]] TEs `name` last reported (NodeReport.static)."""
+        node = self._nodes.get(name)
+        return list(node.report.static) if node is not None else []
+
     def address(self, name: str) -> str | None:
         node = self._nodes.get(name)
         return None if node is None or node.lost else node.report.address

@@ -24,8 +24,9 @@ runs the TE. With no node room (or no report yet: a CM that just started),
 the scale-out waits (logged once: scale_unplaced). A node whose reports
 stop is lost (node_lost): its TEs starting or restarting there stop
 counting as capacity at once, so the autoscaler's next step starts them
-elsewhere. One host is a cluster of one node: the CM's own, which reports
-like any other.
+elsewhere; its colocated [[te]] TEs (NodeReport.static) are started on the
+other nodes at once, as scaled TEs of their model (reason replace_lost). One
+host is a cluster of one node: the CM's own, which reports like any other.
 
 A TE is drained before it is stopped, so scale-in loses nothing: the CM
 lists it as draining; once DRAIN_SETTLE_S has passed (the JE has seen the
@@ -89,6 +90,10 @@ def options_of(scaling) -> ScalingOptions:
     """[scaling] (ScalingSection) -> the autoscaler's options (same names)."""
     names = ScalingOptions.__dataclass_fields__
     return ScalingOptions(**{k: getattr(scaling, k) for k in names if hasattr(scaling, k)})
+
+
+REPLACE = "replace_lost"
+"""The reason of a scale-out that replaces a lost node's [[te]] TEs."""
 
 
 class ScalingControl:
@@ -159,6 +164,32 @@ class ScalingControl:
         log.warning("node %s lost with its TEs %s (no longer counted as starting: %s)", node,
                     tes, dropped)
         self.events("node_lost", node=node, tes=tes, dropped=dropped)
+        self._replace_static(node)
+
+    def _replace_static(self, node: str) -> None:
+        """The lost node's colocated [[te]] TEs start on other nodes, placed as
+        scaled ones are (their model learned or forked there from its path); a
+        prefill or decode TE is not replaced (a PD pair is a layout, not a count)."""
+        placed: dict[tuple[str, str, str], list[str]] = {}
+        for te in self.hosts.static_of(node):
+            if te.te_type != "colocated":
+                continue
+            to = self.hosts.choose(te.model, te.path)
+            if to is None:
+                log.error("no node has room for %s, a TE of lost node %s", te.te_id, node)
+                self.events("scale_unplaced", model=te.model, reason=REPLACE, te_id=te.te_id,
+                            nodes=self.hosts.summary())
+                continue
+            self.hosts.placed(to, te.model)
+            placed.setdefault((to, te.model, te.path), []).append(te.te_id)
+        for (to, model, path), lost in placed.items():
+            self.events("scale_decision", model=model, direction="out", count=len(lost),
+                        reason=REPLACE, replaces=lost, placed={to: len(lost)})
+            sent = self._send(ScaleOut(model=model, count=len(lost), reason=REPLACE, path=path,
+                                       sources=self.hosts.sources(path, to),
+                                       decided_at=self.clock()), to)
+            if sent is False:
+                self.hosts.withdraw(to, model, len(lost))
 
     def on_report(self, report: TEReport, model: str, now: float) -> None:
         if model in self.models:
