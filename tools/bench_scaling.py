@@ -251,9 +251,7 @@ class Peer:
     def drop(self, node: Node, order: ScaleOut) -> None:
         """The node's forked copy goes (the next measurement forks afresh)."""
         self.paths.pop(order.path, None)
-        copy = node.models.forked.pop(order.path, None)
-        if copy is not None:
-            shutil.rmtree(copy, ignore_errors=True)
+        node.models.drop_fork(order.path)
 
     def stop(self) -> None:
         self.server.stop()

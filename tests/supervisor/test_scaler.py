@@ -367,3 +367,19 @@ def test_a_scale_in_stops_only_a_scaled_te(tmp_path):
         scaler.on_message(ScaleIn(te_id=name, model="m"), 1.0)
     assert scaler.retiring == {} and node.table.stopped == []
     scaler.close()
+
+
+def test_a_dropped_fork_is_gone_and_held_no_more(tmp_path):
+    """NodeModels.drop_fork: the copy removed, the path no longer held here (a
+    later order forks it again); an unknown path is nothing to drop."""
+    from deepserve.supervisor.node_models import NodeModels
+    config = NodeConfig.build(model="/m", tes=[TESpec("te0", "colocated")])
+    models = NodeModels(config, None, tmp_path / "forks")
+    copy = tmp_path / "forks" / "m-1"
+    copy.mkdir(parents=True)
+    (copy / "config.json").write_text("{}")
+    models.forked["/far/m"] = copy
+    assert models.holds("/far/m") and "/far/m" in models.served()
+    models.drop_fork("/far/m")
+    assert not copy.exists() and not models.holds("/far/m") and "/far/m" not in models.served()
+    models.drop_fork("/never")  # nothing to do

@@ -113,13 +113,15 @@ class LocalCluster:
             port = free_port_block(host)
             joined = with_cluster(node_config, self.head_address, host, name, port)
             self.node_tes[name] = [te.te_id for te in joined.tes]
-            out = open(self.logs / f"{name}.log", "wb")
-            self.nodes[name] = subprocess.Popen(
-                node_command(str(self.node_conf), host, self.head_address, "--node-name", name,
-                             "--cluster-port", str(port)),
-                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-            out.close()
+            self._popen(name, node_command(str(self.node_conf), host, self.head_address,
+                                           "--node-name", name, "--cluster-port", str(port)))
         self.own.start()
+
+    def _popen(self, name: str, argv: list[str]) -> None:
+        """Node `name` as a child process; its output to logs/NAME.log."""
+        with open(self.logs / f"{name}.log", "wb") as out:
+            self.nodes[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                                cwd=ROOT)
 
     def kill_node(self, name: str) -> tuple[list[int], float]:
         """SIGKILL node `name` and every process under it at once; (pids, time)."""
@@ -197,11 +199,6 @@ class HeadCluster(LocalCluster):
         self._popen(name, node_command(str(self.node_conf), host,
                                        f"{self.head_address},{standby}", "--node-name", name,
                                        "--cluster-port", str(port)))
-
-    def _popen(self, name: str, argv: list[str]) -> None:
-        with open(self.logs / f"{name}.log", "wb") as out:
-            self.nodes[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                                cwd=ROOT)
 
 
 def _run_ids(proc: psutil.Process) -> list[str]:

@@ -104,6 +104,13 @@ class NodeModels:
             ctx.term()
         return forked
 
+    def drop_fork(self, path: str) -> None:
+        """Forget model `path`'s fork and remove its copy (a later order forks again)."""
+        with self._lock:
+            copy = self.forked.pop(path, None)
+        if copy is not None:
+            shutil.rmtree(copy, ignore_errors=True)
+
     def under_way(self) -> dict[str, Partial]:
         """Forks under way, for the weight server to relay."""
         with self._lock:

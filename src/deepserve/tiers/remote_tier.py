@@ -13,7 +13,8 @@
 
 Fetch or recompute (the RTC cost model, tiers/cost_model.py): fetching n
 blocks over the link costs latency + n * block_bytes / bandwidth, with the
-link's bandwidth and latency measured on every fetch (exponentially weighted);
+link's bandwidth measured on every fetch (exponentially weighted; the
+latency a fixed round trip, LINK_LATENCY_S);
 recomputing them costs n * block_size / the TE's measured prefill speed
 (TierLookup.prefill_tokens_per_s). A lookup is sent to the peers only when
 fetching is the cheaper; a TE that does not know its speed (0) always asks.
@@ -57,6 +58,8 @@ PEER_TTL_S = 5.0
 """A peer not heard of (its TierReport relayed) for this long is forgotten."""
 MAX_REQUEST_BYTES = 1 << 20
 """A peer's request larger than this is a protocol error: its connection drops."""
+LINK_LATENCY_S = 2e-3
+"""A fetch's cost beyond its bytes (one round trip, and the chunks' own)."""
 MAX_WAITING = 64
 """Lookups waiting for a fetch at most; past it a lookup is answered at once."""
 
@@ -89,7 +92,7 @@ class RemoteTier:
         self.server.bind(bind)
         self.reports = SubSocket(ctx, cm_pub, bind=False, type=FromClusterManager)
         self.peers: dict[str, float] = {}  # address -> when last heard of
-        self.link = TierSpeed(bandwidth=1e9, latency=2e-3)  # measured from every fetch
+        self.link = TierSpeed(bandwidth=1e9, latency=LINK_LATENCY_S)  # bandwidth: measured
         self.num_fetched = self.num_served = 0  # blocks
         self._ctx = ctx
         self._encoder = msgspec.msgpack.Encoder()
@@ -138,7 +141,8 @@ class RemoteTier:
                 self._observe(len(job.data), job.seconds)
             out.append(job)
 
-    def serve(self, read: Callable[[PeerGet], tuple[int, bytes]], limit: int = 8) -> None:
+    def serve(self, read: Callable[[PeerGet], tuple[int, bytes | np.ndarray]],
+              limit: int = 8) -> None:
         """Answer up to `limit` waiting PeerGets with read(msg): (number of leading
         blocks held, their bytes). A request that does not decode gets 0 blocks."""
         for _ in range(limit):
@@ -171,7 +175,7 @@ class RemoteTier:
     # -- the fetcher thread ------------------------------------------------------------
     def _fetch_loop(self) -> None:
         sockets: dict[str, zmq.Socket] = {}
-        decoder = msgspec.msgpack.Decoder(PeerBlocks)
+        codec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(PeerBlocks)  # this thread's
         try:
             while True:
                 item = self._jobs.get()
@@ -179,7 +183,7 @@ class RemoteTier:
                     return
                 job, peers = item
                 try:
-                    self._fetch(job, peers, sockets, decoder)
+                    self._fetch(job, peers, sockets, codec)
                 except Exception:  # a bug: this lookup is answered without the peers
                     log.exception("remote tier fetch failed")
                 self._done.put(job)
@@ -187,7 +191,7 @@ class RemoteTier:
             for sock in sockets.values():
                 sock.close(linger=0)
 
-    def _fetch(self, job: Fetch, peers: list[str], sockets: dict, decoder) -> None:
+    def _fetch(self, job: Fetch, peers: list[str], sockets: dict, codec) -> None:
         """The leading run of the missing blocks from the first peer that has any."""
         hashes = job.lookup.hashes[job.start:job.start + MAX_FETCH_BLOCKS]
         deadline = job.asked_at + self.budget_s
@@ -197,7 +201,7 @@ class RemoteTier:
                 ask = hashes[len(chunks) * CHUNK_BLOCKS:(len(chunks) + 1) * CHUNK_BLOCKS]
                 got = self._ask(peer, PeerGet(model_key=job.lookup.model_key,
                                               geometry=job.lookup.geometry, hashes=ask),
-                                sockets, decoder, min(self.timeout_s, deadline - time.monotonic()),
+                                sockets, codec, min(self.timeout_s, deadline - time.monotonic()),
                                 job.block_bytes)
                 if got is None:
                     break
@@ -210,7 +214,7 @@ class RemoteTier:
                 job.seconds = time.monotonic() - started
                 return
 
-    def _ask(self, peer: str, msg: PeerGet, sockets: dict, decoder, timeout_s: float,
+    def _ask(self, peer: str, msg: PeerGet, sockets: dict, codec, timeout_s: float,
              block_bytes: int) -> bytes | None:
         """The bytes of the blocks `peer` sent for msg; None: no answer in time
         (its socket dropped) or an answer that does not add up."""
@@ -222,7 +226,8 @@ class RemoteTier:
             sock.setsockopt(zmq.LINGER, 0)
             curve.secure(sock, peer, False)
             sock.connect(peer)
-        sock.send(self._encoder.encode(msg))
+        encoder, decoder = codec
+        sock.send(encoder.encode(msg))
         if not sock.poll(max(1, int(timeout_s * 1000)), zmq.POLLIN):
             sockets.pop(peer).close(linger=0)
             return None
@@ -238,16 +243,18 @@ class RemoteTier:
 
 
 # -- a host pool's side (tier_server.py: its TierIndex and slot array) ------------------
-def read_run(index, slots: np.ndarray, hashes: list[int], now: float) -> tuple[int, bytes]:
-    """The leading run of `hashes` in host memory, and their bytes (read under
-    a lease, released before this returns)."""
+def read_run(index, slots: np.ndarray, hashes: list[int], now: float
+             ) -> tuple[int, bytes | np.ndarray]:
+    """The leading run of `hashes` in host memory, and their bytes: one copy
+    out of the pool (the frame sent as it is), read under a lease released
+    before this returns."""
     lease, found = index.lookup(hashes, now)
     run = []
     for slot in found:
         if slot == ON_DISK:
             break
         run.append(slot)
-    data = b"".join(slots[slot].tobytes() for slot in run)
+    data = slots[np.asarray(run, dtype=np.int64)] if run else b""
     index.release(lease)
     return len(run), data
 

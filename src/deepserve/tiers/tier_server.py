@@ -148,16 +148,14 @@ class TierServer:
             if ok:
                 for slot, h in pool.index.commit(msg.lease_id, msg.slots, msg.hold):
                     self._writes.put((pool.key, slot, h))
-                self._delete(pool, pool.index.reaped)
-                pool.index.reaped = []
+                self._reap(pool)
             if msg.reply_to:
                 self._reply(msg.reply_to, TierCommitted(reserve_id=msg.reserve_id, ok=ok))
         elif isinstance(msg, TierRelease):
             pool = self.pools.get(msg.model_key)
             if pool is not None:
                 pool.index.release(msg.lease_id)
-                self._delete(pool, pool.index.reaped)
-                pool.index.reaped = []
+                self._reap(pool)
         elif isinstance(msg, TierDrop):
             pool = self.pools.get(msg.model_key)
             if pool is not None:
@@ -191,17 +189,15 @@ class TierServer:
             hashes = fetched.lookup.hashes[fetched.start:fetched.start + fetched.count]
             for slot, h in write_blocks(pool.index, pool.slots, hashes, fetched.data, now):
                 self._writes.put((pool.key, slot, h))
-            self._delete(pool, pool.index.reaped)
-            pool.index.reaped = []
+            self._reap(pool)
         self._answer(fetched.lookup, now)
 
-    def _read_for_peer(self, msg: PeerGet) -> tuple[int, bytes]:
+    def _read_for_peer(self, msg: PeerGet) -> tuple[int, bytes | np.ndarray]:
         pool = self.pools.get(msg.model_key)
         if pool is None or pool.geometry != msg.geometry:
             return 0, b""
         found = read_run(pool.index, pool.slots, msg.hashes, time.monotonic())
-        self._delete(pool, pool.index.reaped)
-        pool.index.reaped = []
+        self._reap(pool)
         return found
 
     def _reply(self, address: str, msg) -> None:
@@ -327,6 +323,11 @@ class TierServer:
     def _event(self, event: str, **details) -> None:
         if self.life is not None:
             self.life.event(event, **details)
+
+    def _reap(self, pool: _Pool) -> None:
+        """The block files the index let go of on its last change, deleted."""
+        self._delete(pool, pool.index.reaped)
+        pool.index.reaped = []
 
     def _delete(self, pool: _Pool, hashes: list[int]) -> None:
         self._delete_files(pool.disk_dir, hashes)
