@@ -140,3 +140,25 @@ def test_a_peer_request_is_bounded_and_garbage_gets_nothing(hosts):
     lookup(socks, "b", [1])
     relay()
     assert len(lookup(socks, "b", [4000]).slots) == 1  # a serves b as before
+
+
+def test_peers_expire_and_waiting_lookups_are_bounded_at_their_limits(short_dir):
+    """A peer heard PEER_TTL_S ago is kept, a hair later forgotten; the
+    MAX_WAITING-th waiting lookup is still sent to the peers, the next is not."""
+    from deepserve.tiers.remote_tier import MAX_WAITING, PEER_TTL_S, RemoteTier
+    ctx = zmq.Context()
+    remote = RemoteTier(ctx, f"tcp://127.0.0.1:{free_port()}", ipc_address(short_dir, "pub"))
+    try:
+        remote.peers = {"tcp://peer:7407": 100.0}
+        remote.learn(100.0 + PEER_TTL_S)
+        assert list(remote.peers) == ["tcp://peer:7407"]
+        ask = TierLookup(lookup_id=1, model_key="m", geometry=GEOM, hashes=[1], reply_to="x")
+        remote.num_waiting = MAX_WAITING - 1
+        assert remote.worth_fetching(ask, 1, NBYTES)
+        remote.num_waiting = MAX_WAITING
+        assert not remote.worth_fetching(ask, 1, NBYTES)
+        remote.learn(100.0 + PEER_TTL_S + 0.01)
+        assert remote.peers == {}
+    finally:
+        remote.close()
+        ctx.term()
