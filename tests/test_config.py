@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from deepserve.config import EngineConfig, load_config
+from deepserve.config.engine import MAX_KV_LOAD_LAYERS
 from deepserve.config.child import parse_child_args
 from deepserve.config.loading import load_node_config, write_run_config
 from deepserve.config.models import ModelSection, ModelSpec, ScalingSection, SLOSection
@@ -96,7 +97,7 @@ ENGINE_VALUES = {
     "enable_prefix_caching": False, "seed": 5, "tp": 2, "async_scheduling": False,
     "num_threads": 3, "startup_timeout_s": 77.0, "kv_transfer_backend": "tcp",
     "kv_transfer_layerwise": True, "kv_transfer_timeout_s": 9.0, "storage_read_gbps": 0.5,
-    "kv_bind_host": "10.0.0.7", "timeline_dir": "/tmp/timeline"}
+    "kv_bind_host": "10.0.0.7", "timeline_dir": "/tmp/timeline", "kv_load_layers": 3}
 """A valid non-default value of every engine option but `processes` (implied True)."""
 
 # (section, key, value in the TOML, role that uses it, what that role sees -> expected)
@@ -484,6 +485,19 @@ def test_engine_files_name_file_section_and_key(tmp_path, body, where):
     with pytest.raises(ValueError) as info:
         load_config(path)
     assert str(info.value).startswith(f"{path}: ") and where in str(info.value)
+
+
+@pytest.mark.parametrize("value, tp, ok", [
+    (0, 2, True), (1, 1, True), (MAX_KV_LOAD_LAYERS, 1, True), (MAX_KV_LOAD_LAYERS + 1, 1, False),
+    (-1, 1, False), (True, 1, False), (2.0, 1, False), (1, 2, False)])
+def test_kv_load_layers_at_and_past_its_bounds(value, tp, ok):
+    """0 is off (any tp); 1..MAX layers of staging, at tp 1 only."""
+    options = dict(kv_load_layers=value, tp=tp, processes=True)
+    if ok:
+        assert EngineConfig(model="m", **options).kv_load_layers == value
+    else:
+        with pytest.raises(ValueError, match="kv_load_layers"):
+            EngineConfig(model="m", **options)
 
 
 @pytest.mark.slow

@@ -231,9 +231,12 @@ def write_json(path: Path, obj: dict) -> None:
 
 
 def make_model(out: Path, preset: str, arch: str, seed: int, dtype: str | None,
-               shards: int) -> int:
-    """Write the whole model directory; return the parameter count."""
+               shards: int, max_position: int | None = None) -> int:
+    """Write the whole model directory; return the parameter count.
+    max_position: the preset's max_position_embeddings replaced (longer prompts)."""
     p = PRESETS[preset]
+    if max_position is not None:
+        p = dataclasses.replace(p, max_position_embeddings=max_position)
     dtype = dtype or p.dtype
     tie = p.tie_qwen2 if arch == "qwen2" else p.tie_llama
     out.mkdir(parents=True, exist_ok=True)
@@ -259,9 +262,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="default: float32 for tiny, bfloat16 for small")
     ap.add_argument("--shards", type=int, default=1, help="number of safetensors files")
+    ap.add_argument("--max-position", type=int, default=None,
+                    help="max_position_embeddings (default: the preset's)")
     args = ap.parse_args(argv)
     if args.shards < 1:
         ap.error("--shards must be at least 1")
+    if args.max_position is not None and not 16 <= args.max_position <= 1 << 20:
+        ap.error("--max-position must be in 16..1048576")
     return args
 
 
@@ -274,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
-        n_params = make_model(staging, args.preset, args.arch, args.seed, args.dtype, args.shards)
+        n_params = make_model(staging, args.preset, args.arch, args.seed, args.dtype, args.shards,
+                              args.max_position)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)

@@ -184,3 +184,46 @@ def test_a_light_tenant_that_cannot_get_blocks_does_not_stop_the_others():
     s.add(b)
     assert _step(s) == {1: 1}  # A decodes; B waits for blocks
     assert b.status is SequenceStatus.WAITING
+
+
+def test_a_preloaded_sequence_starts_past_its_loaded_blocks_in_its_own_blocks():
+    """A layered load (engine/tiers/layered.py) gave it blocks for its whole
+    prompt and fills its first 2: admitted without a new allocation, it
+    computes only the rest, and its blocks are cached once that step is done."""
+    s = _scheduler(budget=16)
+    seq = _seq(1, 13)
+    assert s.kv.allocate(1, seq.token_ids, 13)
+    table = list(s.kv.block_table(1))
+    seq.preloaded_tokens = 8
+    s.add(seq)
+    free = s.kv.num_free_blocks
+    out = s.schedule()
+    assert out.scheduled == {1: 5} and seq.num_computed_tokens == 8
+    assert s.kv.block_table(1) == table and s.kv.num_free_blocks == free
+    assert seq.preloaded_tokens is None and seq.num_cached_tokens == 8
+    s.update(out, [SampledToken(1, 7)])
+    assert s.kv.num_cached_tokens(seq.token_ids[:13] + [0], None) == 12
+    s.finish(seq, "abort")
+    s.kv.check_integrity()
+    assert s.kv.num_free_blocks == 64  # freed: 3 blocks back, cached and evictable
+
+
+def test_preloaded_sequences_go_round_a_head_the_pool_cannot_take():
+    """The pool is held by two sequences a layered load filled; the head of
+    the queue needs blocks: they run first (else none ever would)."""
+    s = _scheduler(num_blocks=8, budget=16)
+    head = _seq(1, 13)
+    s.add(head)
+    loaded = []
+    for seq_id in (2, 3):
+        seq = _seq(seq_id, 13)
+        assert s.kv.allocate(seq_id, seq.token_ids, 13)  # 4 blocks each: the pool is full
+        seq.preloaded_tokens = 12
+        s.add(seq)
+        loaded.append(seq)
+    out = s.schedule()
+    assert out.scheduled == {2: 1, 3: 1} and list(s.waiting) == [head]
+    s.update(out, [SampledToken(2, 7), SampledToken(3, 7)])
+    for seq in loaded:
+        s.finish(seq, "stop")
+    assert s.schedule().scheduled == {1: 13}  # their blocks back: the head goes now

@@ -8,7 +8,8 @@ from deepserve.cache.block_hash import prompt_block_hashes
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.tiers.coordinator import TierCoordinator
-from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, NO_SLOT, ON_DISK, STAGE_DISK,
+from deepserve.messages.cache import (DROP_LAYERS, LOAD_DISK, LOAD_HOST, LOAD_LAYERS, NO_SLOT,
+                                      ON_DISK, STAGE_DISK,
                                       STORE_HOST, BlockGeometry, CacheOpsDone, ContextPin,
                                       TierCommit, TierCommitted, TierDrop, TierHits, TierLookup,
                                       TierRelease, TierReserve, TierReserved)
@@ -19,13 +20,17 @@ BS = 4
 GEOM = BlockGeometry(1, 1, BS, 2, "float32")
 
 
-@pytest.fixture
-def env():
+def coordinator(tp: int) -> tuple[KVCacheManager, TierCoordinator]:
     kv = KVCacheManager(32, BS, collect_new_nodes=True)
     ids = itertools.count(1000)
-    tiers = TierCoordinator(kv, model_key="m", geometry=GEOM, address="ipc://me",
-                            cost=CostModel(block_bytes=64, block_size=BS, enabled=False), tp=2,
-                            new_seq_id=lambda: next(ids))
+    return kv, TierCoordinator(kv, model_key="m", geometry=GEOM, address="ipc://me",
+                               cost=CostModel(block_bytes=64, block_size=BS, enabled=False),
+                               tp=tp, new_seq_id=lambda: next(ids))
+
+
+@pytest.fixture
+def env():
+    kv, tiers = coordinator(tp=2)
     yield kv, tiers
     kv.check_integrity()
 
@@ -289,3 +294,99 @@ def test_a_task_that_ends_while_staging_holds_nothing(env):
     assert effects.sends == [TierCommit(lease_id=6, model_key="m", slots=[1, 2, 3, 4]),
                              TierRelease(lease_id=5, model_key="m")]
     assert not tiers.staging.held
+
+
+# -- layer-wise loads (engine/tiers/layered.py): the request's own blocks ------------------
+@pytest.fixture
+def layered():
+    kv, tiers = coordinator(tp=1)  # a layered load needs tp 1
+    tiers.layered.layers = 2
+    yield kv, tiers
+    kv.check_integrity()
+
+
+def test_a_disk_hit_loads_layer_by_layer_into_the_requests_own_blocks(layered):
+    kv, tiers = layered
+    s = seq()  # 17 tokens: 5 blocks, 4 of them cacheable
+    lookup = tiers.admit(s, 0.0).sends[0]
+    effects = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=7,
+                                     slots=[5, ON_DISK, ON_DISK, 9], segment="seg",
+                                     disk_dir="/d"), 0.1)
+    [op] = effects.ops
+    assert op.kind == LOAD_LAYERS and op.seq_id == s.seq_id and op.layers == 2
+    assert op.block_ids == kv.block_table(s.seq_id)[:4]  # its own, not a holder's
+    assert len(kv.block_table(s.seq_id)) == 5  # the whole prompt: nothing to grow later
+    assert op.slots == [5, ON_DISK, ON_DISK, 9] and op.hashes[0] == op.hashes[3] == 0
+    assert op.hashes[1:3] == lookup.hashes[1:3] and not effects.ready
+    assert kv.num_cached_tokens(s.token_ids, "t") == 0  # never in the tree half-loaded
+    assert tiers.lookups_by_outcome["fetch_layers"] == 1 and tiers.storage.num_blocks == 2
+    effects = tiers.on_ops_done(done(op, nbytes=2 * 64), 0.3)  # its first layers are read
+    assert effects.ready == [s] and s.preloaded_tokens == 16 and s.holder_seq_id is None
+    assert TierRelease(lease_id=7, model_key="m") in effects.sends
+    assert s.tier_tokens == {"disk": 8, "host": 8} and tiers.storage.num_blocks == 0
+    assert not tiers.has_work
+
+
+def test_a_layered_load_cut_short_or_empty_at_its_prime(layered):
+    kv, tiers = layered
+    s = seq()
+    lookup = tiers.admit(s, 0.0).sends[0]
+    [op] = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=3,
+                                  slots=[ON_DISK] * 4, disk_dir="/d"), 0.0).ops
+    effects = tiers.on_ops_done(done(op, num_ok=1, nbytes=64, corrupt=[op.hashes[1]]), 0.1)
+    assert effects.ready == [s] and s.preloaded_tokens == 4  # the rest it computes
+    assert TierDrop(model_key="m", hashes=[op.hashes[1]]) in effects.sends
+    t = seq(seq_id=2, salt="u")
+    lookup = tiers.admit(t, 0.0).sends[0]
+    [op] = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=4,
+                                  slots=[ON_DISK] * 4, disk_dir="/d"), 0.0).ops
+    effects = tiers.on_ops_done(done(op, num_ok=0, error="gone"), 0.1)
+    [drop] = effects.ops
+    assert drop.kind == DROP_LAYERS and drop.seq_id == 2 and t.preloaded_tokens == 0
+
+
+def test_a_layered_load_never_primed_is_dropped_and_computed(layered):
+    kv, tiers = layered
+    s = seq()
+    lookup = tiers.admit(s, 0.0).sends[0]
+    tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=3, slots=[ON_DISK] * 4,
+                           disk_dir="/d"), 0.0)
+    assert not tiers.poll(5.0).ready  # within op_timeout_s
+    effects = tiers.poll(11.0)
+    [drop] = effects.ops
+    assert drop.kind == DROP_LAYERS and effects.ready == [s] and s.preloaded_tokens == 0
+    assert TierRelease(lease_id=3, model_key="m") in effects.sends and not tiers.has_work
+    late = tiers.on_ops_done(CacheOpsDone(rank=0, op_id=drop.op_id - 1, num_ok=4), 12.0)
+    assert not late.ready  # a late prime of the dropped load changes nothing
+
+
+def test_a_request_aborted_while_priming_frees_its_blocks_once(layered):
+    kv, tiers = layered
+    s = seq()
+    lookup = tiers.admit(s, 0.0).sends[0]
+    [op] = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=3,
+                                  slots=[ON_DISK] * 4, disk_dir="/d"), 0.0).ops
+    kv.free(s.seq_id)  # what Scheduler.finish does for it
+    s.status = type(s.status).FINISHED
+    effects = tiers.on_ops_done(done(op, nbytes=4 * 64), 0.1)
+    assert not effects.ready and kv.num_free_blocks == 32
+
+
+def test_a_load_lost_in_the_forward_is_counted_and_its_files_dropped(layered):
+    kv, tiers = layered
+    effects = tiers.lost_layers([11, 12])
+    assert TierDrop(model_key="m", hashes=[11, 12]) in effects.sends
+    assert [e[0] for e in effects.events] == ["cache_block_corrupt"] * 2
+    assert tiers.lookups_by_outcome["layers_lost"] == 1
+
+
+def test_no_room_for_a_layered_load_waits_for_the_whole_prompt(layered):
+    kv, tiers = layered
+    hog = seq(n=4 * 29, seq_id=9, salt="x")
+    assert kv.allocate(9, hog.token_ids, 4 * 29, "x")  # 3 blocks left of 32
+    s = seq()
+    lookup = tiers.admit(s, 0.0).sends[0]
+    effects = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=3,
+                                     slots=[ON_DISK] * 4, disk_dir="/d"), 0.0)
+    assert not effects.ops and tiers.waiting[0].num_blocks == 5  # all of its 5, not 4
+    kv.free(9)

@@ -1,5 +1,6 @@
 """DualPath end to end: conf/dualpath.toml (2 prefill + 2 decode TEs, the disk
-tier as storage, a storage bucket per TE) serving agentic multi-turn sessions.
+tier as storage, a storage bucket per TE, layer-wise loads on the prefill TEs)
+serving agentic multi-turn sessions.
 
 Greedy tokens equal a colocated TE's with every cache off, turn after turn,
 while the decode TEs read part of the storage (decode path > 0) and the
@@ -105,6 +106,8 @@ def test_agentic_sessions_match_cache_off_and_both_paths_read(node, tiny_model):
     reference.shutdown()
     assert reads["decode"] > 0, reads  # decode TEs read storage for prefill TEs
     assert reads["prefill"] > 0, reads
+    assert lookups(node.url, "fetch_layers") > 0  # the prefill TEs read them layer by layer
+    assert lookups(node.url, "layers_lost") == 0
     # every request's read path was chosen once and counted by its decode TE
     # (in its periodic TEReport: on a loaded machine the last ones come late)
     sent, deadline = (round_ + 1) * SESSIONS * TURNS, time.monotonic() + 15
@@ -125,6 +128,13 @@ def by_path(url: str, name: str) -> dict[str, float]:
             if s.name == name:
                 out[s.labels["path"]] += s.value
     return out
+
+
+def lookups(url: str, outcome: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "deepserve_tier_lookups_total" and s.labels["outcome"] == outcome)
 
 
 def test_dualpath_de_fail_drill(node):

@@ -38,18 +38,24 @@ def ids(seed: int) -> list[int]:
     return [(seed * 131 + i * 37) % 1900 + 50 for i in range(PROMPT_IDS)]
 
 
-@pytest.fixture(scope="module")
-def node(tiny_model, tmp_path_factory):
-    disk = tmp_path_factory.mktemp("kvdisk")
+def tier_node(tiny_model, disk: Path, te: dict):
+    """A started node: one colocated TE (options te), an 80-block host tier,
+    a 400-block disk tier in disk (node.disk), drills on; the caller stops it."""
     config = NodeConfig.build(
         model=str(tiny_model), served_model="tiny", port=free_port(), te_timeout_s=5,
         api_keys={"key-a": "tenant-a", "key-b": "tenant-b"}, startup_timeout_s=120,
         host_cache_bytes=80 * BLOCK_BYTES, disk_cache_dir=str(disk),
         disk_cache_bytes=400 * BLOCK_BYTES, cache_cost_model=False,
-        supervisor=SupervisorConfig(drill=True), tes=[TESpec("te0", "colocated", TE)])
+        supervisor=SupervisorConfig(drill=True), tes=[TESpec("te0", "colocated", te)])
     node = Node(config)
     node.start()
     node.disk = disk
+    return node
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model, tmp_path_factory):
+    node = tier_node(tiny_model, tmp_path_factory.mktemp("kvdisk"), TE)
     yield node
     node.stop()
     assert _shm(node) == set()
@@ -211,7 +217,8 @@ def test_bad_context_requests_are_clear_errors(node):
 
 def test_disk_block_files_are_whole_and_named_by_hash(node):
     files = list(Path(node.disk).rglob("*.kv"))
-    assert files and all(f.stat().st_size == 64 + BLOCK_BYTES for f in files)
+    trailer = 4 * 4  # a crc32 per layer (tiny: 4 layers)
+    assert files and all(f.stat().st_size == 64 + BLOCK_BYTES + trailer for f in files)
     assert not list(Path(node.disk).rglob("*.tmp"))
 
 
@@ -229,6 +236,14 @@ def wait_events(node, name: str, pred=lambda e: True, timeout_s: float = 10.0) -
         if found or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
+
+
+def rewritten(path: Path, corrupt: bytes, timeout_s: float = 10.0) -> bool:
+    """The corrupt file was dropped, and the recomputed block written back."""
+    deadline = time.monotonic() + timeout_s
+    while path.exists() and path.read_bytes() == corrupt and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return path.exists() and path.read_bytes() != corrupt
 
 
 def push_out(node, seeds) -> None:
@@ -250,10 +265,7 @@ def test_a_corrupt_disk_block_is_a_miss_an_event_and_never_a_wrong_token(node, r
     assert cached == 5 * 16  # blocks 0-4 came from disk; 5 on were recomputed
     found = wait_events(node, "cache_block_corrupt", lambda e: e["details"]["block"] == block5)
     assert found, "the corrupt block was not reported"
-    deadline = time.monotonic() + 10  # dropped, and the recomputed block written back
-    while path.exists() and path.read_bytes() == bytes(data) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert path.read_bytes() != bytes(data)
+    assert rewritten(path, bytes(data))
 
 
 def test_a_lost_host_tier_is_a_miss_and_serving_goes_on(node, reference):

@@ -2,7 +2,9 @@
 
 import hashlib
 import json
+import subprocess
 
+import pytest
 from tokenizers import Tokenizer
 
 from tests.conftest import make_model
@@ -36,3 +38,15 @@ def test_tokenizer_round_trips_and_has_single_special_tokens(tiny_model):
         assert len(tok.encode(special).ids) == 1
     cfg = json.loads((tiny_model / "config.json").read_text())
     assert tok.get_vocab_size() == cfg["vocab_size"]
+
+
+def test_max_position_replaces_the_presets_and_is_bounded(tmp_path, model_dirs):
+    long = make_model(tmp_path / "long", "qwen2", "tiny", "--max-position", "8192")
+    cfg = json.loads((long / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == 8192
+    assert _digests(long)["model.safetensors"] == _digests(model_dirs["qwen2"])[
+        "model.safetensors"]  # the same weights: only the length changed
+    for bad in ("15", str((1 << 20) + 1)):
+        with pytest.raises(subprocess.CalledProcessError):
+            make_model(tmp_path / f"bad{bad}", "qwen2", "tiny", "--max-position", bad)
+    make_model(tmp_path / "edge", "qwen2", "tiny", "--max-position", "16")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from deepserve.config.cluster import WILDCARD_HOSTS
 
+MAX_KV_LOAD_LAYERS = 64  # ring slots of a layered load (staging: that many layers)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -65,6 +67,12 @@ class EngineConfig:
     storage_read_gbps: float | None = None
     """GB/s this TE may read from the disk tier (the node's KV storage): a token
     bucket standing in for its storage NIC (DualPath); None: unlimited."""
+    kv_load_layers: int = 0
+    """Hits below the device: 0 loads them whole before the request queues;
+    N (1..MAX_KV_LOAD_LAYERS, tp 1) loads disk hits layer by layer through a
+    ring of N layers, the first N read before the request queues and the rest
+    during its prefill, each just before its layer computes (DualPath's
+    layer-wise prefill: worker/layer_loads.py)."""
     timeline_dir: str | None = None
     """A folder where each of the TE's processes writes its step timeline (the
     parts of every step, timed) when it stops: tools/profile_step.py --engine
@@ -88,6 +96,12 @@ class EngineConfig:
         if self.storage_read_gbps is not None and (
                 isinstance(self.storage_read_gbps, bool) or not self.storage_read_gbps > 0):
             raise ValueError(f"storage_read_gbps must be > 0, got {self.storage_read_gbps!r}")
+        if (isinstance(self.kv_load_layers, bool) or not isinstance(self.kv_load_layers, int)
+                or not 0 <= self.kv_load_layers <= MAX_KV_LOAD_LAYERS):
+            raise ValueError(f"kv_load_layers must be an integer in 0..{MAX_KV_LOAD_LAYERS}, "
+                             f"got {self.kv_load_layers!r}")
+        if self.kv_load_layers and self.tp != 1:
+            raise ValueError("kv_load_layers needs tp = 1 (each layer is read whole)")
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if self.tp > 1 and not self.processes:

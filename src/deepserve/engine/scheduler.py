@@ -180,23 +180,40 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             num_new = self._admit(self.waiting[0], out, budget)
-            if num_new is None:
+            if num_new is None:  # the pool is short for the head; those that hold their
+                self._admit_preloaded(out, budget)  # blocks already go round it
                 break
             budget -= num_new
+
+    def _admit_preloaded(self, out: SchedulerOutput, budget: int) -> None:
+        """Sequences whose blocks a layered load filled (engine/tiers/layered.py)
+        need none from the pool: behind a head that waits for blocks they would
+        hold theirs forever (the pool full of them, the head never admitted)."""
+        for seq in [s for s in self.waiting if s.preloaded_tokens is not None]:
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if self.kv.has_seq(seq.seq_id):
+                budget -= self._admit(seq, out, budget)
 
     def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
         """Move a waiting sequence to running with up to budget new tokens
         scheduled; their number, or None if the pool cannot take it."""
-        num_cached = self.kv.num_cached_tokens(seq.token_ids, seq.salt)
-        num_new = min(seq.num_tokens - num_cached, budget)
-        while not self.kv.allocate(seq.seq_id, seq.token_ids, num_cached + num_new, seq.salt):
-            if not self._release_holders():
-                return None
-            # the holders' blocks are evictable now: try again
+        if seq.preloaded_tokens is not None and self.kv.has_seq(seq.seq_id):
+            num_cached = seq.preloaded_tokens  # a lower tier fills its own blocks, which
+            num_new = min(seq.num_tokens - num_cached, budget)  # cover its prompt already
+        else:
             num_cached = self.kv.num_cached_tokens(seq.token_ids, seq.salt)
             num_new = min(seq.num_tokens - num_cached, budget)
+            while not self.kv.allocate(seq.seq_id, seq.token_ids, num_cached + num_new,
+                                       seq.salt):
+                if not self._release_holders():
+                    return None
+                # the holders' blocks are evictable now: try again
+                num_cached = self.kv.num_cached_tokens(seq.token_ids, seq.salt)
+                num_new = min(seq.num_tokens - num_cached, budget)
         self.waiting.remove(seq)
         self._free_holder(seq)
+        seq.preloaded_tokens = None
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = num_cached

@@ -35,6 +35,8 @@ class Sequence:
         self.is_known_to_workers = False
         self.keep_kv = False  # a prefill task's KV outlives it until the decode TE has it
         self.holder_seq_id: int | None = None  # blocks a lower tier filled for it (tiers.py)
+        self.preloaded_tokens: int | None = None  # it holds its blocks, these filled
+        # (or being filled, layer by layer) by a lower tier: engine/tiers/layered.py
         self.tier_tokens: dict[str, int] = {}  # prompt tokens fetched per lower tier
         self.kv_from_peer = False  # a decode task: its prompt's KV came from a prefill TE
         self.pin_context = None  # a ContextPin: its blocks are pinned before it ends

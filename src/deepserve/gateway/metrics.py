@@ -113,7 +113,9 @@ class GatewayMetrics:
             "request's prefix, by outcome: fetch, none (no tier holds it), recompute (the "
             "cost model's choice), no_room (no device blocks to load it into now: it waits for "
             "them and looks again), room_timeout (waited too long: computed), gap, timeout (the "
-            "tier service did not answer in time)", ["outcome"], registry=r)
+            "tier service did not answer in time), fetch_layers (a fetch loaded layer by "
+            "layer), layers_lost (such a load failed in its forward: the request was retried)",
+            ["outcome"], registry=r)
         self.storage_queue = Gauge("deepserve_storage_read_queue_tokens", "Tokens of KV a TE "
                                    "still has to read from the disk tier", ["te_id"], registry=r)
         self.tenant_queued = Gauge(

@@ -189,6 +189,7 @@ class PeerBlocks(msgspec.Struct, tag="peer_blocks", **_STRUCT):
 
 # -- master -> workers (inside a StepBatch) ------------------------------------------
 LOAD_HOST, LOAD_DISK, STORE_HOST, STAGE_DISK = "load_host", "load_disk", "store_host", "stage"
+LOAD_LAYERS, DROP_LAYERS = "load_layers", "drop_layers"
 
 
 class CacheOp(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -198,8 +199,14 @@ class CacheOp(msgspec.Struct, array_like=True, omit_defaults=True):
     store_host  device block_ids[i] -> host slots[i]
     stage       the block file of hashes[i] -> host slots[i] (rank 0; block_ids unused):
                 a decode TE reads storage for a prefill TE (DualPath's DE read path)
+    load_layers host slots[i] (ON_DISK: the block file of hashes[i]) -> device
+                block_ids[i] of sequence seq_id, layer by layer (worker/layer_loads.py,
+                tp 1): the first `layers` layers are read now (CacheOpsDone then),
+                the rest during that sequence's next forward, each copied in just
+                before its layer computes
+    drop_layers the layered load of seq_id is not wanted (block_ids unused)
     Loads stop at the first block that fails (CacheOpsDone.num_ok); disk reads
-    (load_disk, stage) go through the TE's storage_read_gbps bucket."""
+    (load_disk, stage, load_layers) go through the TE's storage_read_gbps bucket."""
 
     op_id: int
     kind: str
@@ -208,6 +215,8 @@ class CacheOp(msgspec.Struct, array_like=True, omit_defaults=True):
     hashes: list[int] = []
     segment: str = ""
     disk_dir: str = ""
+    seq_id: int = -1
+    layers: int = 0
 
 
 class CacheOpsDone(msgspec.Struct, tag="cache_ops_done", **_STRUCT):

@@ -96,7 +96,9 @@ class TEReport(msgspec.Struct, tag="te_report", **_STRUCT):
     tier_lookups: dict[str, int] = {}  # cumulative lookups below the device, by outcome:
     # fetch, none (no tier holds the prefix), recompute (the cost model's choice), no_room
     # (no device blocks to load into: it waits for them, then looks again), room_timeout
-    # (it waited op_timeout_s: computed), gap, timeout (the tier service did not answer)
+    # (it waited op_timeout_s: computed), gap, timeout (the tier service did not answer),
+    # fetch_layers (a fetch loaded layer by layer: kv_load_layers), layers_lost (such a load
+    # failed inside its request's forward: the request was retried)
 
 
 ToClusterManager = (TEUp | TEDown | TEReport | ModelDemand | ScaleEvent | TierReport

@@ -69,7 +69,19 @@ class SeqFailed(msgspec.Struct, array_like=True, gc=False):
     message: str
 
 
+class LoadLost(msgspec.Struct, array_like=True, gc=False):
+    """A layered KV load (CacheOp load_layers) failed during this step's
+    forward: its sequence computed on KV it does not have, so it was not
+    sampled; the master frees it uncommitted and the request is retried.
+    corrupt: hashes of block files that failed their checks."""
+
+    seq_id: int
+    message: str
+    corrupt: list[int] = []
+
+
 class StepOutput(msgspec.Struct, array_like=True, gc=False):
     step_id: int
     sampled: list[SampledToken]
     failed: list[SeqFailed] = []  # each reported once, in the step that found it
+    lost_loads: list[LoadLost] = []

@@ -217,11 +217,15 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                after_layer: Callable[[int], None] | None = None,
+                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """after_layer(i), if given, runs once layer i's KV is in the pool
-        (layer-wise KV transfer starts there while layer i+1 computes)."""
+        (layer-wise KV transfer starts there while layer i+1 computes);
+        before_layer(i) before layer i reads it (layer-wise KV loads)."""
         x, residual = None, self.embed_tokens(input_ids)  # (T, E)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            if before_layer is not None:
+                before_layer(i)
             x, residual = layer(x, residual, positions, meta, kv)
             if after_layer is not None:
                 after_layer(i)

@@ -3,16 +3,19 @@
     DIR/<model key>/<hh>/<hash as 16 hex digits>.kv    hh: its first two digits
 
     offset  size  field
-    0       8     magic b"DSKVBLK1"
+    0       8     magic b"DSKVBLK2" (b"DSKVBLK1": no trailer, still read whole)
     8       8     block hash (int64, little-endian)
     16      8     payload bytes (uint64)
-    24      4     crc32 of the payload (uint32)
+    24      4     crc32 of the trailer (version 1: of the payload) (uint32)
     28      20    geometry: num_layers, num_kv_heads, block_size, head_dim (uint32),
                   itemsize (uint32)
     48      16    dtype name, NUL-padded ASCII
-    64      ...   payload: the block as (2, L, H, bs, D), C order
+    64      P     payload: the block as (2, L, H, bs, D), C order
+    64+P    4 L   trailer: crc32 of each layer's K slice then V slice (uint32)
 
-One read serves a whole block (DualPath's "full block" layout). A file is
+One read serves a whole block (DualPath's "full block" layout); a layered
+reader (LayerFile) reads one layer's K and V slices at a time and checks each
+against the trailer, so a layer-wise load never holds a whole block. A file is
 written whole to a temporary name in the same directory, optionally fsynced,
 then renamed into place, so a reader sees a complete file or none.
 
@@ -35,7 +38,8 @@ from pathlib import Path
 
 from deepserve.messages.cache import BlockGeometry
 
-MAGIC = b"DSKVBLK1"
+MAGIC = b"DSKVBLK2"
+MAGIC_V1 = b"DSKVBLK1"  # written before the layer trailer: read whole only
 _HEADER = struct.Struct("<8sqQI5I16s")
 HEADER_BYTES = 64
 FSYNC_POLICIES = ("never", "always")
@@ -44,6 +48,11 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 class BlockCorrupt(ValueError):
     """A block file that is not what its name says (header or checksum)."""
+
+
+class NoLayerIndex(ValueError):
+    """A version-1 block file: whole, but without the per-layer checksums a
+    layered read needs (a miss for it, not a corruption)."""
 
 
 def block_nbytes(geometry: BlockGeometry) -> int:
@@ -89,11 +98,13 @@ def write_block(disk_dir: str | Path, block_hash: int, geometry: BlockGeometry,
     path = block_path(disk_dir, block_hash)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    head = _header(block_hash, geometry, len(payload), zlib.crc32(payload))
+    trailer = _layer_crcs(geometry, memoryview(payload))
+    head = _header(block_hash, geometry, len(payload), zlib.crc32(trailer))
     try:
         with open(tmp, "wb") as f:
             f.write(head)
             f.write(payload)
+            f.write(trailer)
             if fsync == "always":
                 f.flush()
                 os.fsync(f.fileno())
@@ -107,7 +118,36 @@ def write_block(disk_dir: str | Path, block_hash: int, geometry: BlockGeometry,
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    return HEADER_BYTES + len(payload)
+    return HEADER_BYTES + len(payload) + len(trailer)
+
+
+def layer_nbytes(geometry: BlockGeometry) -> int:
+    """One layer's K (or V) slice of a block, all heads."""
+    return block_nbytes(geometry) // (2 * geometry.num_layers)
+
+
+def _layer_crcs(geometry: BlockGeometry, payload: memoryview) -> bytes:
+    n, layers = layer_nbytes(geometry), geometry.num_layers
+    crcs = [zlib.crc32(payload[(layers + j) * n:(layers + j + 1) * n],
+                       zlib.crc32(payload[j * n:(j + 1) * n])) for j in range(layers)]
+    return struct.pack(f"<{layers}I", *crcs)
+
+
+def _check_header(path: Path, head: bytes, block_hash: int, geometry: BlockGeometry
+                  ) -> tuple[bytes, int]:
+    """(magic, its crc field) of a header that names this block and geometry."""
+    if len(head) != HEADER_BYTES:
+        raise BlockCorrupt(f"{path}: short header")
+    magic, h, nbytes, crc, layers, heads, bs, dim, itemsize, dtype = \
+        _HEADER.unpack(head[:_HEADER.size])
+    g = geometry
+    if (magic not in (MAGIC, MAGIC_V1) or h != block_hash or nbytes != block_nbytes(g)
+            or (layers, heads, bs, dim) != (g.num_layers, g.num_kv_heads, g.block_size,
+                                            g.head_dim)
+            or dtype.rstrip(b"\0").decode(errors="replace") != g.dtype
+            or itemsize != _ITEMSIZE[g.dtype]):
+        raise BlockCorrupt(f"{path}: header does not match block {hash_name(block_hash)}")
+    return magic, crc
 
 
 def read_block(disk_dir: str | Path, block_hash: int, geometry: BlockGeometry,
@@ -118,25 +158,62 @@ def read_block(disk_dir: str | Path, block_hash: int, geometry: BlockGeometry,
     path = block_path(disk_dir, block_hash)
     size = block_nbytes(geometry)
     with open(path, "rb") as f:
-        head = f.read(HEADER_BYTES)
-        if len(head) != HEADER_BYTES:
-            raise BlockCorrupt(f"{path}: short header")
-        magic, h, nbytes, crc, layers, heads, bs, dim, itemsize, dtype = \
-            _HEADER.unpack(head[:_HEADER.size])
-        g = geometry
-        if (magic != MAGIC or h != block_hash or nbytes != size
-                or (layers, heads, bs, dim) != (g.num_layers, g.num_kv_heads, g.block_size,
-                                                g.head_dim)
-                or dtype.rstrip(b"\0").decode(errors="replace") != g.dtype
-                or itemsize != _ITEMSIZE[g.dtype]):
-            raise BlockCorrupt(f"{path}: header does not match block {hash_name(block_hash)}")
+        magic, crc = _check_header(path, f.read(HEADER_BYTES), block_hash, geometry)
         buf = out if out is not None else memoryview(bytearray(size))
         got = f.readinto(buf)
-        if got != size or f.read(1):
-            raise BlockCorrupt(f"{path}: {got} payload bytes, expected {size}")
-    if zlib.crc32(buf) != crc:
+        trailer = f.read(4 * geometry.num_layers + 1) if magic == MAGIC else f.read(1)
+        if got != size or len(trailer) != (4 * geometry.num_layers if magic == MAGIC else 0):
+            raise BlockCorrupt(f"{path}: {got} payload bytes and a {len(trailer)}-byte "
+                               f"trailer, expected {size} and {4 * geometry.num_layers}")
+    if magic == MAGIC_V1:
+        ok = zlib.crc32(buf) == crc
+    else:  # the header checks the trailer, the trailer every layer
+        ok = zlib.crc32(trailer) == crc and _layer_crcs(geometry, memoryview(buf)) == trailer
+    if not ok:
         raise BlockCorrupt(f"{path}: checksum mismatch")
     return buf
+
+
+class LayerFile:
+    """One block file open for layered reads: the header is checked and the
+    trailer read at open (FileNotFoundError, BlockCorrupt, NoLayerIndex), and
+    the descriptor kept, so a file removed meanwhile is still read whole.
+    read_layer(j, k_out, v_out) fills layer j's K and V slices (all heads)
+    and checks them against the trailer (BlockCorrupt)."""
+
+    def __init__(self, disk_dir: str | Path, block_hash: int, geometry: BlockGeometry):
+        self.path, self.geometry = block_path(disk_dir, block_hash), geometry
+        self.fd = os.open(self.path, os.O_RDONLY)
+        try:
+            head = os.pread(self.fd, HEADER_BYTES, 0)
+            magic, crc = _check_header(self.path, head, block_hash, geometry)
+            if magic != MAGIC:
+                raise NoLayerIndex(f"{self.path}: a version-1 file has no layer checksums")
+            size, layers = block_nbytes(geometry), geometry.num_layers
+            trailer = os.pread(self.fd, 4 * layers + 1, HEADER_BYTES + size)
+            if len(trailer) != 4 * layers or zlib.crc32(trailer) != crc:
+                raise BlockCorrupt(f"{self.path}: its trailer ({len(trailer)} bytes) fails "
+                                   f"its checksum")
+            self.crcs = struct.unpack(f"<{layers}I", trailer)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def read_layer(self, layer: int, k_out: memoryview, v_out: memoryview) -> None:
+        n, layers = layer_nbytes(self.geometry), self.geometry.num_layers
+        crc = 0
+        for out, index in ((k_out, layer), (v_out, layers + layer)):
+            got = os.preadv(self.fd, [out], HEADER_BYTES + index * n)
+            if got != n:
+                raise BlockCorrupt(f"{self.path}: layer {layer}: {got} bytes, expected {n}")
+            crc = zlib.crc32(out, crc)
+        if crc != self.crcs[layer]:
+            raise BlockCorrupt(f"{self.path}: layer {layer} checksum mismatch")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def scan_blocks(disk_dir: str | Path) -> list[tuple[int, int, float]]:

@@ -12,7 +12,10 @@ the TEs that write or read it. The forward never waits for these copies:
       owns (engine/tiers/coordinator.py), which no step reads before this op is done;
   store_host reads committed blocks (immutable; the master pins them until
       this op is done), written by steps that finished before this op was
-      taken off the ring (the worker takes batches in order).
+      taken off the ring (the worker takes batches in order);
+  load_layers is primed here (the storage thread) and finished by its
+      sequence's next forward (layer_loads.py); it writes only that
+      sequence's own blocks.
 
 Each thread owns its socket; copies are torch ops on the pool and on the
 host pool's shared memory (attached by name, the mapping kept until the
@@ -33,10 +36,12 @@ import zmq
 
 from deepserve.ipc.segments import attach_segment
 from deepserve.ipc.sockets import PushSocket
-from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, STAGE_DISK, STORE_HOST,
-                                      BlockGeometry, CacheOp, CacheOpsDone)
+from deepserve.messages.cache import (DROP_LAYERS, LOAD_DISK, LOAD_HOST, LOAD_LAYERS, ON_DISK,
+                                      STAGE_DISK, STORE_HOST, BlockGeometry, CacheOp,
+                                      CacheOpsDone)
 from deepserve.tiers import block_file
 from deepserve.tiers.token_bucket import TokenBucket
+from deepserve.worker.layer_loads import LayerLoad, LayerLoads
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,8 @@ class CacheExecutor:
         self._host: tuple[str, object, torch.Tensor] | None = None  # name, shm, slots view
         self._host_lock = threading.Lock()
         self.die_in_stage = False  # drill (stage-die): exit 13 after a stage's first block
+        self.layers = LayerLoads(pool, self.geometry, self.bucket, self._slots)
+        self._priming: dict[int, LayerLoad] = {}  # op id -> its load, until primed
         self.num_done = 0
         # two threads: copies in memory never queue behind storage reads (the bucket)
         self._queues = {name: queue.SimpleQueue() for name in ("memory", "storage")}
@@ -72,13 +79,21 @@ class CacheExecutor:
             t.start()
 
     def submit(self, ops: list[CacheOp]) -> None:
+        """On the worker's main thread, before the batch's forward: a layered
+        load is on the book (or off it) before any forward can look for it."""
         for op in ops:
-            disk = op.kind in (LOAD_DISK, STAGE_DISK)
+            if op.kind == DROP_LAYERS:
+                self.layers.drop(op.seq_id)
+                continue
+            if op.kind == LOAD_LAYERS and self._is_valid(op):  # else it fails in run()
+                self._priming[op.op_id] = self.layers.open(op)
+            disk = op.kind in (LOAD_DISK, STAGE_DISK, LOAD_LAYERS)
             self._queues["storage" if disk else "memory"].put(op)
 
     def close(self) -> None:
         for q in self._queues.values():
             q.put(None)
+        self.layers.close()
         for t in self._threads:
             t.join(5)
         self._detach()
@@ -109,6 +124,9 @@ class CacheExecutor:
                 num_ok, error, corrupt = self._load_disk(op)
             elif op.kind == STAGE_DISK:
                 num_ok, error, corrupt = self._stage(op)
+            elif op.kind == LOAD_LAYERS:
+                load = self._priming.pop(op.op_id)  # opened by submit() once _check passed
+                num_ok, error, corrupt = load.prime(), load.prime_error, load.corrupt
             else:
                 error = f"unknown cache op {op.kind!r}"
         except (OSError, ValueError, RuntimeError, IndexError) as e:  # this op fails alone
@@ -119,9 +137,18 @@ class CacheExecutor:
         if op.kind == STAGE_DISK:  # whole blocks, by rank 0 alone
             per_block = self.tp * per_block if self.rank == 0 else 0
         nbytes = num_ok * per_block
+        if op.kind == LOAD_LAYERS:  # its disk blocks, read now and during the forward
+            nbytes = sum(1 for s in op.slots[:num_ok] if s == ON_DISK) * per_block
         return CacheOpsDone(rank=self.rank, op_id=op.op_id, num_ok=num_ok, nbytes=nbytes,
                             seconds=time.perf_counter() - started, error=error,
                             corrupt=corrupt)
+
+    def _is_valid(self, op: CacheOp) -> bool:
+        try:
+            self._check(op)
+        except ValueError:
+            return False
+        return True
 
     def _check(self, op: CacheOp) -> None:
         if any(not 0 <= b < self.num_blocks for b in op.block_ids):
@@ -131,8 +158,10 @@ class CacheExecutor:
             n = len(op.hashes)
         if op.kind in (LOAD_HOST, STORE_HOST, STAGE_DISK) and len(op.slots) != n:
             raise ValueError(f"{len(op.slots)} slots for {n} blocks")
-        if op.kind == LOAD_DISK and len(op.hashes) != n:
+        if op.kind in (LOAD_DISK, LOAD_LAYERS) and len(op.hashes) != n:
             raise ValueError(f"{len(op.hashes)} hashes for {n} blocks")
+        if op.kind == LOAD_LAYERS and (self.tp != 1 or len(op.slots) != n):
+            raise ValueError("a layered load needs tp 1 and a slot (or ON_DISK) per block")
 
     def _slots(self, segment: str) -> torch.Tensor:
         """The host pool as (num_slots, 2, L, H, bs, D), attached once per name."""

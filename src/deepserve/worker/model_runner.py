@@ -97,6 +97,7 @@ class ModelRunner:
         return both
 
     on_layer = None  # the worker's per-layer hook (a heartbeat with progress), if any
+    layer_loads = None  # the worker's layered KV loads (worker/layer_loads.py), if any
     timeline = Timeline("runner")  # off; the worker sets its own
 
     def execute(self, batch: StepBatch, after_layer=None) -> StepOutput:
@@ -105,10 +106,18 @@ class ModelRunner:
         self._update_states(batch)
         self._resolve_placeholders(batch)
         input_ids, positions, meta = self._prepare(batch.seqs)
+        loads = (self.layer_loads.forward([s.seq_id for s in batch.seqs])
+                 if self.layer_loads is not None else None)
         t1 = time.monotonic()
-        with kernels.denormals_flushed():
-            hidden = self.model(input_ids, positions, meta, self.kv_caches,
-                                self._layer_hook(after_layer))  # (T, E)
+        try:
+            with kernels.denormals_flushed():
+                hidden = self.model(input_ids, positions, meta, self.kv_caches,
+                                    self._layer_hook(after_layer),
+                                    loads.before_layer if loads else None)  # (T, E)
+        finally:
+            lost = loads.end() if loads else []
+        for x in lost:  # computed without its KV: never sampled, the master retries it
+            self._failed[x.seq_id] = x.message
         t2 = time.monotonic()
         sampled: list[SampledToken] = []
         rows = self._last_rows(batch.seqs)  # (seq, its last row) of every sampling seq
@@ -128,7 +137,7 @@ class ModelRunner:
             self.timeline.add("prepare", batch.step_id, t0, t1)
             self.timeline.add("forward", batch.step_id, t1, t2, int(input_ids.numel()))
             self.timeline.add("sample", batch.step_id, t2, t3, len(sampled))
-        return StepOutput(batch.step_id, sampled, failed)
+        return StepOutput(batch.step_id, sampled, failed, lost)
 
     def _fail(self, seq_id: int, exc: Exception) -> None:
         message = f"{type(exc).__name__}: {exc}"
@@ -145,6 +154,8 @@ class ModelRunner:
 
     def _update_states(self, batch: StepBatch) -> None:
         for seq_id in batch.finished_seq_ids:
+            if self.layer_loads is not None:
+                self.layer_loads.drop(seq_id)
             self._sampling.pop(seq_id, None)
             self._last_sampled.pop(seq_id, None)
             self._failed.pop(seq_id, None)

@@ -6,6 +6,7 @@
     worker r ══ DistFlow (KVTransferOrder of a step) ══> rank r of a decode TE
     worker r ──KVSent──> master
     StepBatch.cache_ops ──> cache executor thread (cache_executor.py) ──CacheOpsDone──> master
+                            layered loads: finished inside their sequence's forward (layer_loads.py)
 
 The worker holds work from the moment it takes a StepBatch off the ring
 until it has put that step's StepDone; its progress counters are steps
@@ -122,6 +123,7 @@ class _Worker:
                                   self.life.faults)
         self.cache_exec = CacheExecutor(pool, self.tp.rank, self.tp.size, self.ctx,
                                         self.spec.step_done_address, cfg.storage_read_gbps)
+        self.runner.layer_loads = self.cache_exec.layers  # consumed by their seq's forward
         self.out.put(WorkerReady(rank=self.tp.rank, pid=os.getpid(),
                                  kv_endpoint=self.kv_sender.endpoint))
 

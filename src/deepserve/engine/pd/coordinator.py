@@ -103,8 +103,9 @@ class PDCoordinator:
     def on_first_token(self, seq: Sequence, now: float) -> Effects:
         return self.prefill.on_first_token(seq, now)
 
-    def on_prefill_failed(self, seq: Sequence, message: str) -> Effects:
-        return self.prefill.on_prefill_failed(seq, message)
+    def on_prefill_failed(self, seq: Sequence, message: str, retryable: bool = False
+                          ) -> Effects:
+        return self.prefill.on_prefill_failed(seq, message, retryable)
 
     def on_cancel(self, msg: CancelOrder, now: float) -> Effects:
         return self.prefill.on_cancel(msg, now)

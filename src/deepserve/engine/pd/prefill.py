@@ -136,12 +136,14 @@ class PrefillSide:
             self._maybe_ready(entry, now, effects)
         return effects
 
-    def on_prefill_failed(self, seq: Sequence, message: str) -> Effects:
-        """A worker failed the task's own sampling: it ends now; the decode TE
-        hears it in KVReady once no transfer of it can still be writing."""
+    def on_prefill_failed(self, seq: Sequence, message: str, retryable: bool = False
+                          ) -> Effects:
+        """A worker failed the task's own sampling (or its KV load: retryable):
+        it ends now; the decode TE hears it in KVReady once no transfer of it
+        can still be writing."""
         entry = self.orders.get(seq.seq_id)
         if entry is not None:
-            entry.is_retryable = False
+            entry.is_retryable = retryable
         return self._end(seq.seq_id, f"prefill failed: {message}")
 
     def on_cancel(self, msg: CancelOrder, now: float) -> Effects:

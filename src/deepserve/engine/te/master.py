@@ -48,9 +48,10 @@ from deepserve.ipc.shm_ring import BroadcastRing
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.ipc.timeline import Timeline
 from deepserve.messages.cache import CacheOpsDone
-from deepserve.messages.engine import (AddRequest, EngineStats, FinishRequest, FromWorker,
-                                       GetStats, NewTokens, RequestFailed, StepDone,
-                                       StepTokens, ToMaster, WorkerFailed, WorkerReady)
+from deepserve.messages.engine import (RETRYABLE_ERRORS, AddRequest, EngineStats,
+                                       FinishRequest, FromWorker, GetStats, NewTokens,
+                                       RequestFailed, StepDone, StepTokens, ToMaster,
+                                       WorkerFailed, WorkerReady)
 from deepserve.messages.pd import (CancelOrder, FailRequest, KVAck, KVReady, KVSent,
                                    PrefillOrder, ToPeer, pd_address)
 from deepserve.messages.step import CACHE_ONLY_STEP_ID, SHUTDOWN_STEP_ID, StepBatch
@@ -337,6 +338,9 @@ class Master:
         self.forward_spans.append((done.forward_start, done.forward_end))
         items, now = [], time.monotonic()
         self.tier.observe_step(scheduled.scheduled.values(), done.forward_end - done.forward_start)
+        for lost in done.output.lost_loads:  # computed without its KV: fails, uncommitted
+            self.tier.lost_layers(lost.corrupt)
+            self._fail_seq(scheduled.seqs.get(lost.seq_id), lost.message, "kv_transfer_failed")
         for seq in self.scheduler.on_sampled(scheduled, done.output.sampled):
             if self.pd.is_prefill(seq):  # its token goes to the decode TE in KVReady
                 self._apply(self.pd.on_first_token(seq, now))
@@ -352,19 +356,20 @@ class Master:
             self._fail_seq(scheduled.seqs.get(failure.seq_id), failure.message)
         self.timeline.add("collect", step_id, t_collect, time.monotonic(), len(items))
 
-    def _fail_seq(self, seq: Sequence | None, message: str) -> None:
-        """A worker failed one sequence for a reason of its own: that request
-        fails (its caller hears why), the batch and the TE carry on."""
+    def _fail_seq(self, seq: Sequence | None, message: str, error: str = "request_failed"
+                  ) -> None:
+        """A worker failed one sequence: that request fails (its caller hears
+        why; a RETRYABLE_ERRORS error is resubmitted), the batch and the TE go on."""
         if seq is None or seq.is_finished:
             return  # finished (aborted, stopped) while the step ran
         log.warning("request of seq %d failed in a worker: %s", seq.seq_id, message)
         if self.pd.is_prefill(seq):  # the decode TE hears it in KVReady
-            self._apply(self.pd.on_prefill_failed(seq, message))
+            self._apply(self.pd.on_prefill_failed(seq, message, error in RETRYABLE_ERRORS))
             return
         request_id = self.core.fail(seq)
         self._drop_kept(seq)
         if request_id is not None:
-            self.to_tokenizer.put(FailRequest(request_id=request_id, error="request_failed",
+            self.to_tokenizer.put(FailRequest(request_id=request_id, error=error,
                                               message=f"the request failed: {message}"))
 
     def _stream(self, items: list[NewTokens], step_id: int = -1) -> None:

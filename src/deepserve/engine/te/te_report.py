@@ -17,14 +17,18 @@ def answers(done: StepDone, step_id: int, scheduled: SchedulerOutput,
             sampling_ids: frozenset[int]) -> bool:
     """Is `done` rank 0's answer to this step? Its id, and one token or one
     failure for each sequence the step samples, except sequences finished
-    already (a seq failed earlier is not reported again)."""
+    already (a seq failed earlier is not reported again) and those whose
+    layered load it lost (any sequence of the step, sampled or not)."""
     out = done.output
     if out.step_id != step_id:
         return False
     answered = [t.seq_id for t in out.sampled] + [f.seq_id for f in out.failed]
     if len(set(answered)) != len(answered) or not set(answered) <= sampling_ids:
         return False
-    return all(scheduled.seqs[i].is_finished for i in sampling_ids.difference(answered))
+    lost = {x.seq_id for x in out.lost_loads}
+    if not lost <= set(scheduled.scheduled) or lost & set(answered):
+        return False
+    return all(scheduled.seqs[i].is_finished for i in sampling_ids.difference(answered, lost))
 
 
 def remaining_tokens(seq: Sequence) -> int:

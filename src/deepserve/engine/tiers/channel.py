@@ -1,4 +1,4 @@
-"""What the master's three tier pipelines share, passed to each of them.
+"""What the master's tier pipelines share, passed to each of them.
 
     TierChannel    the tier service's key for this model, where its replies go,
                    the TE's ranks, one id counter, the deadlines
@@ -17,7 +17,8 @@ from typing import Iterator
 from deepserve.cache.block_hash import chain_hash, root_hash
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import Sequence
-from deepserve.messages.cache import BlockGeometry, CacheOp, TierLookup, TierRelease
+from deepserve.messages.cache import (BlockGeometry, CacheOp, TierDrop, TierLookup,
+                                      TierRelease)
 
 PREFILL_PATH, DECODE_PATH = "prefill", "decode"
 
@@ -61,6 +62,13 @@ class TierChannel:
     def release(self, lease_id: int, effects: TierEffects) -> None:
         if lease_id:
             effects.sends.append(TierRelease(lease_id=lease_id, model_key=self.key))
+
+    def drop_corrupt(self, corrupt: list[int], effects: TierEffects) -> None:
+        """Block files that failed their checks leave the tier (and are logged)."""
+        if corrupt:
+            effects.sends.append(TierDrop(model_key=self.key, hashes=corrupt))
+        for h in corrupt:
+            effects.events.append(("cache_block_corrupt", {"tier": "disk", "block": h}))
 
 
 @dataclass

@@ -8,6 +8,7 @@ ids, the storage queue):
   admit (here; the sched-enqueue stage: the request waits, the batch does not):
       device match -> TierLookup of the hashes past it -> TierHits
       -> cost model (tiers/cost_model.py): fetch the first k hits or none
+      (layered.py when the TE loads layer by layer and a hit is on disk)
       -> a holder pseudo-sequence gets blocks for them (none free now: the
          request waits, holding nothing, until that many are, then looks
          again; after op_timeout_s it is computed instead) -> CacheOps load_host /
@@ -45,11 +46,11 @@ from deepserve.cache.radix_tree import RadixNode
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.tiers.channel import (PREFILL_PATH, StorageQueue, TierChannel,
                                             TierEffects, lookup_below)
+from deepserve.engine.tiers.layered import TierLayered
 from deepserve.engine.tiers.staging import TierStaging
 from deepserve.engine.tiers.writes import TierWrites
 from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, ON_DISK, BlockGeometry, CacheOp,
-                                      CacheOpsDone, TierCommitted, TierDrop, TierHits,
-                                      TierReserved)
+                                      CacheOpsDone, TierCommitted, TierHits, TierReserved)
 from deepserve.tiers.cost_model import DISK, HOST, CostModel
 
 log = logging.getLogger(__name__)
@@ -106,11 +107,12 @@ class TierCoordinator:
         self.lookups_by_outcome: Counter[str] = Counter()  # cumulative: TEReport.tier_lookups
         self.fetch_seconds: dict[str, list[float]] = {HOST: [], DISK: []}
         self.num_events = 0  # progress: tier events handled
+        self.layered = TierLayered(kv, self.channel, self.storage, self._count)
 
     @property
     def has_work(self) -> bool:
         return bool(self.lookups or self.loads or self.waiting or self.writes.has_work
-                    or self.staging.has_work)
+                    or self.staging.has_work or self.layered.has_work)
 
     # -- the other pipelines' entries --------------------------------------------------
     def write_through(self, now: float, context: Sequence | None = None,
@@ -177,29 +179,38 @@ class TierCoordinator:
         else:
             outcome = self._start_load(lookup, msg, plan.num_blocks, now, effects)
         self.lookups_by_outcome[outcome] += 1
-        if outcome != "fetch":
+        fetching = outcome in ("fetch", "fetch_layers")  # it releases the lease when done
+        if not fetching:
             self.channel.release(msg.lease_id, effects)
         need = lookup.num_device + plan.num_blocks
+        if self.layered.layers:  # a layered load takes blocks for the whole prompt
+            need = max(need, self.kv.num_blocks_for(seq.num_tokens))
         if outcome == "no_room" and need <= self.kv.num_blocks:  # it can fit: wait for room
             deadline = lookup.room_deadline or now + self.channel.op_timeout_s
             self.waiting.append(_WaitingForRoom(seq, need, deadline))
-        elif outcome != "fetch":
+        elif not fetching:
             effects.ready.append(seq)
         return effects
 
     def _start_load(self, lookup: _Lookup, msg: TierHits, k: int, now: float,
                     effects: TierEffects) -> str:
-        """"fetch" (started), or why not: "no_room" (no device blocks for
+        """"fetch" or "fetch_layers" (started), or why not: "no_room" (no device blocks for
         them now), "gap" (device blocks evicted meanwhile, or it has them all)."""
         seq, bs = lookup.seq, self.block_size
-        holder = self.new_seq_id()
-        if not self.kv.allocate(holder, seq.token_ids, (lookup.num_device + k) * bs, seq.salt):
+        layered = self.layered.layers > 0 and any(s == ON_DISK for s in msg.slots[:k])
+        holder = seq.seq_id if layered else self.new_seq_id()  # layered: all its prompt
+        if not self.kv.allocate(holder, seq.token_ids,
+                                seq.num_tokens if layered else (lookup.num_device + k) * bs,
+                                seq.salt):
             return "no_room"
         first = self.kv.num_shared_blocks(holder)
         skip = first - lookup.num_device  # blocks the device got meanwhile
         if skip < 0 or skip >= k:  # device blocks evicted meanwhile (a gap), or nothing left
             self.kv.free(holder)
             return "gap"
+        if layered:
+            self.layered.start(seq, lookup.num_device, lookup.hashes, msg, skip, k, now, effects)
+            return "fetch_layers"
         table = self.kv.block_table(holder)
         ops: list[CacheOp] = []
         for i in range(skip, k):  # runs of one tier each, in block order
@@ -221,6 +232,21 @@ class TierCoordinator:
         effects.ops.extend(ops)
         return "fetch"
 
+    def _count(self, seq: Sequence, tier: str, num_blocks: int, seconds: float | None = None
+               ) -> None:
+        if num_blocks and seconds is not None:
+            self.cost.observe_fetch(tier, num_blocks * self.cost.block_bytes, seconds)
+            self.fetch_seconds[tier].append(seconds)
+        seq.tier_tokens[tier] = seq.tier_tokens.get(tier, 0) + num_blocks * self.block_size
+        self.hit_tokens[tier] += num_blocks * self.block_size
+
+    def lost_layers(self, corrupt: list[int]) -> TierEffects:
+        """A layered load failed in its forward: its corrupt files leave the tier."""
+        self.lookups_by_outcome["layers_lost"] += 1
+        effects = TierEffects()
+        self.channel.drop_corrupt(corrupt, effects)
+        return effects
+
     def _finish_load(self, load: _Load, now: float, effects: TierEffects) -> None:
         for op_id, _, _ in load.ops:
             self.loads.pop(op_id, None)
@@ -234,20 +260,13 @@ class TierCoordinator:
             ranks = load.done[op_id].values()
             ok = min(d.num_ok for d in ranks)
             corrupt += [h for d in ranks for h in d.corrupt]
-            tier = DISK if kind == LOAD_DISK else HOST
             if ok:
-                self.cost.observe_fetch(tier, ok * self.cost.block_bytes, now - load.started)
-                self.fetch_seconds[tier].append(now - load.started)
-                load.seq.tier_tokens[tier] = load.seq.tier_tokens.get(tier, 0) + ok * \
-                    self.block_size
-                self.hit_tokens[tier] += ok * self.block_size
+                self._count(load.seq, DISK if kind == LOAD_DISK else HOST, ok,
+                            now - load.started)
             num_ok += ok
             if ok < n:
                 break
-        if corrupt:
-            effects.sends.append(TierDrop(model_key=self.channel.key, hashes=corrupt))
-            for h in corrupt:
-                effects.events.append(("cache_block_corrupt", {"tier": "disk", "block": h}))
+        self.channel.drop_corrupt(corrupt, effects)
         seq = load.seq
         self.kv.commit(load.holder, seq.token_ids, (load.first_block + num_ok) * self.block_size)
         self.kv.truncate(load.holder, load.first_block + num_ok)
@@ -267,6 +286,8 @@ class TierCoordinator:
             load.done.setdefault(msg.op_id, {})[msg.rank] = msg
             if all(len(load.done.get(op_id, {})) == self.channel.tp for op_id, _, _ in load.ops):
                 self._finish_load(load, now, effects)
+            return effects
+        if self.layered.on_done(msg, now, effects):
             return effects
         if not self.staging.on_done(msg, now, effects):
             self.writes.on_done(msg, now, effects)
@@ -292,6 +313,7 @@ class TierCoordinator:
                 if not load.seq.is_finished:
                     effects.ready.append(load.seq)
         self._poll_waiting(now, effects)
+        self.layered.poll(now, effects)
         self.writes.poll(now, effects)
         self.staging.poll(now, effects)
         for holder, after in [s for s in self.stalled if now > s[1]]:

@@ -83,6 +83,7 @@ class TierLink:
         link = cls(ctx, spec.tier_address, tier_reply_address(spec.pd_address), kv, cfg.model,
                    geometry, cfg.tp, block_bytes, new_seq_id, spec.cache_cost_model, events)
         link.tiers.storage.rate = (cfg.storage_read_gbps or 0) * 1e9 or None  # its bucket
+        link.tiers.layered.layers = cfg.kv_load_layers
         return link
 
     @property
@@ -146,6 +147,10 @@ class TierLink:
         prompt = sum(n for n in counts if n > 1)
         if prompt * 2 >= sum(counts):
             self.tiers.cost.observe_prefill(prompt, seconds)
+
+    def lost_layers(self, corrupt: list[int]) -> None:
+        """A layered load failed in its request's forward (StepOutput.lost_loads)."""
+        self._apply(self.tiers.lost_layers(corrupt))
 
     def take(self):
         """(sequences to queue, decode tasks staged, contexts to end, contexts
@@ -232,5 +237,7 @@ class NoTierLink:
     def tick(self) -> None: ...
 
     def observe_step(self, num_new_tokens, seconds: float) -> None: ...
+
+    def lost_layers(self, corrupt: list[int]) -> None: ...  # never loads any
 
     def close(self) -> None: ...

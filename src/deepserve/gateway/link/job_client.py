@@ -333,7 +333,7 @@ class JobClient:
         if isinstance(msg, RequestDelta):
             if msg.attempt != route.attempt:
                 return  # a late delta of a lost attempt: its tokens are being redone
-            if route.attempt:
+            if route.attempt and route.prompt_token_ids is not None:  # delivered already
                 msg.prompt = msg.prompt_token_ids = None
             elif msg.prompt_token_ids is not None:
                 route.prompt_token_ids = msg.prompt_token_ids

@@ -1,0 +1,105 @@
+"""TierLayered: hits loaded layer by layer (EngineConfig.kv_load_layers > 0).
+
+The admit pipeline (coordinator.py) has given the request its own blocks for
+its whole prompt; the hits go straight into them, never through a holder or
+the prefix tree, so no other request can read them half-loaded:
+
+    CacheOp load_layers (host hits, then disk hits: the worker copies the host
+    ones whole, opens the disk ones and reads their first `layers` layers)
+    -> CacheOpsDone(num_ok) -> the request queues with its first num_ok hit
+    blocks counted as computed (Sequence.preloaded_tokens) -> its first
+    forward reads the other layers as it computes (worker/layer_loads.py)
+    -> the blocks enter the prefix tree when that step is done, as computed
+    ones do. A read that fails inside the forward comes back as
+    StepOutput.lost_loads: the master fails the request retryably.
+
+No CacheOpsDone by the op deadline: the worker is told to drop the load
+(CacheOp drop_layers, ahead of any forward of the request) and the request
+computes those blocks itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from deepserve.cache.kv_manager import KVCacheManager
+from deepserve.engine.sequence import Sequence
+from deepserve.engine.tiers.channel import PREFILL_PATH, StorageQueue, TierChannel, TierEffects
+from deepserve.messages.cache import (DROP_LAYERS, LOAD_LAYERS, ON_DISK, CacheOp, CacheOpsDone,
+                                      TierHits)
+from deepserve.tiers.cost_model import DISK, HOST
+
+
+@dataclass
+class _Layered:
+    seq: Sequence
+    first_block: int  # its first block a lower tier fills
+    num_disk: int
+    lease_id: int
+    started: float
+    deadline: float
+
+
+class TierLayered:
+    """count(seq, tier, blocks, seconds=None): the coordinator's hit counters."""
+
+    def __init__(self, kv: KVCacheManager, channel: TierChannel, storage: StorageQueue,
+                 count: Callable[..., None]):
+        self.kv, self.channel, self.storage, self.count = kv, channel, storage, count
+        self.layers = 0  # EngineConfig.kv_load_layers (the link sets it): 0 is off
+        self.loads: dict[int, _Layered] = {}  # by op id
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.loads)
+
+    def start(self, seq: Sequence, num_device: int, hashes: list[int], msg: TierHits,
+              skip: int, k: int, now: float, effects: TierEffects) -> None:
+        """Hits skip..k-1 (past num_device device blocks) into seq's own blocks."""
+        table = self.kv.block_table(seq.seq_id)
+        rows = range(skip, k)
+        op = CacheOp(self.channel.next_id(), LOAD_LAYERS, [table[num_device + i] for i in rows],
+                     slots=[msg.slots[i] for i in rows],
+                     hashes=[hashes[i] if msg.slots[i] == ON_DISK else 0 for i in rows],
+                     segment=msg.segment, disk_dir=msg.disk_dir, seq_id=seq.seq_id,
+                     layers=self.layers)
+        num_disk = sum(1 for s in op.slots if s == ON_DISK)
+        self.storage.num_blocks += num_disk
+        self.loads[op.op_id] = _Layered(seq, num_device + skip, num_disk, msg.lease_id, now,
+                                        now + self.storage.op_deadline_s())
+        effects.ops.append(op)
+
+    def on_done(self, msg: CacheOpsDone, now: float, effects: TierEffects) -> bool:
+        """Its first layers are read (tp 1: one rank): the request queues."""
+        load = self.loads.pop(msg.op_id, None)
+        if load is None:
+            return False
+        self.storage.num_blocks -= load.num_disk
+        self.storage.bytes_read[PREFILL_PATH] += msg.nbytes
+        self.channel.drop_corrupt(msg.corrupt, effects)
+        seq = load.seq
+        if msg.num_ok:
+            disk = msg.nbytes // (self.storage.block_bytes * self.channel.tp)
+            self.count(seq, DISK, disk, now - load.started)  # the wait for the first layers
+            self.count(seq, HOST, msg.num_ok - disk)
+        else:
+            self._drop(seq, effects)
+        self.channel.release(load.lease_id, effects)
+        if not seq.is_finished:  # else its blocks went with it; the worker drops the load
+            seq.preloaded_tokens = (load.first_block + msg.num_ok) * self.kv.block_size
+            effects.ready.append(seq)
+        return True
+
+    def poll(self, now: float, effects: TierEffects) -> None:
+        for op_id, load in [(i, x) for i, x in self.loads.items() if now > x.deadline]:
+            del self.loads[op_id]
+            self.storage.num_blocks -= load.num_disk
+            self._drop(load.seq, effects)
+            self.channel.release(load.lease_id, effects)
+            if not load.seq.is_finished:
+                load.seq.preloaded_tokens = load.first_block * self.kv.block_size
+                effects.ready.append(load.seq)
+
+    def _drop(self, seq: Sequence, effects: TierEffects) -> None:
+        effects.ops.append(CacheOp(self.channel.next_id(), DROP_LAYERS, [], seq_id=seq.seq_id))

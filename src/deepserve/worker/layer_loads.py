@@ -1,0 +1,295 @@
+"""Layer-wise KV loads (CacheOp load_layers): a hit read from storage a layer at a time.
+
+Each layer goes through a ring of a few layers into the pool just before that
+layer computes, so the reads of the next layers overlap the compute of this
+one (DualPath's layer-wise prefill; tp 1).
+
+  master ──load_layers──> LayerLoads.open (the worker's main thread): a LayerLoad
+      storage thread, prime(): open every block file (header, trailer: a file
+          removed later is still read through its descriptor), copy the host
+          hits whole, read layers 0..S-1 of the disk hits into the ring
+          ──CacheOpsDone(num_ok: the leading blocks it could get)──> master,
+          which queues the request with those blocks as its own
+  that sequence's next forward (ModelRunner.execute):
+      begin(): a reader thread for layers S..L-1, through the storage bucket,
+          each into the ring slot its layer j - S freed
+      before layer j: wait for layer j, copy its slot into the pool, free it
+      end(): a read that failed after the prime (a layer's checksum) leaves
+          the sequence without its KV: LoadLost, it is not sampled, and the
+          master frees it uncommitted and the request is retried
+
+Staging memory is S layers of the load's disk blocks (S = CacheOp.layers),
+`staged_bytes`; the pool blocks written are the sequence's own (committed to
+the prefix tree only after its step), so no other step reads them half-loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from deepserve.messages.cache import ON_DISK, CacheOp
+from deepserve.messages.step import LoadLost
+from deepserve.tiers import block_file
+from deepserve.tiers.token_bucket import TokenBucket
+
+log = logging.getLogger(__name__)
+
+LAYER_TIMEOUT_S = 10.0  # a forward waits this long for one layer, then the load is lost
+
+
+class LayerLoad:
+    """One load_layers op: S ring slots of (2, n, H, bs, D), n its disk blocks."""
+
+    def __init__(self, op: CacheOp, pool: torch.Tensor, geometry, bucket: TokenBucket,
+                 host_slots: Callable[[str], torch.Tensor]):
+        self.op, self.pool, self.geometry, self.bucket = op, pool, geometry, bucket
+        self.host_slots = host_slots
+        self.num_layers = geometry.num_layers
+        self.depth = max(1, min(op.layers, self.num_layers))
+        self.disk = [i for i, s in enumerate(op.slots) if s == ON_DISK]
+        _, _, heads, _, bs, dim = pool.shape
+        self.ring = torch.empty((self.depth, 2, len(self.disk), heads, bs, dim),
+                                dtype=pool.dtype)
+        self.files: list[block_file.LayerFile] = []
+        self.num_ok = 0  # leading blocks (of op.block_ids) the load brings
+        self.corrupt: list[int] = []
+        self.prime_error: str | None = None  # why the load ends before its last block
+        self.error: str | None = None  # a read after the prime failed: the load is lost
+        self.read = 0  # layers read into the ring
+        self.taken = 0  # layers copied into the pool
+        self.primed = self.closed = False
+        self.cond = threading.Condition()
+        self.reader: threading.Thread | None = None
+
+    @property
+    def staged_bytes(self) -> int:
+        return self.ring.numel() * self.ring.element_size()
+
+    # -- the storage thread -----------------------------------------------------------
+    def prime(self) -> int:
+        """Open, copy the host hits, read the first S layers; the blocks it got."""
+        try:
+            n = 0 if self.closed else self._open()  # dropped before its turn: nothing
+            self._copy_host(n)
+            self._trim(n)
+            for j in range(min(self.depth, self.num_layers)):
+                self._read_layer(j)
+        finally:
+            with self.cond:
+                self.primed = True
+                self.cond.notify_all()
+                if self.closed:  # dropped while priming: its files close here, not under it
+                    self._close_files()
+        return self.num_ok
+
+    def _open(self) -> int:
+        """Every disk block's file, in block order, up to the first it cannot open."""
+        for i in range(len(self.op.block_ids)):
+            if self.op.slots[i] != ON_DISK:
+                continue
+            try:
+                self.files.append(block_file.LayerFile(self.op.disk_dir, self.op.hashes[i],
+                                                       self.geometry))
+            except OSError as e:  # FileNotFoundError: evicted meanwhile
+                self.prime_error = f"block file {block_file.hash_name(self.op.hashes[i])}: {e}"
+                return i
+            except block_file.NoLayerIndex as e:
+                self.prime_error = str(e)
+                return i
+            except block_file.BlockCorrupt as e:
+                self.prime_error, self.corrupt = f"corrupt: {e}", [self.op.hashes[i]]
+                return i
+        return len(self.op.block_ids)
+
+    def _copy_host(self, n: int) -> None:
+        """Host hits go whole, now: the tier's lease ends with the prime."""
+        rows = [i for i in range(n) if self.op.slots[i] != ON_DISK]
+        if not rows:
+            return
+        slots = self.host_slots(self.op.segment)
+        with self.cond:
+            if self.closed:
+                return
+            s = torch.tensor([self.op.slots[i] for i in rows], dtype=torch.long)
+            b = torch.tensor([self.op.block_ids[i] for i in rows], dtype=torch.long)
+            src = slots.index_select(0, s)  # (m, 2, L, H, bs, D)
+            self.pool.index_copy_(3, b, src.permute(1, 2, 3, 0, 4, 5))
+
+    def _trim(self, n: int) -> None:
+        """The load now covers its first n blocks: disk rows past them go."""
+        self.num_ok = n
+        keep = sum(1 for i in self.disk if i < n)
+        for f in self.files[keep:]:
+            f.close()
+        del self.files[keep:]
+        self.disk = self.disk[:keep]
+
+    def _read_layer(self, j: int) -> bool:
+        """Layer j of every disk block into its slot. A block that fails while
+        priming ends the load before it (the rows kept have this layer); after
+        the prime, False: the load is lost."""
+        if self.disk:
+            time.sleep(self.bucket.reserve(2 * block_file.layer_nbytes(self.geometry)
+                                           * len(self.disk)))
+        slot = self.ring[j % self.depth]
+        for row, f in enumerate(list(self.files)):
+            if self.closed:
+                return False
+            k = slot[0, row].view(-1).view(torch.uint8).numpy()
+            v = slot[1, row].view(-1).view(torch.uint8).numpy()
+            try:
+                f.read_layer(j, memoryview(k), memoryview(v))
+            except (OSError, block_file.BlockCorrupt) as e:
+                if not self._failed(j, row, e):
+                    return False
+                break
+        with self.cond:
+            self.read = j + 1
+            self.cond.notify_all()
+        return True
+
+    def _failed(self, j: int, row: int, e: Exception) -> bool:
+        """True: still priming, the load now ends before this block."""
+        h = self.op.hashes[self.disk[row]]
+        with self.cond:
+            if isinstance(e, block_file.BlockCorrupt):
+                self.corrupt.append(h)
+            if not self.primed:
+                self.prime_error = f"layer {j}: {e}"
+                self._trim(self.disk[row])
+                return True
+            self.error = f"layer {j} of block {block_file.hash_name(h)}: {e}"
+            self.cond.notify_all()
+            return False
+
+    # -- the forward's thread ------------------------------------------------------------
+    def begin(self) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.primed or self.closed, LAYER_TIMEOUT_S):
+                self.error = f"not primed in {LAYER_TIMEOUT_S} s"
+        if self.disk and self.depth < self.num_layers and self.error is None:
+            self.reader = threading.Thread(target=self._read_rest, daemon=True,
+                                           name=f"layers-{self.op.seq_id}")
+            self.reader.start()
+
+    def _read_rest(self) -> None:
+        for j in range(self.depth, self.num_layers):
+            with self.cond:  # layer j - depth's slot must be in the pool first
+                self.cond.wait_for(lambda: self.taken > j - self.depth or self.closed)
+                if self.closed:
+                    return
+            if not self._read_layer(j):
+                return
+
+    def before_layer(self, j: int) -> None:
+        """Copy layer j in (waiting for its read); nothing once the load failed."""
+        if self.error is not None or not self.num_ok or not self.disk:
+            return
+        with self.cond:
+            got = self.cond.wait_for(lambda: self.read > j or self.error is not None,
+                                     LAYER_TIMEOUT_S)
+            if not got:
+                self.error = f"layer {j} not read in {LAYER_TIMEOUT_S} s"
+            if self.error is not None:
+                return
+        rows = torch.tensor([self.op.block_ids[i] for i in self.disk], dtype=torch.long)
+        slot = self.ring[j % self.depth, :, :len(self.disk)]  # (2, n, H, bs, D): kept rows
+        for kv in (0, 1):
+            self.pool[kv, j].index_copy_(1, rows, slot[kv].permute(1, 0, 2, 3))
+        with self.cond:
+            self.taken = j + 1
+            self.cond.notify_all()
+
+    def lost(self) -> LoadLost | None:
+        """After the forward: what it could not bring (None: all of it)."""
+        if self.error is None or not self.num_ok:
+            return None
+        return LoadLost(self.op.seq_id, self.error, list(self.corrupt))
+
+    def close(self) -> None:
+        """Off: no more reads. Its files close once no thread reads them (a
+        descriptor closed under a read could be reused by another open)."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+            primed = self.primed
+        if self.reader is not None and self.reader is not threading.current_thread():
+            self.reader.join(LAYER_TIMEOUT_S)
+        if primed:
+            self._close_files()
+
+    def _close_files(self) -> None:
+        for f in self.files:
+            f.close()
+
+
+class LayerLoads:
+    """The worker's layered loads by sequence id: opened by a batch's ops,
+    primed on the storage thread, consumed by that sequence's next forward."""
+
+    def __init__(self, pool: torch.Tensor, geometry, bucket: TokenBucket,
+                 host_slots: Callable[[str], torch.Tensor]):
+        self.pool, self.geometry, self.bucket, self.host_slots = pool, geometry, bucket, \
+            host_slots
+        self.loads: dict[int, LayerLoad] = {}
+        self.lock = threading.Lock()
+        self.max_staged_bytes = 0  # the most ring memory one forward's loads held
+
+    def open(self, op: CacheOp) -> LayerLoad:
+        load = LayerLoad(op, self.pool, self.geometry, self.bucket, self.host_slots)
+        with self.lock:
+            old, self.loads[op.seq_id] = self.loads.get(op.seq_id), load
+        if old is not None:
+            old.close()
+        return load
+
+    def drop(self, seq_id: int) -> None:
+        with self.lock:
+            load = self.loads.pop(seq_id, None)
+        if load is not None:
+            load.close()
+
+    def take(self, seq_ids) -> list[LayerLoad]:
+        """The loads of these sequences, off the book: this forward's."""
+        with self.lock:
+            return [self.loads.pop(s) for s in seq_ids if s in self.loads]
+
+    def forward(self, seq_ids) -> "LayerForward | None":
+        loads = self.take(seq_ids)
+        if not loads:
+            return None
+        for load in loads:
+            load.begin()
+        self.max_staged_bytes = max(self.max_staged_bytes,
+                                    sum(load.staged_bytes for load in loads))
+        return LayerForward(loads)
+
+    def close(self) -> None:
+        with self.lock:
+            loads, self.loads = list(self.loads.values()), {}
+        for load in loads:
+            load.close()
+
+
+class LayerForward:
+    """One forward's layered loads: before_layer(j) for the model, end() after."""
+
+    def __init__(self, loads: list[LayerLoad]):
+        self.loads = loads
+
+    def before_layer(self, j: int) -> None:
+        for load in self.loads:
+            load.before_layer(j)
+
+    def end(self) -> list[LoadLost]:
+        lost = [x for x in (load.lost() for load in self.loads) if x is not None]
+        for load in self.loads:
+            load.close()
+        for x in lost:
+            log.warning("layered load of seq %d lost: %s", x.seq_id, x.message)
+        return lost
