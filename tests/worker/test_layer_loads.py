@@ -13,7 +13,7 @@ import torch
 from deepserve.messages.cache import LOAD_LAYERS, ON_DISK, BlockGeometry, CacheOp
 from deepserve.tiers import block_file as bf
 from deepserve.tiers.token_bucket import TokenBucket
-from deepserve.worker.layer_loads import LayerLoads
+from deepserve.worker.layer_loads import LAYER_TIMEOUT_S, LayerLoads
 
 L, H, BS, D, NB = 6, 2, 4, 8, 16
 GEOM = BlockGeometry(num_layers=L, num_kv_heads=H, block_size=BS, head_dim=D, dtype="float32")
@@ -187,3 +187,28 @@ def test_a_load_dropped_before_or_while_priming_reads_nothing_and_leaves_no_file
     late.prime()  # the rest of its prime sees it dropped and closes them
     assert all(f.fd == -1 for f in opened)
     assert pool.abs().sum() == 0
+
+
+def test_a_forward_waiting_on_a_layer_beats_and_its_timeout_scales_with_the_bucket(tmp_path):
+    """A wait on storage is progress (the worker beats, num_waits counts it),
+    bounded by the layer's timeout: LAYER_TIMEOUT_S, or 4x the layer's time
+    at the bucket's rate when that is longer; past it the load is lost."""
+    write(tmp_path, [1])
+    layer_bytes = 2 * bf.layer_nbytes(GEOM)
+    pool, loads = rig(tmp_path, rate=layer_bytes / 1.2)  # 1.2 s a layer
+    beats = []
+    loads.beat = lambda: beats.append(time.monotonic())
+    load = loads.open(CacheOp(1, LOAD_LAYERS, [0], slots=[ON_DISK], hashes=[1],
+                              disk_dir=str(tmp_path), seq_id=7, layers=1))
+    assert load.layer_timeout_s == max(LAYER_TIMEOUT_S, 4 * 1.2)
+    load.prime()
+    fwd = loads.forward([7])
+    fwd.before_layer(0)
+    fwd.before_layer(1)  # read during the forward: about 1.2 s of waiting
+    assert len(beats) >= 1 and loads.num_waits == len(beats)
+    fwd.end()
+    slow, loads2 = rig(tmp_path, rate=layer_bytes / 5.0)
+    assert loads2.open(CacheOp(2, LOAD_LAYERS, [0], slots=[ON_DISK], hashes=[1],
+                               disk_dir=str(tmp_path), seq_id=8, layers=1)
+                       ).layer_timeout_s == pytest.approx(20.0)
+    loads2.close()

@@ -18,7 +18,9 @@ one (DualPath's layer-wise prefill; tp 1).
           the sequence without its KV: LoadLost, it is not sampled, and the
           master frees it uncommitted and the request is retried
 
-Staging memory is S layers of the load's disk blocks (S = CacheOp.layers),
+A forward waiting on a layer is progress for the supervisor (num_waits, a
+beat every WAIT_SLICE_S), bounded by the layer's timeout: past it the load is
+lost, never a hang. Staging memory is S layers of the load's disk blocks (S = CacheOp.layers),
 `staged_bytes`; the pool blocks written are the sequence's own (committed to
 the prefix tree only after its step), so no other step reads them half-loaded.
 """
@@ -39,16 +41,18 @@ from deepserve.tiers.token_bucket import TokenBucket
 
 log = logging.getLogger(__name__)
 
-LAYER_TIMEOUT_S = 10.0  # a forward waits this long for one layer, then the load is lost
+LAYER_TIMEOUT_S = 10.0  # a forward waits this long for one layer (or 4x its time at the
+# bucket's rate, if longer), then the load is lost
+WAIT_SLICE_S = 0.5  # while it waits, on_wait() every this often (the worker beats)
 
 
 class LayerLoad:
     """One load_layers op: S ring slots of (2, n, H, bs, D), n its disk blocks."""
 
     def __init__(self, op: CacheOp, pool: torch.Tensor, geometry, bucket: TokenBucket,
-                 host_slots: Callable[[str], torch.Tensor]):
+                 host_slots: Callable[[str], torch.Tensor], on_wait: Callable[[], None]):
         self.op, self.pool, self.geometry, self.bucket = op, pool, geometry, bucket
-        self.host_slots = host_slots
+        self.host_slots, self.on_wait = host_slots, on_wait
         self.num_layers = geometry.num_layers
         self.depth = max(1, min(op.layers, self.num_layers))
         self.disk = [i for i, s in enumerate(op.slots) if s == ON_DISK]
@@ -65,6 +69,9 @@ class LayerLoad:
         self.primed = self.closed = False
         self.cond = threading.Condition()
         self.reader: threading.Thread | None = None
+        layer_bytes = 2 * block_file.layer_nbytes(geometry) * len(self.disk)
+        self.layer_timeout_s = max(LAYER_TIMEOUT_S, 4 * layer_bytes / bucket.rate
+                                   if bucket.rate else 0.0)
 
     @property
     def staged_bytes(self) -> int:
@@ -187,15 +194,19 @@ class LayerLoad:
                 return
 
     def before_layer(self, j: int) -> None:
-        """Copy layer j in (waiting for its read); nothing once the load failed."""
-        if self.error is not None or not self.num_ok or not self.disk:
+        """Copy layer j in (waiting for its read): each layer read before a
+        failure, none after it."""
+        if not self.num_ok or not self.disk:
             return
+        deadline = time.monotonic() + self.layer_timeout_s
         with self.cond:
-            got = self.cond.wait_for(lambda: self.read > j or self.error is not None,
-                                     LAYER_TIMEOUT_S)
-            if not got:
-                self.error = f"layer {j} not read in {LAYER_TIMEOUT_S} s"
-            if self.error is not None:
+            while not self.cond.wait_for(lambda: self.read > j or self.error is not None,
+                                         WAIT_SLICE_S):
+                if time.monotonic() > deadline:
+                    self.error = f"layer {j} not read in {self.layer_timeout_s:.1f} s"
+                    break
+                self.on_wait()  # a bounded wait on storage, not a hang
+            if self.read <= j:  # failed before it
                 return
         rows = torch.tensor([self.op.block_ids[i] for i in self.disk], dtype=torch.long)
         slot = self.ring[j % self.depth, :, :len(self.disk)]  # (2, n, H, bs, D): kept rows
@@ -239,9 +250,16 @@ class LayerLoads:
         self.loads: dict[int, LayerLoad] = {}
         self.lock = threading.Lock()
         self.max_staged_bytes = 0  # the most ring memory one forward's loads held
+        self.num_waits = 0  # WAIT_SLICE_S slices a forward waited on a layer: progress
+        self.beat: Callable[[], None] = lambda: None  # the worker's heartbeat, if any
+
+    def _on_wait(self) -> None:
+        self.num_waits += 1
+        self.beat()
 
     def open(self, op: CacheOp) -> LayerLoad:
-        load = LayerLoad(op, self.pool, self.geometry, self.bucket, self.host_slots)
+        load = LayerLoad(op, self.pool, self.geometry, self.bucket, self.host_slots,
+                         self._on_wait)
         with self.lock:
             old, self.loads[op.seq_id] = self.loads.get(op.seq_id), load
         if old is not None:

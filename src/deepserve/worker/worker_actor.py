@@ -124,6 +124,7 @@ class _Worker:
         self.cache_exec = CacheExecutor(pool, self.tp.rank, self.tp.size, self.ctx,
                                         self.spec.step_done_address, cfg.storage_read_gbps)
         self.runner.layer_loads = self.cache_exec.layers  # consumed by their seq's forward
+        self.cache_exec.layers.beat = lambda: self.life.beat(self.progress(), self.in_step)
         self.out.put(WorkerReady(rank=self.tp.rank, pid=os.getpid(),
                                  kv_endpoint=self.kv_sender.endpoint))
 
@@ -165,7 +166,8 @@ class _Worker:
 
     # -- the loop (ActorLife.run beats between steps) ---------------------------
     def progress(self) -> dict[str, int]:
-        return {"steps": self.num_steps, "layers": self.num_layers}
+        waits = self.cache_exec.layers.num_waits if self.cache_exec is not None else 0
+        return {"steps": self.num_steps, "layers": self.num_layers, "layer_waits": waits}
 
     def attach_runner(self, runner) -> None:
         self.runner = runner
