@@ -188,8 +188,8 @@ def run_mode(mode: str, args, rate: float | None, seed: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="dpstore") as tmp:
         disk = Path(tmp) / "storage"
         node = Node(node_config(mode, args, disk))
-        node.start()
-        try:
+        try:  # an interrupt while it starts stops it too (its /dev/shm weight cache)
+            node.start()
             before = storage_reads(node.url)
             started = time.perf_counter()
             results, load = asyncio.run(run_load(node.url, agents(args, seed), rate,

@@ -305,6 +305,14 @@ def layered():
     kv.check_integrity()
 
 
+def disk_load(tiers, s, lease_id=3):
+    """A request whose 4 cacheable blocks are all on disk: its load_layers op."""
+    lookup = tiers.admit(s, 0.0).sends[0]
+    [op] = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=lease_id,
+                                  slots=[ON_DISK] * 4, disk_dir="/d"), 0.0).ops
+    return op
+
+
 def test_a_disk_hit_loads_layer_by_layer_into_the_requests_own_blocks(layered):
     kv, tiers = layered
     s = seq()  # 17 tokens: 5 blocks, 4 of them cacheable
@@ -330,16 +338,12 @@ def test_a_disk_hit_loads_layer_by_layer_into_the_requests_own_blocks(layered):
 def test_a_layered_load_cut_short_or_empty_at_its_prime(layered):
     kv, tiers = layered
     s = seq()
-    lookup = tiers.admit(s, 0.0).sends[0]
-    [op] = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=3,
-                                  slots=[ON_DISK] * 4, disk_dir="/d"), 0.0).ops
+    op = disk_load(tiers, s)
     effects = tiers.on_ops_done(done(op, num_ok=1, nbytes=64, corrupt=[op.hashes[1]]), 0.1)
     assert effects.ready == [s] and s.preloaded_tokens == 4  # the rest it computes
     assert TierDrop(model_key="m", hashes=[op.hashes[1]]) in effects.sends
     t = seq(seq_id=2, salt="u")
-    lookup = tiers.admit(t, 0.0).sends[0]
-    [op] = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=4,
-                                  slots=[ON_DISK] * 4, disk_dir="/d"), 0.0).ops
+    op = disk_load(tiers, t, lease_id=4)
     effects = tiers.on_ops_done(done(op, num_ok=0, error="gone"), 0.1)
     [drop] = effects.ops
     assert drop.kind == DROP_LAYERS and drop.seq_id == 2 and t.preloaded_tokens == 0
@@ -348,9 +352,7 @@ def test_a_layered_load_cut_short_or_empty_at_its_prime(layered):
 def test_a_layered_load_never_primed_is_dropped_and_computed(layered):
     kv, tiers = layered
     s = seq()
-    lookup = tiers.admit(s, 0.0).sends[0]
-    tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=3, slots=[ON_DISK] * 4,
-                           disk_dir="/d"), 0.0)
+    disk_load(tiers, s)
     assert not tiers.poll(5.0).ready  # within op_timeout_s
     effects = tiers.poll(11.0)
     [drop] = effects.ops
@@ -363,9 +365,7 @@ def test_a_layered_load_never_primed_is_dropped_and_computed(layered):
 def test_a_request_aborted_while_priming_frees_its_blocks_once(layered):
     kv, tiers = layered
     s = seq()
-    lookup = tiers.admit(s, 0.0).sends[0]
-    [op] = tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=3,
-                                  slots=[ON_DISK] * 4, disk_dir="/d"), 0.0).ops
+    op = disk_load(tiers, s)
     kv.free(s.seq_id)  # what Scheduler.finish does for it
     s.status = type(s.status).FINISHED
     effects = tiers.on_ops_done(done(op, nbytes=4 * 64), 0.1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from deepserve.messages.cache import LOAD_LAYERS, ON_DISK, BlockGeometry, CacheOp
 from deepserve.tiers import block_file as bf
 from deepserve.tiers.token_bucket import TokenBucket
+from deepserve.worker.cache_executor import host_to_pool
 from deepserve.worker.layer_loads import LAYER_TIMEOUT_S, LayerLoads
 
 L, H, BS, D, NB = 6, 2, 4, 8, 16
@@ -30,13 +32,21 @@ def write(tmp_path, hashes) -> None:
 
 
 def rig(tmp_path, rate=None, host=None):
+    """A pool and its LayerLoads; host: the host tier's slots, copied as the
+    cache executor copies them."""
     pool = torch.zeros(2, L, H, NB, BS, D)
-    return pool, LayerLoads(pool, GEOM, TokenBucket(rate), lambda segment: host)
+    return pool, LayerLoads(pool, GEOM, TokenBucket(rate), lambda op: host_to_pool(
+        pool, host, op.slots, op.block_ids, 0, H))
+
+
+def seqs(*seq_ids):
+    """A forward's scheduled sequences (only their ids matter here)."""
+    return [SimpleNamespace(seq_id=i) for i in seq_ids]
 
 
 def consume(loads, seq_ids=(7,)):
     """One forward of these sequences: every layer's hook, then its end."""
-    fwd = loads.forward(list(seq_ids))
+    fwd = loads.forward(seqs(*seq_ids))
     for j in range(L):
         fwd.before_layer(j)
     return fwd.end()
@@ -68,7 +78,7 @@ def test_the_reads_of_later_layers_overlap_the_forward(tmp_path):
     load = loads.open(CacheOp(1, LOAD_LAYERS, [0, 1], slots=[ON_DISK] * 2, hashes=[1, 2],
                               disk_dir=str(tmp_path), seq_id=7, layers=1))
     assert load.prime() == 2 and load.read == 1
-    fwd = loads.forward([7])
+    fwd = loads.forward(seqs(7))
     started = time.monotonic()
     for j in range(L):
         fwd.before_layer(j)
@@ -150,9 +160,9 @@ def test_dropped_and_other_sequences_loads_are_not_consumed(tmp_path):
     b = loads.open(CacheOp(2, LOAD_LAYERS, [1], slots=[ON_DISK], hashes=[2],
                            disk_dir=str(tmp_path), seq_id=8, layers=1))
     a.prime(), b.prime()
-    assert loads.forward([99]) is None  # a forward of other sequences takes none
+    assert loads.forward(seqs(99)) is None  # a forward of other sequences takes none
     loads.drop(7)  # the request ended, or the master gave up on the load
-    assert loads.forward([7]) is None and a.closed
+    assert loads.forward(seqs(7)) is None and a.closed
     assert consume(loads, seq_ids=(8,)) == []
     assert pool[:, :, :, 0].abs().sum() == 0 and torch.equal(pool[:, :, :, 1], block(2))
 
@@ -163,7 +173,7 @@ def test_closing_mid_forward_stops_the_reader(tmp_path):
     load = loads.open(CacheOp(1, LOAD_LAYERS, [0], slots=[ON_DISK], hashes=[1],
                               disk_dir=str(tmp_path), seq_id=7, layers=1))
     load.prime()
-    fwd = loads.forward([7])
+    fwd = loads.forward(seqs(7))
     fwd.before_layer(0)
     fwd.end()  # the forward failed after layer 0 (a worker error): the load goes
     assert load.reader is None or not load.reader.is_alive()
@@ -202,7 +212,7 @@ def test_a_forward_waiting_on_a_layer_beats_and_its_timeout_scales_with_the_buck
                               disk_dir=str(tmp_path), seq_id=7, layers=1))
     assert load.layer_timeout_s == max(LAYER_TIMEOUT_S, 4 * 1.2)
     load.prime()
-    fwd = loads.forward([7])
+    fwd = loads.forward(seqs(7))
     fwd.before_layer(0)
     fwd.before_layer(1)  # read during the forward: about 1.2 s of waiting
     assert len(beats) >= 1 and loads.num_waits == len(beats)

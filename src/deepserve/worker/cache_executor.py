@@ -46,6 +46,15 @@ from deepserve.worker.layer_loads import LayerLoad, LayerLoads
 log = logging.getLogger(__name__)
 
 
+def host_to_pool(pool: torch.Tensor, slots: torch.Tensor, slot_ids: list[int],
+                 block_ids: list[int], h0: int, h1: int) -> None:
+    """Host slots (num_slots, 2, L, H, bs, D) -> device blocks, KV heads h0..h1."""
+    s = torch.tensor(slot_ids, dtype=torch.long)
+    b = torch.tensor(block_ids, dtype=torch.long)
+    src = slots.index_select(0, s)[:, :, :, h0:h1]  # (n, 2, L, Hl, bs, D)
+    pool.index_copy_(3, b, src.permute(1, 2, 3, 0, 4, 5))
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -67,7 +76,7 @@ class CacheExecutor:
         self._host: tuple[str, object, torch.Tensor] | None = None  # name, shm, slots view
         self._host_lock = threading.Lock()
         self.die_in_stage = False  # drill (stage-die): exit 13 after a stage's first block
-        self.layers = LayerLoads(pool, self.geometry, self.bucket, self._slots)
+        self.layers = LayerLoads(pool, self.geometry, self.bucket, self._load_host)
         self._priming: dict[int, LayerLoad] = {}  # op id -> its load, until primed
         self.num_done = 0
         # two threads: copies in memory never queue behind storage reads (the bucket)
@@ -190,11 +199,8 @@ class CacheExecutor:
                 pass  # a view is still referenced: the mapping goes with the process
 
     def _load_host(self, op: CacheOp) -> int:
-        slots = self._slots(op.segment)
-        s = torch.tensor(op.slots, dtype=torch.long)
-        b = torch.tensor(op.block_ids, dtype=torch.long)
-        src = slots.index_select(0, s)[:, :, :, self.h0:self.h1]  # (n, 2, L, Hl, bs, D)
-        self.pool.index_copy_(3, b, src.permute(1, 2, 3, 0, 4, 5))
+        host_to_pool(self.pool, self._slots(op.segment), op.slots, op.block_ids, self.h0,
+                     self.h1)
         return len(op.block_ids)
 
     def _store_host(self, op: CacheOp) -> int:

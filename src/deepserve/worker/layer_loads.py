@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from deepserve.messages.cache import ON_DISK, CacheOp
+from deepserve.messages.cache import LOAD_HOST, ON_DISK, CacheOp
 from deepserve.messages.step import LoadLost
 from deepserve.tiers import block_file
 from deepserve.tiers.token_bucket import TokenBucket
@@ -50,9 +50,10 @@ class LayerLoad:
     """One load_layers op: S ring slots of (2, n, H, bs, D), n its disk blocks."""
 
     def __init__(self, op: CacheOp, pool: torch.Tensor, geometry, bucket: TokenBucket,
-                 host_slots: Callable[[str], torch.Tensor], on_wait: Callable[[], None]):
+                 load_host: Callable[[CacheOp], int], on_wait: Callable[[], None]):
+        """load_host: the cache executor's copy of a load_host op (host hits)."""
         self.op, self.pool, self.geometry, self.bucket = op, pool, geometry, bucket
-        self.host_slots, self.on_wait = host_slots, on_wait
+        self.load_host, self.on_wait = load_host, on_wait
         self.num_layers = geometry.num_layers
         self.depth = max(1, min(op.layers, self.num_layers))
         self.disk = [i for i, s in enumerate(op.slots) if s == ON_DISK]
@@ -118,14 +119,12 @@ class LayerLoad:
         rows = [i for i in range(n) if self.op.slots[i] != ON_DISK]
         if not rows:
             return
-        slots = self.host_slots(self.op.segment)
         with self.cond:
-            if self.closed:
-                return
-            s = torch.tensor([self.op.slots[i] for i in rows], dtype=torch.long)
-            b = torch.tensor([self.op.block_ids[i] for i in rows], dtype=torch.long)
-            src = slots.index_select(0, s)  # (m, 2, L, H, bs, D)
-            self.pool.index_copy_(3, b, src.permute(1, 2, 3, 0, 4, 5))
+            if not self.closed:
+                self.load_host(CacheOp(self.op.op_id, LOAD_HOST,
+                                       [self.op.block_ids[i] for i in rows],
+                                       slots=[self.op.slots[i] for i in rows],
+                                       segment=self.op.segment))
 
     def _trim(self, n: int) -> None:
         """The load now covers its first n blocks: disk rows past them go."""
@@ -244,12 +243,11 @@ class LayerLoads:
     primed on the storage thread, consumed by that sequence's next forward."""
 
     def __init__(self, pool: torch.Tensor, geometry, bucket: TokenBucket,
-                 host_slots: Callable[[str], torch.Tensor]):
-        self.pool, self.geometry, self.bucket, self.host_slots = pool, geometry, bucket, \
-            host_slots
+                 load_host: Callable[[CacheOp], int]):
+        self.pool, self.geometry, self.bucket, self.load_host = pool, geometry, bucket, \
+            load_host
         self.loads: dict[int, LayerLoad] = {}
         self.lock = threading.Lock()
-        self.max_staged_bytes = 0  # the most ring memory one forward's loads held
         self.num_waits = 0  # WAIT_SLICE_S slices a forward waited on a layer: progress
         self.beat: Callable[[], None] = lambda: None  # the worker's heartbeat, if any
 
@@ -258,7 +256,7 @@ class LayerLoads:
         self.beat()
 
     def open(self, op: CacheOp) -> LayerLoad:
-        load = LayerLoad(op, self.pool, self.geometry, self.bucket, self.host_slots,
+        load = LayerLoad(op, self.pool, self.geometry, self.bucket, self.load_host,
                          self._on_wait)
         with self.lock:
             old, self.loads[op.seq_id] = self.loads.get(op.seq_id), load
@@ -277,14 +275,16 @@ class LayerLoads:
         with self.lock:
             return [self.loads.pop(s) for s in seq_ids if s in self.loads]
 
-    def forward(self, seq_ids) -> "LayerForward | None":
-        loads = self.take(seq_ids)
+    def forward(self, seqs) -> "LayerForward | None":
+        """The loads of this forward's sequences (ScheduledSeq), begun; None
+        (at once, on the step loop) when no load is on the book."""
+        if not self.loads:
+            return None
+        loads = self.take(s.seq_id for s in seqs)
         if not loads:
             return None
         for load in loads:
             load.begin()
-        self.max_staged_bytes = max(self.max_staged_bytes,
-                                    sum(load.staged_bytes for load in loads))
         return LayerForward(loads)
 
     def close(self) -> None:

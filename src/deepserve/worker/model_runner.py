@@ -106,8 +106,7 @@ class ModelRunner:
         self._update_states(batch)
         self._resolve_placeholders(batch)
         input_ids, positions, meta = self._prepare(batch.seqs)
-        loads = (self.layer_loads.forward([s.seq_id for s in batch.seqs])
-                 if self.layer_loads is not None else None)
+        loads = self.layer_loads.forward(batch.seqs) if self.layer_loads is not None else None
         t1 = time.monotonic()
         try:
             with kernels.denormals_flushed():

@@ -35,10 +35,14 @@ from deepserve.tiers.cost_model import DISK, HOST
 class _Layered:
     seq: Sequence
     first_block: int  # its first block a lower tier fills
-    num_disk: int
+    slots: list[int]  # per block: a host slot, or ON_DISK
     lease_id: int
     started: float
     deadline: float
+
+    @property
+    def num_disk(self) -> int:
+        return self.slots.count(ON_DISK)
 
 
 class TierLayered:
@@ -64,10 +68,10 @@ class TierLayered:
                      hashes=[hashes[i] if msg.slots[i] == ON_DISK else 0 for i in rows],
                      segment=msg.segment, disk_dir=msg.disk_dir, seq_id=seq.seq_id,
                      layers=self.layers)
-        num_disk = sum(1 for s in op.slots if s == ON_DISK)
-        self.storage.num_blocks += num_disk
-        self.loads[op.op_id] = _Layered(seq, num_device + skip, num_disk, msg.lease_id, now,
-                                        now + self.storage.op_deadline_s())
+        load = _Layered(seq, num_device + skip, op.slots, msg.lease_id, now,
+                        now + self.storage.op_deadline_s())
+        self.storage.num_blocks += load.num_disk
+        self.loads[op.op_id] = load
         effects.ops.append(op)
 
     def on_done(self, msg: CacheOpsDone, now: float, effects: TierEffects) -> bool:
@@ -80,7 +84,7 @@ class TierLayered:
         self.channel.drop_corrupt(msg.corrupt, effects)
         seq = load.seq
         if msg.num_ok:
-            disk = msg.nbytes // (self.storage.block_bytes * self.channel.tp)
+            disk = load.slots[:msg.num_ok].count(ON_DISK)
             self.count(seq, DISK, disk, now - load.started)  # the wait for the first layers
             self.count(seq, HOST, msg.num_ok - disk)
         else:
