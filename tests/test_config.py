@@ -97,7 +97,8 @@ ENGINE_VALUES = {
     "enable_prefix_caching": False, "seed": 5, "tp": 2, "async_scheduling": False,
     "num_threads": 3, "startup_timeout_s": 77.0, "kv_transfer_backend": "tcp",
     "kv_transfer_layerwise": True, "kv_transfer_timeout_s": 9.0, "storage_read_gbps": 0.5,
-    "kv_bind_host": "10.0.0.7", "timeline_dir": "/tmp/timeline", "kv_load_layers": 3}
+    "kv_bind_host": "10.0.0.7", "timeline_dir": "/tmp/timeline", "kv_load_layers": 3,
+    "kv_stream_bytes": 1 << 20, "dualpath_hop": "stream"}
 """A valid non-default value of every engine option but `processes` (implied True)."""
 
 # (section, key, value in the TOML, role that uses it, what that role sees -> expected)
@@ -214,7 +215,9 @@ WITH = {("cluster", "port"): {"host": "10.0.0.2"}, ("cluster", "head"): {"host":
         ("cluster", "secure"): {"host": "10.0.0.2"},
         ("cluster", "standby"): {"host": "10.0.0.2", "head": "10.0.0.1:7400"},
         ("cluster", "failover_s"): {"host": "10.0.0.2", "head": "10.0.0.1:7400"},
-        ("cluster", "state_dir"): {"host": "10.0.0.2"}}
+        ("cluster", "state_dir"): {"host": "10.0.0.2"},
+        ("te", "dualpath_hop"): {"kv_stream_bytes": 1 << 20},
+        ("model", "dualpath_hop"): {"kv_stream_bytes": 1 << 20}}
 """Keys a case needs next to its own (a joining node needs its host)."""
 SECTION_TYPES = {"node": NodeSection, "gateway": GatewaySection, "router": RouterSection,
                  "supervisor": SupervisorConfig, "te": TESection, "model": ModelSection,
@@ -244,8 +247,11 @@ def test_key_reaches_its_process(tmp_path, section, key, value, role, sees):
     else:
         tables.setdefault(section, {})[key] = value
     both = {section: WITH[section, key]} if (section, key) in WITH else {}
+    if section in ("te", "model"):  # an array of tables: the keys go into its first
+        tables[section][0].update(both.pop(section, {}))
+        both = {"te": [WITH[section, key]]} if (section, key) in WITH else {}
     for name, table in both.items():
-        tables[name] = {**table, **tables[name]}
+        tables[name] = {**table, **tables[name]} if name != "te" else tables[name]
     settings = effective(role, write_toml(tmp_path, tables))
     assert sees(settings, tmp_path), settings
     (tmp_path / "default").mkdir()
@@ -497,6 +503,20 @@ def test_kv_load_layers_at_and_past_its_bounds(value, tp, ok):
         assert EngineConfig(model="m", **options).kv_load_layers == value
     else:
         with pytest.raises(ValueError, match="kv_load_layers"):
+            EngineConfig(model="m", **options)
+
+
+@pytest.mark.parametrize("size, hop, ok", [
+    (0, "auto", True), (1, "auto", True), (1, "stream", True), (0, "stream", False),
+    (-1, "auto", False), (True, "auto", False), (1.0, "auto", False), (1, "host", False),
+    (1, "", False)])
+def test_kv_stream_bytes_and_dualpath_hop_at_and_past_their_bounds(size, hop, ok):
+    """Streams need buffer bytes (0: none); the hop is auto or stream."""
+    options = dict(kv_stream_bytes=size, dualpath_hop=hop)
+    if ok:
+        assert EngineConfig(model="m", **options).kv_stream_bytes == size
+    else:
+        with pytest.raises(ValueError, match="kv_stream_bytes|dualpath_hop"):
             EngineConfig(model="m", **options)
 
 

@@ -23,6 +23,10 @@ Modes (one node each, one at a time):
   pe_only   [router] dualpath.read_paths = "prefill": the prefill TE always reads
   dualpath  the scheduler picks the side with the shorter storage read queue
   oracle    dualpath with no storage_read_gbps: storage I/O costs no bandwidth
+  dualpath_stream (only with --modes): dualpath with the decode TEs streaming what
+            they read to the prefill TE a layer at a time (dualpath_hop = "stream",
+            kv_stream_bytes: their own buffer, not the host tier; what a prefill TE
+            on another host gets: transfer/layer_stream.py)
 An agent is a session of --turns turns: turn 1 sends its context, every later
 turn the whole trajectory so far (the replies included) plus an append.
 Agents arrive open-loop (Poisson, --rates agents/s, same seeded trace for
@@ -70,7 +74,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is no package
 from bench_stats import percentile  # noqa: E402
 import traces  # noqa: E402
 
-MODES = ("pe_only", "dualpath", "oracle")
+MODES = ("pe_only", "dualpath", "oracle")  # the default --modes
+ALL_MODES = ("pe_only", "dualpath", "dualpath_stream", "oracle")
+STREAM_BYTES = 256 << 20  # a decode TE's layer-stream buffer (dualpath_stream)
 ONLINE_GBPS = 0.01
 OFFLINE_GBPS = 0.005  # PE-only's read queues stay long while the CPUs idle (conf/dualpath.toml)
 
@@ -80,9 +86,11 @@ def node_config(mode: str, args, disk: Path):
         "port": free_port(), "model": str(args.model), "served_model": "m",
         "host_cache_bytes": int(args.host_mib * (1 << 20)), "disk_cache_dir": str(disk)})
     gbps = None if mode == "oracle" else args.storage_gbps
+    stream = {"kv_stream_bytes": STREAM_BYTES, "dualpath_hop": "stream"}
     tes = tuple(msgspec.structs.replace(te, options={
         **te.options, "storage_read_gbps": gbps, "num_kv_blocks":
-            args.decode_blocks if te.te_type == "decode" else args.device_blocks})
+            args.decode_blocks if te.te_type == "decode" else args.device_blocks,
+        **(stream if mode == "dualpath_stream" and te.te_type == "decode" else {})})
         for te in config.tes)
     dualpath = msgspec.structs.replace(config.router.dualpath,
                                        read_paths="prefill" if mode == "pe_only" else "both")
@@ -234,7 +242,7 @@ def table(runs: list[dict], args) -> str:
              "MB prefill path | MB decode path | balance max/mean | failed |",
              "|" + "---|" * 10]
     for rate in args.rates:
-        for mode in MODES:
+        for mode in args.modes:
             rows = [r for r in runs if r["mode"] == mode and r["rate"] == rate]
             if not rows:
                 continue
@@ -249,7 +257,7 @@ def table(runs: list[dict], args) -> str:
                 f"{'-' if bal is None else f'{bal:.2f}'} | "
                 f"{sum(r['agents_failed'] for r in rows)} |")
     lines.append("")
-    for mode in MODES:
+    for mode in args.modes:
         within = [rate for rate in args.rates
                   if (m := med([r for r in runs if r["mode"] == mode and r["rate"] == rate],
                                "jct_p90_s")[0]) is not None and m <= args.slo_s]
@@ -268,7 +276,7 @@ def offline_table(runs: list[dict]) -> str:
     lines = ["| mode | JCT (s) | CPU busy | read queue (tokens, mean) | hit rate | "
              "MB prefill path | MB decode path | decode-path requests | failed |",
              "|" + "---|" * 9]
-    for mode in MODES:
+    for mode in ALL_MODES:
         rows = [r for r in runs if r["mode"] == mode]
         if not rows:
             continue
@@ -284,7 +292,8 @@ def offline_table(runs: list[dict]) -> str:
     by_round: dict[int, dict[str, float]] = {}
     for r in runs:
         by_round.setdefault(r["round"], {})[r["mode"]] = r["jct_s"]
-    for a, b in (("pe_only", "dualpath"), ("dualpath", "oracle")):
+    for a, b in (("pe_only", "dualpath"), ("dualpath", "oracle"),
+                 ("pe_only", "dualpath_stream"), ("dualpath_stream", "oracle")):
         ratios = [m[a] / m[b] for m in by_round.values() if a in m and b in m]
         if ratios:
             lines.append(f"JCT {a} / {b}: median {statistics.median(ratios):.2f} "
@@ -300,7 +309,7 @@ def plot(runs: list[dict], args, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode in MODES:
+    for mode in args.modes:
         xs, ys = [], []
         for rate in args.rates:
             v = med([r for r in runs if r["mode"] == mode and r["rate"] == rate], "jct_p50_s")[0]
@@ -342,7 +351,12 @@ def parse_args(argv=None):
     ap.add_argument("--slo-s", type=float, default=20.0)
     ap.add_argument("--png", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
+                    help=f"comma-separated, in the order each round runs them: {ALL_MODES}")
     args = ap.parse_args(argv)
+    unknown = [m for m in args.modes if m not in ALL_MODES]
+    if unknown or not args.modes:
+        ap.error(f"--modes: unknown {unknown}; known {ALL_MODES}")
     if args.storage_gbps is None:
         args.storage_gbps = OFFLINE_GBPS if args.offline else ONLINE_GBPS
     return args
@@ -353,7 +367,7 @@ def main_offline(args) -> None:
     in every mode, modes interleaved round by round."""
     runs = []
     for round_no in range(args.rounds):
-        for mode in MODES:
+        for mode in args.modes:
             row = run_mode(mode, args, None, seed=100 * round_no)
             row = {"round": round_no, "jct_s": row["wall_s"], **row}  # the batch's completion
             runs.append(row)
@@ -370,7 +384,7 @@ def main(argv=None) -> None:
     runs = []
     for round_no in range(args.rounds):
         for rate in args.rates:
-            for mode in MODES:
+            for mode in args.modes:
                 row = run_mode(mode, args, rate, seed=100 * round_no + int(rate * 10))
                 runs.append(row)
                 print(json.dumps(row), flush=True)

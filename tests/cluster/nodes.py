@@ -27,10 +27,10 @@ def conf(path: Path, text: str) -> str:
 
 
 def head_conf(d: Path, model: Path, host: str, cluster: str = "", node: str = "",
-              tables: str = "") -> str:
+              tables: str = "", router: str = "") -> str:
     """The head: cluster manager, job executor, gateway, no TE; long prompts go
-    prefill + decode. `cluster` / `node`: more [cluster] / [node] lines; `tables`:
-    more tables ([[model]], [scaling])."""
+    prefill + decode. `cluster` / `node` / `router`: more lines of those tables;
+    `tables`: more tables ([[model]], [scaling])."""
     return conf(d / "head.toml", f"""
 [node]
 model = "{model}"
@@ -43,6 +43,7 @@ api_keys = {{ "{KEY}" = "a" }}
 [router]
 pd_policy = "threshold"
 pd_options = {{ min_prompt_len = 100, max_decode_len = 10000 }}
+{router}
 [supervisor]
 log_dir = "{d / 'head-logs'}"
 [cluster]
@@ -55,9 +56,10 @@ port = {PORT}
 
 def node_conf(d: Path, model: Path, name: str, host: str, head: str, tes: list[str],
               cluster: str = "", tables: str = "", supervisor: str = "",
-              node: str = "") -> str:
-    """A node joining `head` with one TE of each type in `tes`; `tables`: more
-    tables ([[model]] on a standby head); `supervisor` / `node`: more lines of them."""
+              node: str = "", te: str = TE) -> str:
+    """A node joining `head` with one TE of each type in `tes`, each with the
+    lines `te`; `tables`: more tables ([[model]] on a standby head);
+    `supervisor` / `node`: more lines of them."""
     return conf(d / f"{name}.toml", f"""
 [node]
 model = "{model}"
@@ -72,7 +74,7 @@ host = "{host}"
 head = "{head}:{PORT}"
 name = "{name}"
 {cluster}
-""" + "".join(f'[[te]]\ntype = "{t}"\n{TE}' for t in tes) + tables)
+""" + "".join(f'[[te]]\ntype = "{t}"\n{te}' for t in tes) + tables)
 
 
 class Cluster:
@@ -117,6 +119,18 @@ class Cluster:
                                  text=True)
         out, _ = proc.communicate(timeout=timeout)
         return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def complete(self, body: dict, timeout: float = 120.0) -> dict:
+        """POST /v1/completions from h0 (model "tiny", greedy, token ids in logprobs);
+        its 200 body, with "ids" added: the completion's token ids."""
+        body = {"model": "tiny", "temperature": 0, "logprobs": 0, **body}
+        proc = self.hosts.python(0, "tests.cluster.client", "post", URL, "/v1/completions",
+                                 KEY, json.dumps(body), stdout=subprocess.PIPE, text=True)
+        out, _ = proc.communicate(timeout=timeout)
+        answer = json.loads(out.splitlines()[-1])
+        assert answer["status"] == 200, (answer, self.logs())
+        tokens = answer["body"]["choices"][0]["logprobs"]["tokens"]
+        return {**answer["body"], "ids": [int(t.split(":")[1]) for t in tokens]}
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:]

@@ -13,10 +13,8 @@ come from h1's tier, over tcp. The tokens are the greedy ones.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import time
 
 import pytest
@@ -44,17 +42,8 @@ def cluster(hosts, tiny_model, tmp_path_factory):
 
 
 def _complete(cluster, prompt: str, max_tokens: int) -> dict:
-    proc = cluster.hosts.python(0, "tests.cluster.client", "post", URL, "/v1/completions", KEY,
-                                json.dumps({"model": "tiny", "prompt": prompt,
-                                            "max_tokens": max_tokens, "temperature": 0,
-                                            "logprobs": 1}),
-                                stdout=subprocess.PIPE, text=True)
-    out, _ = proc.communicate(timeout=120)
-    answer = json.loads(out.splitlines()[-1])
-    assert answer["status"] == 200, (answer, cluster.logs())
-    body = answer["body"]
-    ids = [int(t.split(":")[1]) for t in body["choices"][0]["logprobs"]["tokens"]]
-    return {"ids": ids, "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]}
+    body = cluster.complete({"prompt": prompt, "max_tokens": max_tokens, "logprobs": 1})
+    return {"ids": body["ids"], "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]}
 
 
 def test_a_prompt_hits_another_hosts_tier(cluster, hosts, tiny_model, greedy):

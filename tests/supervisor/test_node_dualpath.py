@@ -137,6 +137,14 @@ def lookups(url: str, outcome: str) -> float:
                if s.name == "deepserve_tier_lookups_total" and s.labels["outcome"] == outcome)
 
 
+def hit_tokens(url: str, tier: str) -> float:
+    """deepserve_cache_hit_tokens_total of one tier."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "deepserve_cache_hit_tokens_total" and s.labels["tier"] == tier)
+
+
 def test_dualpath_de_fail_drill(node):
     """A decode TE dies half-way through reading storage for its prefill TE:
     the fault is proven (its hook fired, the TE crashed), nothing is lost.

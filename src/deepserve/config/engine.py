@@ -73,6 +73,16 @@ class EngineConfig:
     ring of N layers, the first N read before the request queues and the rest
     during its prefill, each just before its layer computes (DualPath's
     layer-wise prefill: worker/layer_loads.py)."""
+    kv_stream_bytes: int = 0
+    """Host memory a decode TE may hold as layer streams (DualPath's decode read
+    path: the disk hits it reads for a prefill TE, which pulls them a layer at a
+    time during its forward, over tcp: transfer/layer_stream.py); 0: none, and
+    staged hits go through the node's host tier, which only prefill TEs of
+    this host can read. The prefill TE needs kv_load_layers > 0 to pull them."""
+    dualpath_hop: str = "auto"
+    """How a decode TE hands the hits it read to its prefill TE: "auto" streams
+    them to a prefill TE on another host (with kv_stream_bytes) and stages them
+    in the host tier for one on this host; "stream" streams them to every one."""
     timeline_dir: str | None = None
     """A folder where each of the TE's processes writes its step timeline (the
     parts of every step, timed) when it stops: tools/profile_step.py --engine
@@ -102,6 +112,14 @@ class EngineConfig:
                              f"got {self.kv_load_layers!r}")
         if self.kv_load_layers and self.tp != 1:
             raise ValueError("kv_load_layers needs tp = 1 (each layer is read whole)")
+        if (isinstance(self.kv_stream_bytes, bool) or not isinstance(self.kv_stream_bytes, int)
+                or self.kv_stream_bytes < 0):
+            raise ValueError(f"kv_stream_bytes must be an integer >= 0, "
+                             f"got {self.kv_stream_bytes!r}")
+        if self.dualpath_hop not in ("auto", "stream"):
+            raise ValueError(f"dualpath_hop must be auto or stream, got {self.dualpath_hop!r}")
+        if self.dualpath_hop == "stream" and not self.kv_stream_bytes:
+            raise ValueError("dualpath_hop = \"stream\" needs kv_stream_bytes > 0")
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if self.tp > 1 and not self.processes:

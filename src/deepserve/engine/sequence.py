@@ -38,6 +38,7 @@ class Sequence:
         self.preloaded_tokens: int | None = None  # it holds its blocks, these filled
         # (or being filled, layer by layer) by a lower tier: engine/tiers/layered.py
         self.tier_tokens: dict[str, int] = {}  # prompt tokens fetched per lower tier
+        self.kv_stream = None  # DualPath: a KVStream (messages/pd.py) of hits read for it
         self.kv_from_peer = False  # a decode task: its prompt's KV came from a prefill TE
         self.pin_context = None  # a ContextPin: its blocks are pinned before it ends
         self.tenant: str | None = None  # who pays (the scheduler's light-tenant steps)

@@ -85,7 +85,8 @@ class GatewayMetrics:
             buckets=_TPOT_BUCKETS + (5.0, 10.0, 30.0), registry=r)
         self.cache_hit_tokens = Counter(
             "deepserve_cache_hit_tokens", "Prompt tokens served from the KV cache instead of "
-            "computed, by the tier they came from (device, host, disk)", ["tier"], registry=r)
+            "computed, by the tier they came from (device, host, disk; stream: a decode "
+            "TE's layer stream, DualPath)", ["tier"], registry=r)
         self.cache_bytes = Gauge("deepserve_cache_bytes", "Bytes of KV blocks held, per tier "
                                  "(device: all TEs' prefix trees)", ["tier"], registry=r)
         self.cache_fetch_seconds = Histogram(

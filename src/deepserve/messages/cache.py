@@ -76,6 +76,8 @@ class TierHits(msgspec.Struct, tag="tier_hits", **_STRUCT):
 
 ON_DISK = -1
 """A TierHits slot: the block is in a file, not in host memory."""
+ON_STREAM = -2
+"""A load_layers slot: the block comes from the decode TE's layer stream (CacheOp.stream)."""
 NO_SLOT = -1
 """A TierReserved slot: nothing to write (present already, or no room)."""
 
@@ -190,6 +192,7 @@ class PeerBlocks(msgspec.Struct, tag="peer_blocks", **_STRUCT):
 # -- master -> workers (inside a StepBatch) ------------------------------------------
 LOAD_HOST, LOAD_DISK, STORE_HOST, STAGE_DISK = "load_host", "load_disk", "store_host", "stage"
 LOAD_LAYERS, DROP_LAYERS = "load_layers", "drop_layers"
+STAGE_STREAM, DROP_STREAM = "stage_stream", "drop_stream"
 
 
 class CacheOp(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -204,7 +207,13 @@ class CacheOp(msgspec.Struct, array_like=True, omit_defaults=True):
                 tp 1): the first `layers` layers are read now (CacheOpsDone then),
                 the rest during that sequence's next forward, each copied in just
                 before its layer computes
+                ON_STREAM: row stream_rows[k] of the layer stream at `stream` (the
+                k-th such block), pulled a layer at a time (DualPath's DE -> PE hop)
     drop_layers the layered load of seq_id is not wanted (block_ids unused)
+    stage_stream the block files of hashes -> a buffer served as layer stream seq_id
+                (rank 0; transfer/layer_stream.py): DualPath's DE read path when the
+                prefill TE is on another host. CacheOpsDone.stream: its address
+    drop_stream the layer stream seq_id is not wanted any more
     Loads stop at the first block that fails (CacheOpsDone.num_ok); disk reads
     (load_disk, stage, load_layers) go through the TE's storage_read_gbps bucket."""
 
@@ -217,6 +226,9 @@ class CacheOp(msgspec.Struct, array_like=True, omit_defaults=True):
     disk_dir: str = ""
     seq_id: int = -1
     layers: int = 0
+    stream: str = ""  # load_layers: the layer stream's address
+    stream_id: int = -1  # load_layers: its id there
+    stream_rows: list[int] = []  # load_layers: the stream row of each ON_STREAM block
 
 
 class CacheOpsDone(msgspec.Struct, tag="cache_ops_done", **_STRUCT):
@@ -230,3 +242,4 @@ class CacheOpsDone(msgspec.Struct, tag="cache_ops_done", **_STRUCT):
     seconds: float = 0.0
     error: str | None = None
     corrupt: list[int] = []
+    stream: str = ""  # stage_stream: where the blocks are served

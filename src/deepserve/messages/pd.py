@@ -62,6 +62,16 @@ class KVEndpoint(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     tcp: str | None = None
 
 
+class KVStream(msgspec.Struct, kw_only=True, frozen=True):
+    """DualPath's decode read path across hosts: the decode TE read these
+    blocks of the prompt from its storage and serves them as a layer stream
+    (transfer/layer_stream.py) the prefill TE pulls during its forward."""
+
+    address: str
+    stream_id: int
+    hashes: list[int]  # the blocks' hashes, rows 0.. of the stream, in prompt order
+
+
 class PrefillOrder(msgspec.Struct, tag="prefill_order", **_STRUCT):
     """Decode TE -> prefill TE: compute this prompt's KV and write blocks
     skip_blocks.. of it into dst_block_ids of my pool (one endpoint per rank)."""
@@ -76,6 +86,7 @@ class PrefillOrder(msgspec.Struct, tag="prefill_order", **_STRUCT):
     dst_te: str
     dst_endpoints: list[KVEndpoint]
     reply_to: str  # the decode master's PD address
+    kv_stream: KVStream | None = None  # DualPath: hit blocks the decode TE read for us
 
 
 class KVReady(msgspec.Struct, tag="kv_ready", **_STRUCT):

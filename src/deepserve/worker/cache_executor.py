@@ -16,6 +16,9 @@ the TEs that write or read it. The forward never waits for these copies:
   load_layers is primed here (the storage thread) and finished by its
       sequence's next forward (layer_loads.py); it writes only that
       sequence's own blocks.
+  stage_stream reads block files into a buffer of this worker's own, served
+      as a layer stream (transfer/layer_stream.py) for a prefill TE on
+      another host, until drop_stream (or nobody pulls it for its ttl).
 
 Each thread owns its socket; copies are torch ops on the pool and on the
 host pool's shared memory (attached by name, the mapping kept until the
@@ -36,11 +39,13 @@ import zmq
 
 from deepserve.ipc.segments import attach_segment
 from deepserve.ipc.sockets import PushSocket
-from deepserve.messages.cache import (DROP_LAYERS, LOAD_DISK, LOAD_HOST, LOAD_LAYERS, ON_DISK,
-                                      STAGE_DISK, STORE_HOST, BlockGeometry, CacheOp,
+from deepserve.messages.cache import (DROP_LAYERS, DROP_STREAM, LOAD_DISK, LOAD_HOST,
+                                      LOAD_LAYERS, ON_DISK, ON_STREAM, STAGE_DISK,
+                                      STAGE_STREAM, STORE_HOST, BlockGeometry, CacheOp,
                                       CacheOpsDone)
 from deepserve.tiers import block_file
 from deepserve.tiers.token_bucket import TokenBucket
+from deepserve.transfer.layer_stream import LayerStreamServer
 from deepserve.worker.layer_loads import LayerLoad, LayerLoads
 
 log = logging.getLogger(__name__)
@@ -60,10 +65,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class CacheExecutor:
-    """pool: this rank's (2, L, Hl, NB, bs, D) KV pool; the model has Hl * tp KV heads."""
+    """pool: this rank's (2, L, Hl, NB, bs, D) KV pool; the model has Hl * tp KV heads.
+    stream: (bind, max bytes, ttl s) of the layer streams rank 0 serves for stage_stream
+    ("tcp://HOST:0"; None: no stage_stream here)."""
 
     def __init__(self, pool: torch.Tensor, rank: int, tp: int, ctx: zmq.Context,
-                 done_address: str, storage_read_gbps: float | None = None):
+                 done_address: str, storage_read_gbps: float | None = None,
+                 stream: tuple[str, int, float] | None = None):
         two, layers, local_heads, self.num_blocks, bs, dim = pool.shape
         self.pool, self.rank = pool, rank
         self.h0, self.h1 = rank * local_heads, (rank + 1) * local_heads
@@ -76,7 +84,11 @@ class CacheExecutor:
         self._host: tuple[str, object, torch.Tensor] | None = None  # name, shm, slots view
         self._host_lock = threading.Lock()
         self.die_in_stage = False  # drill (stage-die): exit 13 after a stage's first block
-        self.layers = LayerLoads(pool, self.geometry, self.bucket, self._load_host)
+        self.layers = LayerLoads(pool, self.geometry, self.bucket, self._load_host, ctx)
+        self.streams = None
+        if stream is not None and rank == 0:
+            bind, max_bytes, ttl_s = stream
+            self.streams = LayerStreamServer(bind, ctx, max_bytes=max_bytes, ttl_s=ttl_s)
         self._priming: dict[int, LayerLoad] = {}  # op id -> its load, until primed
         self.num_done = 0
         # two threads: copies in memory never queue behind storage reads (the bucket)
@@ -94,9 +106,13 @@ class CacheExecutor:
             if op.kind == DROP_LAYERS:
                 self.layers.drop(op.seq_id)
                 continue
+            if op.kind == DROP_STREAM:
+                if self.streams is not None:
+                    self.streams.drop(op.seq_id)
+                continue
             if op.kind == LOAD_LAYERS and self._is_valid(op):  # else it fails in run()
                 self._priming[op.op_id] = self.layers.open(op)
-            disk = op.kind in (LOAD_DISK, STAGE_DISK, LOAD_LAYERS)
+            disk = op.kind in (LOAD_DISK, STAGE_DISK, LOAD_LAYERS, STAGE_STREAM)
             self._queues["storage" if disk else "memory"].put(op)
 
     def close(self) -> None:
@@ -105,6 +121,8 @@ class CacheExecutor:
         self.layers.close()
         for t in self._threads:
             t.join(5)
+        if self.streams is not None:
+            self.streams.close()
         self._detach()
 
     # -- the threads -------------------------------------------------------------------
@@ -133,6 +151,8 @@ class CacheExecutor:
                 num_ok, error, corrupt = self._load_disk(op)
             elif op.kind == STAGE_DISK:
                 num_ok, error, corrupt = self._stage(op)
+            elif op.kind == STAGE_STREAM:
+                num_ok, error, corrupt = self._stage_stream(op)
             elif op.kind == LOAD_LAYERS:
                 load = self._priming.pop(op.op_id)  # opened by submit() once _check passed
                 num_ok, error, corrupt = load.prime(), load.prime_error, load.corrupt
@@ -143,14 +163,15 @@ class CacheExecutor:
             log.warning("cache op %d (%s) failed: %s", op.op_id, op.kind, error)
         self.num_done += 1
         per_block = block_file.block_nbytes(self.geometry) // self.tp  # this rank's heads
-        if op.kind == STAGE_DISK:  # whole blocks, by rank 0 alone
+        if op.kind in (STAGE_DISK, STAGE_STREAM):  # whole blocks, by rank 0 alone
             per_block = self.tp * per_block if self.rank == 0 else 0
         nbytes = num_ok * per_block
         if op.kind == LOAD_LAYERS:  # its disk blocks, read now and during the forward
             nbytes = sum(1 for s in op.slots[:num_ok] if s == ON_DISK) * per_block
+        stream = self.streams.address if op.kind == STAGE_STREAM and self.streams else ""
         return CacheOpsDone(rank=self.rank, op_id=op.op_id, num_ok=num_ok, nbytes=nbytes,
                             seconds=time.perf_counter() - started, error=error,
-                            corrupt=corrupt)
+                            corrupt=corrupt, stream=stream)
 
     def _is_valid(self, op: CacheOp) -> bool:
         try:
@@ -163,7 +184,7 @@ class CacheExecutor:
         if any(not 0 <= b < self.num_blocks for b in op.block_ids):
             raise ValueError(f"device block id out of range [0, {self.num_blocks})")
         n = len(op.block_ids)
-        if op.kind == STAGE_DISK:
+        if op.kind in (STAGE_DISK, STAGE_STREAM):
             n = len(op.hashes)
         if op.kind in (LOAD_HOST, STORE_HOST, STAGE_DISK) and len(op.slots) != n:
             raise ValueError(f"{len(op.slots)} slots for {n} blocks")
@@ -171,6 +192,9 @@ class CacheExecutor:
             raise ValueError(f"{len(op.hashes)} hashes for {n} blocks")
         if op.kind == LOAD_LAYERS and (self.tp != 1 or len(op.slots) != n):
             raise ValueError("a layered load needs tp 1 and a slot (or ON_DISK) per block")
+        if op.kind == LOAD_LAYERS and len(op.stream_rows) != op.slots.count(ON_STREAM):
+            raise ValueError(f"{len(op.stream_rows)} stream rows for "
+                             f"{op.slots.count(ON_STREAM)} stream blocks")
 
     def _slots(self, segment: str) -> torch.Tensor:
         """The host pool as (num_slots, 2, L, H, bs, D), attached once per name."""
@@ -251,3 +275,30 @@ class CacheExecutor:
                           len(op.hashes))
                 os._exit(13)
         return len(op.hashes), None, []
+
+    def _stage_stream(self, op: CacheOp) -> tuple[int, str | None, list[int]]:
+        """Block files -> a buffer served as layer stream op.seq_id, by rank 0
+        (it holds every head); as many leading blocks as the buffer has room for."""
+        if self.rank != 0:
+            return len(op.hashes), None, []
+        if self.streams is None:
+            return 0, "this worker serves no layer streams", []
+        nbytes = block_file.block_nbytes(self.geometry)
+        n = min(len(op.hashes), self.streams.room(nbytes))
+        blocks = torch.empty((n, *self.block_shape), dtype=self.pool.dtype)
+        ok, failed = n, None
+        for i, h in enumerate(op.hashes[:n]):
+            failed = self._read(op, h, blocks[i].view(-1).view(torch.uint8).numpy(), nbytes)
+            if failed is not None:
+                ok = i
+                break
+            if self.die_in_stage:  # as a decode TE that fails while it streams KV
+                log.error("drill: stage-die after %d of %d blocks: exit 13", i + 1, n)
+                os._exit(13)
+        if ok:
+            self.streams.put(op.seq_id, blocks[:ok])
+        if failed is not None:
+            return ok, *failed
+        if n < len(op.hashes):
+            return n, f"stream buffer full: {n} of {len(op.hashes)} blocks", []
+        return n, None, []

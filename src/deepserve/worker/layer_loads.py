@@ -7,7 +7,9 @@ one (DualPath's layer-wise prefill; tp 1).
   master ──load_layers──> LayerLoads.open (the worker's main thread): a LayerLoad
       storage thread, prime(): open every block file (header, trailer: a file
           removed later is still read through its descriptor), copy the host
-          hits whole, read layers 0..S-1 of the disk hits into the ring
+          hits whole, read layers 0..S-1 of the disk hits into the ring (and
+          pull those of the stream hits: ON_STREAM rows, served by the decode
+          TE that read them from its storage, transfer/layer_stream.py)
           ──CacheOpsDone(num_ok: the leading blocks it could get)──> master,
           which queues the request with those blocks as its own
   that sequence's next forward (ModelRunner.execute):
@@ -20,7 +22,8 @@ one (DualPath's layer-wise prefill; tp 1).
 
 A forward waiting on a layer is progress for the supervisor (num_waits, a
 beat every WAIT_SLICE_S), bounded by the layer's timeout: past it the load is
-lost, never a hang. Staging memory is S layers of the load's disk blocks (S = CacheOp.layers),
+lost, never a hang. Staging memory is S layers of the load's disk and stream blocks
+(S = CacheOp.layers),
 `staged_bytes`; the pool blocks written are the sequence's own (committed to
 the prefix tree only after its step), so no other step reads them half-loaded.
 """
@@ -33,11 +36,14 @@ import time
 from typing import Callable
 
 import torch
+import zmq
 
-from deepserve.messages.cache import LOAD_HOST, ON_DISK, CacheOp
+from deepserve.messages.cache import LOAD_HOST, ON_DISK, ON_STREAM, CacheOp
 from deepserve.messages.step import LoadLost
 from deepserve.tiers import block_file
 from deepserve.tiers.token_bucket import TokenBucket
+from deepserve.transfer.layer_stream import LayerStreamClient
+from deepserve.transfer.types import TransferError
 
 log = logging.getLogger(__name__)
 
@@ -47,20 +53,24 @@ WAIT_SLICE_S = 0.5  # while it waits, on_wait() every this often (the worker bea
 
 
 class LayerLoad:
-    """One load_layers op: S ring slots of (2, n, H, bs, D), n its disk blocks."""
+    """One load_layers op: S ring slots of (2, n, H, bs, D), n its disk and stream blocks."""
 
     def __init__(self, op: CacheOp, pool: torch.Tensor, geometry, bucket: TokenBucket,
-                 load_host: Callable[[CacheOp], int], on_wait: Callable[[], None]):
-        """load_host: the cache executor's copy of a load_host op (host hits)."""
+                 load_host: Callable[[CacheOp], int], on_wait: Callable[[], None],
+                 ctx: zmq.Context | None = None):
+        """load_host: the cache executor's copy of a load_host op (host hits);
+        ctx: for the stream's socket (ON_STREAM rows)."""
         self.op, self.pool, self.geometry, self.bucket = op, pool, geometry, bucket
-        self.load_host, self.on_wait = load_host, on_wait
+        self.load_host, self.on_wait, self.ctx = load_host, on_wait, ctx
         self.num_layers = geometry.num_layers
         self.depth = max(1, min(op.layers, self.num_layers))
-        self.disk = [i for i, s in enumerate(op.slots) if s == ON_DISK]
+        self.disk = [i for i, s in enumerate(op.slots) if s in (ON_DISK, ON_STREAM)]
         _, _, heads, _, bs, dim = pool.shape
         self.ring = torch.empty((self.depth, 2, len(self.disk), heads, bs, dim),
                                 dtype=pool.dtype)
-        self.files: list[block_file.LayerFile] = []
+        # per ring row (self.disk): its open block file, or its row of the stream
+        self.sources: list[block_file.LayerFile | int] = []
+        self.stream: LayerStreamClient | None = None
         self.num_ok = 0  # leading blocks (of op.block_ids) the load brings
         self.corrupt: list[int] = []
         self.prime_error: str | None = None  # why the load ends before its last block
@@ -70,7 +80,7 @@ class LayerLoad:
         self.primed = self.closed = False
         self.cond = threading.Condition()
         self.reader: threading.Thread | None = None
-        layer_bytes = 2 * block_file.layer_nbytes(geometry) * len(self.disk)
+        layer_bytes = 2 * block_file.layer_nbytes(geometry) * self._num_files()
         self.layer_timeout_s = max(LAYER_TIMEOUT_S, 4 * layer_bytes / bucket.rate
                                    if bucket.rate else 0.0)
 
@@ -95,14 +105,24 @@ class LayerLoad:
                     self._close_files()
         return self.num_ok
 
+    @property
+    def files(self) -> list[block_file.LayerFile]:
+        return [f for f in self.sources if isinstance(f, block_file.LayerFile)]
+
+    def _num_files(self) -> int:
+        return sum(1 for i in self.disk if self.op.slots[i] == ON_DISK)
+
     def _open(self) -> int:
         """Every disk block's file, in block order, up to the first it cannot open."""
+        stream_rows = iter(self.op.stream_rows)
         for i in range(len(self.op.block_ids)):
+            if self.op.slots[i] == ON_STREAM:
+                self.sources.append(next(stream_rows))
             if self.op.slots[i] != ON_DISK:
                 continue
             try:
-                self.files.append(block_file.LayerFile(self.op.disk_dir, self.op.hashes[i],
-                                                       self.geometry))
+                self.sources.append(block_file.LayerFile(self.op.disk_dir, self.op.hashes[i],
+                                                         self.geometry))
             except OSError as e:  # FileNotFoundError: evicted meanwhile
                 self.prime_error = f"block file {block_file.hash_name(self.op.hashes[i])}: {e}"
                 return i
@@ -116,7 +136,7 @@ class LayerLoad:
 
     def _copy_host(self, n: int) -> None:
         """Host hits go whole, now: the tier's lease ends with the prime."""
-        rows = [i for i in range(n) if self.op.slots[i] != ON_DISK]
+        rows = [i for i in range(n) if self.op.slots[i] not in (ON_DISK, ON_STREAM)]
         if not rows:
             return
         with self.cond:
@@ -127,30 +147,40 @@ class LayerLoad:
                                        segment=self.op.segment))
 
     def _trim(self, n: int) -> None:
-        """The load now covers its first n blocks: disk rows past them go."""
+        """The load now covers its first n blocks: ring rows past them go."""
         self.num_ok = n
         keep = sum(1 for i in self.disk if i < n)
-        for f in self.files[keep:]:
-            f.close()
-        del self.files[keep:]
+        for f in self.sources[keep:]:
+            if isinstance(f, block_file.LayerFile):
+                f.close()
+        del self.sources[keep:]
         self.disk = self.disk[:keep]
 
     def _read_layer(self, j: int) -> bool:
-        """Layer j of every disk block into its slot. A block that fails while
-        priming ends the load before it (the rows kept have this layer); after
-        the prime, False: the load is lost."""
-        if self.disk:
+        """Layer j of every disk and stream block into its slot. A block that
+        fails while priming ends the load before it (the rows kept have this
+        layer); after the prime, False: the load is lost."""
+        if self._num_files():
             time.sleep(self.bucket.reserve(2 * block_file.layer_nbytes(self.geometry)
-                                           * len(self.disk)))
+                                           * self._num_files()))
         slot = self.ring[j % self.depth]
-        for row, f in enumerate(list(self.files)):
+        sources = list(self.sources)
+        pulled = self._pull(j, [f for f in sources if isinstance(f, int)])
+        streamed = 0
+        for row, f in enumerate(sources):
             if self.closed:
                 return False
-            k = slot[0, row].view(-1).view(torch.uint8).numpy()
-            v = slot[1, row].view(-1).view(torch.uint8).numpy()
             try:
+                if isinstance(f, int):  # the stream's block: pulled above
+                    if isinstance(pulled, Exception):
+                        raise pulled
+                    slot[:, row].copy_(pulled[streamed])
+                    streamed += 1
+                    continue
+                k = slot[0, row].view(-1).view(torch.uint8).numpy()
+                v = slot[1, row].view(-1).view(torch.uint8).numpy()
                 f.read_layer(j, memoryview(k), memoryview(v))
-            except (OSError, block_file.BlockCorrupt) as e:
+            except (OSError, block_file.BlockCorrupt, TransferError) as e:
                 if not self._failed(j, row, e):
                     return False
                 break
@@ -159,9 +189,25 @@ class LayerLoad:
             self.cond.notify_all()
         return True
 
+    def _pull(self, j: int, rows: list[int]) -> torch.Tensor | TransferError | None:
+        """Layer j of these stream rows, (n, 2, H, bs, D), or why not."""
+        if not rows:
+            return None
+        try:
+            if self.stream is None:  # on the storage thread (prime), then the reader's
+                self.stream = LayerStreamClient(self.op.stream, self.ctx or zmq.Context.instance(),
+                                                LAYER_TIMEOUT_S)
+            got = self.stream.pull(self.op.stream_id, j, rows)
+        except (TransferError, zmq.ZMQError) as e:
+            return TransferError(str(e))
+        if tuple(got.shape) != (len(rows), 2, *self.ring.shape[3:]):
+            return TransferError(f"stream layer of shape {tuple(got.shape)}, not "
+                                 f"({len(rows)}, 2, {', '.join(map(str, self.ring.shape[3:]))})")
+        return got.to(self.ring.dtype)
+
     def _failed(self, j: int, row: int, e: Exception) -> bool:
         """True: still priming, the load now ends before this block."""
-        h = self.op.hashes[self.disk[row]]
+        h = self.op.hashes[self.disk[row]]  # 0 for a stream's block
         with self.cond:
             if isinstance(e, block_file.BlockCorrupt):
                 self.corrupt.append(h)
@@ -169,7 +215,8 @@ class LayerLoad:
                 self.prime_error = f"layer {j}: {e}"
                 self._trim(self.disk[row])
                 return True
-            self.error = f"layer {j} of block {block_file.hash_name(h)}: {e}"
+            name = block_file.hash_name(h) if h else f"{self.op.stream}#{self.op.stream_id}"
+            self.error = f"layer {j} of block {name}: {e}"
             self.cond.notify_all()
             return False
 
@@ -236,6 +283,8 @@ class LayerLoad:
     def _close_files(self) -> None:
         for f in self.files:
             f.close()
+        if self.stream is not None:
+            self.stream.close()
 
 
 class LayerLoads:
@@ -243,9 +292,10 @@ class LayerLoads:
     primed on the storage thread, consumed by that sequence's next forward."""
 
     def __init__(self, pool: torch.Tensor, geometry, bucket: TokenBucket,
-                 load_host: Callable[[CacheOp], int]):
+                 load_host: Callable[[CacheOp], int], ctx: zmq.Context | None = None):
         self.pool, self.geometry, self.bucket, self.load_host = pool, geometry, bucket, \
             load_host
+        self.ctx = ctx  # for the loads' stream sockets
         self.loads: dict[int, LayerLoad] = {}
         self.lock = threading.Lock()
         self.num_waits = 0  # WAIT_SLICE_S slices a forward waited on a layer: progress
@@ -257,7 +307,7 @@ class LayerLoads:
 
     def open(self, op: CacheOp) -> LayerLoad:
         load = LayerLoad(op, self.pool, self.geometry, self.bucket, self.load_host,
-                         self._on_wait)
+                         self._on_wait, self.ctx)
         with self.lock:
             old, self.loads[op.seq_id] = self.loads.get(op.seq_id), load
         if old is not None:

@@ -121,8 +121,11 @@ class _Worker:
         self.ring = self._attach_ring(time.monotonic() + cfg.startup_timeout_s)
         self.kv_sender = KVSender(pool, self.kv_name, self.tp.rank, cfg, self.ctx,
                                   self.life.faults)
-        self.cache_exec = CacheExecutor(pool, self.tp.rank, self.tp.size, self.ctx,
-                                        self.spec.step_done_address, cfg.storage_read_gbps)
+        self.cache_exec = CacheExecutor(
+            pool, self.tp.rank, self.tp.size, self.ctx, self.spec.step_done_address,
+            cfg.storage_read_gbps, stream=(f"tcp://{cfg.kv_bind_host}:0", cfg.kv_stream_bytes,
+                                           2 * cfg.kv_transfer_timeout_s)
+            if cfg.kv_stream_bytes else None)
         self.runner.layer_loads = self.cache_exec.layers  # consumed by their seq's forward
         self.cache_exec.layers.beat = lambda: self.life.beat(self.progress(), self.in_step)
         self.out.put(WorkerReady(rank=self.tp.rank, pid=os.getpid(),

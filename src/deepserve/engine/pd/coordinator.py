@@ -146,7 +146,7 @@ class PDCoordinator:
                 request_id=entry.request_id, order_id=entry.order_id,
                 prompt_token_ids=seq.token_ids, sampling=seq.sampling, salt=seq.salt,
                 skip_blocks=skip, dst_block_ids=list(table[skip:]), dst_te=self.te_id,
-                dst_endpoints=self.endpoints, reply_to=self.address)))
+                dst_endpoints=self.endpoints, reply_to=self.address, kv_stream=seq.kv_stream)))
 
     def on_kv_ready(self, msg: KVReady) -> Effects:
         effects = Effects()

@@ -84,6 +84,7 @@ class PrefillSide:
         sampling = msgspec.structs.replace(order.sampling, max_tokens=1)
         seq = Sequence(seq_id, order.prompt_token_ids, sampling, frozenset(), order.salt)
         seq.keep_kv = True
+        seq.kv_stream = order.kv_stream  # hits its decode TE read for it (tiers: admit)
         self.orders[seq_id] = _Order(order, seq)
         self.enqueue(seq)
         effects.started.append((order.request_id, seq))

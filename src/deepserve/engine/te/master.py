@@ -247,7 +247,7 @@ class Master:
                 self.read_paths[msg.read_path] += 1
             if msg.read_path == DECODE_PATH:  # DualPath: read here (no tiers: staged at once)
                 self.staging[seq.seq_id] = (msg.request_id, prefill_from)
-                self.tier.stage(seq)
+                self.tier.stage(seq, prefill_from)
             else:
                 self._apply(self.pd.add_decode(msg.request_id, seq, prefill_from,
                                                time.monotonic()))

@@ -46,11 +46,12 @@ from deepserve.cache.radix_tree import RadixNode
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.tiers.channel import (PREFILL_PATH, StorageQueue, TierChannel,
                                             TierEffects, lookup_below)
-from deepserve.engine.tiers.layered import TierLayered
+from deepserve.engine.tiers.layered import STREAM, TierLayered, with_stream
 from deepserve.engine.tiers.staging import TierStaging
 from deepserve.engine.tiers.writes import TierWrites
-from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, ON_DISK, BlockGeometry, CacheOp,
-                                      CacheOpsDone, TierCommitted, TierHits, TierReserved)
+from deepserve.messages.cache import (LOAD_DISK, LOAD_HOST, ON_DISK, ON_STREAM, BlockGeometry,
+                                      CacheOp, CacheOpsDone, TierCommitted, TierHits,
+                                      TierReserved)
 from deepserve.tiers.cost_model import DISK, HOST, CostModel
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class TierCoordinator:
         self.loads: dict[int, _Load] = {}  # by op id of each of its ops
         self.stalled: list[tuple[int, float]] = []  # (holder seq id, free after)
         self.waiting: deque[_WaitingForRoom] = deque()  # oldest first
-        self.hit_tokens = {HOST: 0, DISK: 0}
+        self.hit_tokens = {HOST: 0, DISK: 0, STREAM: 0}
         self.lookups_by_outcome: Counter[str] = Counter()  # cumulative: TEReport.tier_lookups
         self.fetch_seconds: dict[str, list[float]] = {HOST: [], DISK: []}
         self.num_events = 0  # progress: tier events handled
@@ -119,8 +120,8 @@ class TierCoordinator:
                       nodes: list[RadixNode] | None = None) -> TierEffects:
         return self.writes.write_through(now, context, nodes)
 
-    def stage(self, seq: Sequence, now: float) -> TierEffects:
-        return self.staging.stage(seq, now)
+    def stage(self, seq: Sequence, now: float, prefill_from: str = "") -> TierEffects:
+        return self.staging.stage(seq, now, prefill_from)
 
     def unstage(self, seq_id: int) -> TierEffects:
         effects = TierEffects()
@@ -168,7 +169,9 @@ class TierCoordinator:
             self.channel.release(msg.lease_id, effects)
             return effects
         seq = lookup.seq
-        tiers = [DISK if s == ON_DISK else HOST for s in msg.slots[:len(lookup.hashes)]]
+        slots = with_stream(seq.kv_stream if self.channel.tp == 1 else None, lookup.hashes,
+                            msg.slots[:len(lookup.hashes)])
+        tiers = [DISK if s == ON_DISK else HOST for s in slots]  # a stream: as host memory
         plan = self.cost.plan(tiers)
         log.debug("seq %d: %d device + %s below; plan %s (%s)", seq.seq_id, lookup.num_device,
                   tiers, plan, self.cost.snapshot())
@@ -177,13 +180,13 @@ class TierCoordinator:
         elif plan.num_blocks == 0:
             outcome = "recompute"
         else:
-            outcome = self._start_load(lookup, msg, plan.num_blocks, now, effects)
+            outcome = self._start_load(lookup, msg, slots, plan.num_blocks, now, effects)
         self.lookups_by_outcome[outcome] += 1
         fetching = outcome in ("fetch", "fetch_layers")  # it releases the lease when done
         if not fetching:
             self.channel.release(msg.lease_id, effects)
         need = lookup.num_device + plan.num_blocks
-        if self.layered.layers:  # a layered load takes blocks for the whole prompt
+        if self.layered.layers or ON_STREAM in slots:  # a layered load: the whole prompt
             need = max(need, self.kv.num_blocks_for(seq.num_tokens))
         if outcome == "no_room" and need <= self.kv.num_blocks:  # it can fit: wait for room
             deadline = lookup.room_deadline or now + self.channel.op_timeout_s
@@ -192,12 +195,13 @@ class TierCoordinator:
             effects.ready.append(seq)
         return effects
 
-    def _start_load(self, lookup: _Lookup, msg: TierHits, k: int, now: float,
-                    effects: TierEffects) -> str:
+    def _start_load(self, lookup: _Lookup, msg: TierHits, slots: list[int], k: int,
+                    now: float, effects: TierEffects) -> str:
         """"fetch" or "fetch_layers" (started), or why not: "no_room" (no device blocks for
         them now), "gap" (device blocks evicted meanwhile, or it has them all)."""
         seq, bs = lookup.seq, self.block_size
-        layered = self.layered.layers > 0 and any(s == ON_DISK for s in msg.slots[:k])
+        layered = any(s == ON_STREAM or s == ON_DISK and self.layered.layers
+                      for s in slots[:k])  # a stream is pulled layer by layer
         holder = seq.seq_id if layered else self.new_seq_id()  # layered: all its prompt
         if not self.kv.allocate(holder, seq.token_ids,
                                 seq.num_tokens if layered else (lookup.num_device + k) * bs,
@@ -209,7 +213,8 @@ class TierCoordinator:
             self.kv.free(holder)
             return "gap"
         if layered:
-            self.layered.start(seq, lookup.num_device, lookup.hashes, msg, skip, k, now, effects)
+            self.layered.start(seq, lookup.num_device, lookup.hashes, msg, slots, skip, k, now,
+                               effects)
             return "fetch_layers"
         table = self.kv.block_table(holder)
         ops: list[CacheOp] = []

@@ -16,6 +16,13 @@ the prefix tree, so no other request can read them half-loaded:
 No CacheOpsDone by the op deadline: the worker is told to drop the load
 (CacheOp drop_layers, ahead of any forward of the request) and the request
 computes those blocks itself.
+
+A prefill task whose decode TE read hits for it into a layer stream
+(PrefillOrder.kv_stream, DualPath across hosts: staging.py) takes the
+stream's blocks (ON_STREAM) in place of its own disk hits and of the misses
+past them (with_stream); those are always pulled layer by layer, through a
+ring of kv_load_layers (all the layers when that is 0). They count as tier
+"stream".
 """
 
 from __future__ import annotations
@@ -26,9 +33,33 @@ from typing import Callable
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.tiers.channel import PREFILL_PATH, StorageQueue, TierChannel, TierEffects
-from deepserve.messages.cache import (DROP_LAYERS, LOAD_LAYERS, ON_DISK, CacheOp, CacheOpsDone,
-                                      TierHits)
+from deepserve.messages.cache import (DROP_LAYERS, LOAD_LAYERS, ON_DISK, ON_STREAM, CacheOp,
+                                      CacheOpsDone, TierHits)
+from deepserve.messages.pd import KVStream
 from deepserve.tiers.cost_model import DISK, HOST
+
+STREAM = "stream"  # the hit tier of blocks pulled from a decode TE's layer stream
+
+
+def with_stream(stream: KVStream | None, hashes: list[int], slots: list[int]) -> list[int]:
+    """A lookup's slots (the leading run held below the device) with the
+    stream's blocks as ON_STREAM in place of disk hits and of misses past them
+    (host hits stay: cheaper); the run ends at the first block neither has."""
+    if stream is None:
+        return slots
+    held = set(stream.hashes)
+    out = []
+    for i, h in enumerate(hashes):
+        slot = slots[i] if i < len(slots) else None
+        if slot is not None and slot != ON_DISK:
+            out.append(slot)
+        elif h in held:
+            out.append(ON_STREAM)
+        elif slot is not None:
+            out.append(slot)
+        else:
+            break
+    return out
 
 
 @dataclass
@@ -59,15 +90,21 @@ class TierLayered:
         return bool(self.loads)
 
     def start(self, seq: Sequence, num_device: int, hashes: list[int], msg: TierHits,
-              skip: int, k: int, now: float, effects: TierEffects) -> None:
-        """Hits skip..k-1 (past num_device device blocks) into seq's own blocks."""
+              slots: list[int], skip: int, k: int, now: float, effects: TierEffects) -> None:
+        """Hits skip..k-1 (past num_device device blocks; slots: msg's, with_stream)
+        into seq's own blocks."""
         table = self.kv.block_table(seq.seq_id)
         rows = range(skip, k)
+        stream = seq.kv_stream
+        row_of = {h: r for r, h in enumerate(stream.hashes)} if stream is not None else {}
         op = CacheOp(self.channel.next_id(), LOAD_LAYERS, [table[num_device + i] for i in rows],
-                     slots=[msg.slots[i] for i in rows],
-                     hashes=[hashes[i] if msg.slots[i] == ON_DISK else 0 for i in rows],
+                     slots=[slots[i] for i in rows],
+                     hashes=[hashes[i] if slots[i] == ON_DISK else 0 for i in rows],
                      segment=msg.segment, disk_dir=msg.disk_dir, seq_id=seq.seq_id,
-                     layers=self.layers)
+                     layers=self.layers or self.channel.geometry.num_layers)
+        if ON_STREAM in op.slots:
+            op.stream, op.stream_id = stream.address, stream.stream_id
+            op.stream_rows = [row_of[hashes[i]] for i in rows if slots[i] == ON_STREAM]
         load = _Layered(seq, num_device + skip, op.slots, msg.lease_id, now,
                         now + self.storage.op_deadline_s())
         self.storage.num_blocks += load.num_disk
@@ -85,8 +122,11 @@ class TierLayered:
         seq = load.seq
         if msg.num_ok:
             disk = load.slots[:msg.num_ok].count(ON_DISK)
+            streamed = load.slots[:msg.num_ok].count(ON_STREAM)
             self.count(seq, DISK, disk, now - load.started)  # the wait for the first layers
-            self.count(seq, HOST, msg.num_ok - disk)
+            if streamed:
+                self.count(seq, STREAM, streamed)
+            self.count(seq, HOST, msg.num_ok - disk - streamed)
         else:
             self._drop(seq, effects)
         self.channel.release(load.lease_id, effects)

@@ -84,6 +84,8 @@ class TierLink:
                    geometry, cfg.tp, block_bytes, new_seq_id, spec.cache_cost_model, events)
         link.tiers.storage.rate = (cfg.storage_read_gbps or 0) * 1e9 or None  # its bucket
         link.tiers.layered.layers = cfg.kv_load_layers
+        link.tiers.staging.hop = cfg.dualpath_hop
+        link.tiers.staging.stream_host = cfg.kv_bind_host if cfg.kv_stream_bytes else ""
         return link
 
     @property
@@ -159,9 +161,10 @@ class TierLink:
         self._ready, self._staged, self._ended, self._failed = [], [], [], []
         return out
 
-    def stage(self, seq: Sequence) -> None:
-        """DualPath's decode read path: the prompt's disk blocks up to host first."""
-        self._apply(self.tiers.stage(seq, time.monotonic()))
+    def stage(self, seq: Sequence, prefill_from: str = "") -> None:
+        """DualPath's decode read path: the prompt's disk blocks up to host first
+        (or into a layer stream for the prefill TE at PD address prefill_from)."""
+        self._apply(self.tiers.stage(seq, time.monotonic(), prefill_from))
 
     def unstage(self, seq_id: int) -> None:
         """A staged decode task's KV arrived, or the task ended: let its blocks go."""
@@ -210,7 +213,7 @@ class NoTierLink:
         self.admit = enqueue
         self._staged: list[Sequence] = []
 
-    def stage(self, seq: Sequence) -> None:
+    def stage(self, seq: Sequence, prefill_from: str = "") -> None:
         self._staged.append(seq)
 
     def unstage(self, seq_id: int) -> None: ...  # nothing was held

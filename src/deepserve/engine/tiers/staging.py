@@ -30,9 +30,23 @@ before a busy prefill TE loads them, which then reads them from storage again.
 
 On one node the decode engine's buffer is a host-tier slot and the "stream"
 to the prefill engine is its cache executor reading that slot (shared
-memory, as DistFlow's shm backend does for PD's KV). Every failure or
-missing answer just ends the staging: the prefill TE reads what is left
-through its own path, or recomputes it; nothing waits past its deadline.
+memory, as DistFlow's shm backend does for PD's KV).
+
+A prefill TE on another host cannot read this host's tier, so for it
+(dualpath_hop "auto" with kv_stream_bytes, or "stream" for every prefill TE)
+the blocks go into a buffer of this TE's worker instead and the prefill TE
+pulls them a layer at a time during its forward (the paper's DE buffer ->
+PE, over tcp: transfer/layer_stream.py):
+
+    TierLookup -> TierHits -> the ON_DISK ones ──CacheOp stage_stream (rank 0:
+    files -> its buffer, bucket)──> CacheOpsDone(stream: the address)
+    -> seq.kv_stream (address, id, the hashes it holds) rides the PrefillOrder
+    ... its KV arrives (or the task ends) -> CacheOp drop_stream (or the
+    buffer's ttl) and the lookup lease released
+
+Every failure or missing answer just ends the staging: the prefill TE reads
+what is left through its own path, or recomputes it; nothing waits past its
+deadline.
 """
 
 from __future__ import annotations
@@ -43,8 +57,10 @@ from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import Sequence
 from deepserve.engine.tiers.channel import (DECODE_PATH, StorageQueue, TierChannel,
                                             TierEffects, lookup_below)
-from deepserve.messages.cache import (NO_SLOT, ON_DISK, STAGE_DISK, CacheOp, CacheOpsDone,
-                                      TierCommit, TierDrop, TierHits, TierReserve, TierReserved)
+from deepserve.messages.cache import (DROP_STREAM, NO_SLOT, ON_DISK, STAGE_DISK,
+                                      STAGE_STREAM, CacheOp, CacheOpsDone, TierCommit, TierDrop,
+                                      TierHits, TierReserve, TierReserved)
+from deepserve.messages.pd import KVStream
 
 
 @dataclass
@@ -52,6 +68,7 @@ class _Stage:
     seq: Sequence
     hashes: list[int]  # looked up, in order
     deadline: float
+    stream: bool  # into a layer stream of the worker's, not the host tier
     lookup_lease: int = 0
     disk_dir: str = ""
     lease_id: int = 0
@@ -66,12 +83,23 @@ class TierStaging:
         self.kv, self.channel, self.storage = kv, channel, storage
         self.stages: dict[int, _Stage] = {}  # by lookup id, then reserve id, then op id
         self.held: dict[int, list[int]] = {}  # seq id -> leases held for its prefill TE
+        self.streamed: set[int] = set()  # seq ids whose layer stream the worker holds
+        self.hop = "auto"  # EngineConfig.dualpath_hop; streams only with stream_host
+        self.stream_host = ""  # this TE's kv_bind_host when it serves layer streams
 
     @property
     def has_work(self) -> bool:
         return bool(self.stages)
 
-    def stage(self, seq: Sequence, now: float) -> TierEffects:
+    def streams_to(self, prefill_from: str) -> bool:
+        """Whether the prefill TE at this PD address gets a layer stream."""
+        if not self.stream_host:
+            return False
+        scheme, _, rest = prefill_from.partition("://")
+        other_host = scheme == "tcp" and rest.rpartition(":")[0] != self.stream_host
+        return self.hop == "stream" or other_host
+
+    def stage(self, seq: Sequence, now: float, prefill_from: str = "") -> TierEffects:
         effects = TierEffects()
         found = lookup_below(self.kv, self.channel, seq, whole=True)  # the prefill TE's need
         if found is None:
@@ -79,7 +107,8 @@ class TierStaging:
             return effects
         lookup = found[0]
         self.stages[lookup.lookup_id] = _Stage(seq, lookup.hashes,
-                                               now + self.channel.lookup_timeout_s)
+                                               now + self.channel.lookup_timeout_s,
+                                               self.streams_to(prefill_from))
         effects.sends.append(lookup)
         return effects
 
@@ -94,6 +123,12 @@ class TierStaging:
             self._end(st, effects)
             return True
         ch = self.channel
+        if st.stream:  # straight into the worker's buffer: no host slots
+            st.hashes = st.staged = disk
+            self._start_op(st, now, effects, CacheOp(ch.next_id(), STAGE_STREAM, [],
+                                                     hashes=disk, disk_dir=st.disk_dir,
+                                                     seq_id=st.seq.seq_id))
+            return True
         rid = ch.next_id()
         st.deadline = now + ch.lookup_timeout_s
         self.stages[rid] = st
@@ -112,13 +147,17 @@ class TierStaging:
             self._end(st, effects)
             return True
         st.staged, st.slots = [h for h, _ in pairs], [s for _, s in pairs]
-        st.op_id = self.channel.next_id()
-        self.storage.num_blocks += len(pairs)
+        self._start_op(st, now, effects, CacheOp(self.channel.next_id(), STAGE_DISK, [],
+                                                 slots=st.slots, hashes=st.staged,
+                                                 segment=msg.segment, disk_dir=st.disk_dir))
+        return True
+
+    def _start_op(self, st: _Stage, now: float, effects: TierEffects, op: CacheOp) -> None:
+        st.op_id = op.op_id
+        self.storage.num_blocks += len(st.staged)
         st.deadline = now + self.storage.op_deadline_s()
         self.stages[st.op_id] = st
-        effects.ops.append(CacheOp(st.op_id, STAGE_DISK, [], slots=st.slots, hashes=st.staged,
-                                   segment=msg.segment, disk_dir=st.disk_dir))
-        return True
+        effects.ops.append(op)
 
     def on_done(self, msg: CacheOpsDone, now: float, effects: TierEffects) -> bool:
         st = self.stages.get(msg.op_id)
@@ -128,17 +167,23 @@ class TierStaging:
         if len(st.done) < self.channel.tp:
             return True
         del self.stages[msg.op_id]
-        self.storage.num_blocks -= len(st.slots)
+        self.storage.num_blocks -= len(st.staged)
         first = st.done[0]  # rank 0 reads and writes whole blocks
         self.storage.bytes_read[DECODE_PATH] += first.nbytes
         if first.corrupt:
             effects.sends.append(TierDrop(model_key=self.channel.key, hashes=first.corrupt))
             effects.events += [("cache_block_corrupt", {"tier": "disk", "block": h})
                                for h in first.corrupt]
-        self._end(st, effects, st.slots[:first.num_ok])
+        if st.stream and first.num_ok and first.stream:
+            self.streamed.add(st.seq.seq_id)
+            st.seq.kv_stream = KVStream(address=first.stream, stream_id=st.seq.seq_id,
+                                        hashes=st.staged[:first.num_ok])
+        self._end(st, effects, [] if st.stream else st.slots[:first.num_ok])
         return True
 
     def _end(self, st: _Stage, effects: TierEffects, written=()) -> None:
+        if st.stream and st.seq.is_finished:
+            self.unstage(st.seq.seq_id, effects)
         hold = bool(written) and not st.seq.is_finished
         if st.lease_id:
             effects.sends.append(TierCommit(lease_id=st.lease_id, model_key=self.channel.key,
@@ -155,12 +200,15 @@ class TierStaging:
         """The task's prefill TE has what it needed (or the task ended)."""
         for lease in self.held.pop(seq_id, []):
             self.channel.release(lease, effects)
+        if seq_id in self.streamed:
+            self.streamed.discard(seq_id)
+            effects.ops.append(CacheOp(self.channel.next_id(), DROP_STREAM, [], seq_id=seq_id))
 
     def poll(self, now: float, effects: TierEffects) -> None:
         for key, st in list(self.stages.items()):
             if now > st.deadline:  # no answer: order the prefill as it is
                 del self.stages[key]
-                if key == st.op_id:  # the copy may still run: never commit it
-                    self.storage.num_blocks -= len(st.slots)
+                if key == st.op_id:  # the copy may still run: never commit it (a stream
+                    self.storage.num_blocks -= len(st.staged)  # goes by its ttl)
                     st.lease_id = 0
                 self._end(st, effects)
