@@ -157,10 +157,10 @@ class LayerStreamServer:
             self._sock.send_multipart([ident, self._enc.encode(reply)])
             return
         reply = Layer(pull.req, True, tuple(data.shape), str(data.dtype).removeprefix("torch."))
+        self.num_pulls += 1  # before the reply: a puller that has it sees it counted
+        self.bytes_served += _nbytes(data)
         self._sock.send_multipart([ident, self._enc.encode(reply),
                                    data.view(-1).view(torch.uint8).numpy()])
-        self.num_pulls += 1
-        self.bytes_served += _nbytes(data)
 
     def _layer(self, pull: Pull) -> torch.Tensor:
         with self._lock:
