@@ -55,9 +55,17 @@ def make_rig(tiny_model):
 
 
 def _publish(rig, tes, down=None):
-    """A TE list of `tes`; down: TE id -> the part it went down with."""
-    rig["cm"].put(TEList(tes=[TEInfo(te_id=t, model="m", address=rig["addr"][t]) for t in tes],
-                         down=down or {}))
+    """A TE list of `tes`; down: TE id -> the part it went down with. The first
+    list is sent again until the JE holds it: its SUB may not have joined yet
+    (a PUB drops what it sends before then)."""
+    msg = TEList(tes=[TEInfo(te_id=t, model="m", address=rig["addr"][t]) for t in tes],
+                 down=down or {})
+    rig["cm"].put(msg)
+    deadline = time.monotonic() + 5.0
+    while not rig["je"].links.has_list and time.monotonic() < deadline:
+        rig["je"].step(20)
+        if not rig["je"].links.has_list:
+            rig["cm"].put(msg)
 
 
 def _pump(rig, until, timeout=5.0):
