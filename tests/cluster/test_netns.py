@@ -5,6 +5,7 @@ Every process here is plain Python (no torch), so the module runs in about a sec
 
 from __future__ import annotations
 
+import time
 import subprocess
 import sys
 
@@ -74,6 +75,9 @@ def test_close_kills_reaps_and_deletes():
         sleeper = net.run(1, ["sh", "-c", "sleep 0.5 & exec sleep 60"])
         names = [net.bridge, *net.names]
         assert set(names) <= list_netns()
+        deadline = time.monotonic() + 5.0  # `ip netns exec` enters the namespace, then execs
+        while sleeper.pid not in net.pids(net.names[1]) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert sleeper.pid in net.pids(net.names[1])
     assert sleeper.returncode is not None  # killed by its pid, and reaped
     assert not set(names) & list_netns()
