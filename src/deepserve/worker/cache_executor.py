@@ -258,23 +258,33 @@ class CacheExecutor:
             self.pool[:, :, :, b].copy_(block[:, :, self.h0:self.h1])
         return len(op.block_ids), None, []
 
+    def _read_blocks(self, op: CacheOp, hashes: list[int], views) -> tuple[int, tuple | None]:
+        """Whole block files (every head: rank 0's) into views[i] in turn, through
+        the storage bucket; how many landed, and (why, corrupt hashes) of the next."""
+        nbytes = block_file.block_nbytes(self.geometry)
+        for i, (h, out) in enumerate(zip(hashes, views)):
+            failed = self._read(op, h, out, nbytes)
+            if failed is not None:
+                return i, failed
+            if self.die_in_stage:  # as a decode TE that fails while it streams KV
+                log.error("drill: stage-die after %d of %d blocks: exit 13", i + 1, len(hashes))
+                os._exit(13)
+        return len(hashes), None
+
     def _stage(self, op: CacheOp) -> tuple[int, str | None, list[int]]:
         """Block files -> host slots, by rank 0 (a slot holds every head)."""
         if self.rank != 0:
             return len(op.hashes), None, []
         slots = self._slots(op.segment)
-        nbytes = block_file.block_nbytes(self.geometry)
-        for i, (h, s) in enumerate(zip(op.hashes, op.slots)):
-            if not 0 <= s < slots.shape[0]:
-                return i, f"host slot {s} out of range", []
-            failed = self._read(op, h, slots[s].view(-1).view(torch.uint8).numpy(), nbytes)
-            if failed is not None:
-                return i, *failed
-            if self.die_in_stage:  # as a decode TE that fails while it streams KV
-                log.error("drill: stage-die after %d of %d blocks: exit 13", i + 1,
-                          len(op.hashes))
-                os._exit(13)
-        return len(op.hashes), None, []
+        bad = next((i for i, s in enumerate(op.slots) if not 0 <= s < slots.shape[0]), None)
+        n = len(op.hashes) if bad is None else bad
+        ok, failed = self._read_blocks(op, op.hashes[:n], (
+            slots[s].view(-1).view(torch.uint8).numpy() for s in op.slots[:n]))
+        if failed is not None:
+            return ok, *failed
+        if bad is not None:
+            return ok, f"host slot {op.slots[bad]} out of range", []
+        return ok, None, []
 
     def _stage_stream(self, op: CacheOp) -> tuple[int, str | None, list[int]]:
         """Block files -> a buffer served as layer stream op.seq_id, by rank 0
@@ -283,18 +293,10 @@ class CacheExecutor:
             return len(op.hashes), None, []
         if self.streams is None:
             return 0, "this worker serves no layer streams", []
-        nbytes = block_file.block_nbytes(self.geometry)
-        n = min(len(op.hashes), self.streams.room(nbytes))
+        n = min(len(op.hashes), self.streams.room(block_file.block_nbytes(self.geometry)))
         blocks = torch.empty((n, *self.block_shape), dtype=self.pool.dtype)
-        ok, failed = n, None
-        for i, h in enumerate(op.hashes[:n]):
-            failed = self._read(op, h, blocks[i].view(-1).view(torch.uint8).numpy(), nbytes)
-            if failed is not None:
-                ok = i
-                break
-            if self.die_in_stage:  # as a decode TE that fails while it streams KV
-                log.error("drill: stage-die after %d of %d blocks: exit 13", i + 1, n)
-                os._exit(13)
+        ok, failed = self._read_blocks(op, op.hashes[:n], (
+            b.view(-1).view(torch.uint8).numpy() for b in blocks))
         if ok:
             self.streams.put(op.seq_id, blocks[:ok])
         if failed is not None:
