@@ -173,3 +173,27 @@ def test_prefill_order_never_takes_a_live_requests_slot(m):
     assert [(a.request_id, a.order_id, a.error) for a in answers] == [("r", 9, "cancelled")]
     assert not m.master.core.request_ids and not m.master.scheduler.has_unfinished
     m.master.kv.check_integrity()
+
+
+def test_a_prefill_order_past_max_model_len_is_refused_for_good(m):
+    """An order whose prompt this prefill TE cannot hold (its max_model_len can
+    be its pool's, under its decode TE's) answers a KVReady that is no
+    transfer failure: not retryable, code prompt_too_long. At max_model_len - 1
+    tokens it is taken."""
+    limit, bs = m.master.spec.config.max_model_len, m.master.spec.config.block_size
+
+    def order(order_id: int, n: int) -> PrefillOrder:
+        return PrefillOrder(request_id=f"r{order_id}", order_id=order_id,
+                            prompt_token_ids=[5] * n, sampling=SamplingParams(temperature=0),
+                            skip_blocks=0, dst_block_ids=list(range(-(-n // bs))),
+                            dst_te="te-x",
+                            dst_endpoints=[KVEndpoint(shape=(1,), dtype="float32", shm="y")],
+                            reply_to=m.addresses["peer"])
+
+    m.send("pd", order(1, limit))
+    m.step(2)
+    [ready] = drain(m.peer)
+    assert (ready.request_id, ready.is_retryable, ready.code) == ("r1", False, "prompt_too_long")
+    assert f"max_model_len is {limit}" in ready.error and not m.master.pd.orders
+    m.send("pd", order(2, limit - 1))
+    m.step_until(lambda: m.master.pd.orders)  # taken: it runs as a prefill task

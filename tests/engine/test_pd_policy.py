@@ -101,6 +101,24 @@ def test_kv_ready_with_an_error_fails_the_request(env):
     assert fx.released == [seq] and fx.emit == [] and not env.kv.has_seq(seq.seq_id)
 
 
+def test_a_prefill_tes_refusal_is_the_callers_error_not_a_transfer_failure(env):
+    """KVReady.code of a refusal (not retryable): the request fails with that
+    code and the prefill TE's words; a code on a retryable failure, or one
+    that names no refusal, changes nothing."""
+    for code, retryable, error in (("prompt_too_long", False, "prompt_too_long"),
+                                   ("invalid_request", False, "invalid_request"),
+                                   ("prompt_too_long", True, "kv_transfer_failed"),
+                                   ("engine_dead", False, "request_failed")):
+        seq, effects = env.decode()
+        fx = env.pd.on_kv_ready(KVReady(request_id="r", order_id=_order(effects).order_id,
+                                        error="prompt has 9 tokens", is_retryable=retryable,
+                                        code=code))
+        [fail] = fx.failed
+        assert fail.error == error and fail.message.endswith("prompt has 9 tokens")
+        assert (fail.message == "prompt has 9 tokens") == (error == code)
+        assert fx.released == [seq] and not env.kv.has_seq(seq.seq_id)
+
+
 def test_blocked_order_waits_for_blocks_then_goes_exactly_once():
     env = Env(num_blocks=4)
     hog = env.seq(list(range(12)))

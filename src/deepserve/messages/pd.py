@@ -104,6 +104,7 @@ class KVReady(msgspec.Struct, tag="kv_ready", **_STRUCT):
     error: str | None = None
     reply_to: str = ""  # the prefill master's PD address, for the KVAck
     is_retryable: bool = True  # False: the request itself failed (retrying fails again)
+    code: str | None = None  # the prefill TE refused the request: InvalidRequestError.code
 
 
 class KVAck(msgspec.Struct, tag="kv_ack", **_STRUCT):

@@ -38,11 +38,14 @@ from deepserve.engine.pd.effects import Effects
 from deepserve.engine.pd.prefill import PrefillSide
 from deepserve.engine.scheduler import Scheduler
 from deepserve.engine.sequence import Sequence, SequenceStatus
+from deepserve.errors import InvalidRequestError, PromptTooLongError
 from deepserve.messages.pd import (CancelOrder, FailRequest, KVAck, KVEndpoint, KVReady,
                                    KVSent, PrefillOrder)
 from deepserve.messages.step import SampledToken, StepBatch
 
 log = logging.getLogger(__name__)
+# a prefill TE's refusals of the request itself (KVReady.code): the caller's error
+REFUSALS = frozenset({InvalidRequestError.code, PromptTooLongError.code})
 
 
 @dataclass
@@ -161,8 +164,11 @@ class PDCoordinator:
             return effects  # aborted, timed out, or an earlier attempt's answer
         del self.awaiting[msg.request_id]
         if msg.error is not None:  # the prefill side is done: the blocks are free now
-            self._fail_decode(entry, f"prefill TE failed: {msg.error}", effects, None,
-                              "kv_transfer_failed" if msg.is_retryable else "request_failed")
+            if msg.code in REFUSALS and not msg.is_retryable:  # the caller's own request
+                self._fail_decode(entry, msg.error, effects, None, msg.code)
+            else:
+                self._fail_decode(entry, f"prefill TE failed: {msg.error}", effects, None,
+                                  "kv_transfer_failed" if msg.is_retryable else "request_failed")
             return effects
         seq = entry.seq
         seq.token_ids.append(msg.token_id)

@@ -228,8 +228,8 @@ class Master:
                 pd_address(msg.prefill_from)
         except (InvalidRequestError, ValueError) as e:
             log.warning("AddRequest %r refused: %s", msg.request_id, e)
-            self.to_tokenizer.put(FailRequest(request_id=msg.request_id,
-                                              error="invalid_request", message=str(e)))
+            self.to_tokenizer.put(FailRequest(request_id=msg.request_id, message=str(e),
+                                              error=getattr(e, "code", "invalid_request")))
             return
         if msg.request_id in self.core.seqs:
             log.warning("request id %r is live here already: the older one ends",
@@ -284,9 +284,10 @@ class Master:
         try:  # what the tokenizer checks for our own requests
             check_request(order.prompt_token_ids, order.sampling, self.core.vocab_size,
                           self.spec.config.max_model_len)
-        except InvalidRequestError as e:
-            self.peers.put(order.reply_to, KVReady(request_id=order.request_id,
-                                                   order_id=order.order_id, error=str(e)))
+        except InvalidRequestError as e:  # e.g. a prompt past this TE's max_model_len
+            self.peers.put(order.reply_to, KVReady(
+                request_id=order.request_id, order_id=order.order_id, error=str(e),
+                is_retryable=False, code=e.code))
             return
         self._apply(self.pd.add_prefill(order, self.core.new_seq_id()))
 
