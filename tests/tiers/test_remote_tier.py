@@ -13,18 +13,28 @@ import pytest
 import zmq
 
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket, free_port, ipc_address
-from deepserve.messages.cache import FromTier, PeerBlocks, TierLookup, TierReport
-from deepserve.tiers.remote_tier import CHUNK_BLOCKS, MAX_REQUEST_BYTES
+from deepserve.messages.cache import FromTier, PeerBlocks, PeerGet, TierLookup, TierReport
+from deepserve.tiers.remote_tier import CHUNK_BLOCKS, MAX_FETCH_BLOCKS, MAX_REQUEST_BYTES
 from tests.tiers.test_tier_server import GEOM, NBYTES, write
 
 
 @pytest.fixture
 def hosts(tier_service, short_dir):
+    yield from two_hosts(tier_service, short_dir, 64)
+
+
+@pytest.fixture
+def big_hosts(tier_service, short_dir):
+    """Host pools that take two fetches of MAX_FETCH_BLOCKS and more."""
+    yield from two_hosts(tier_service, short_dir, 2 * MAX_FETCH_BLOCKS + 64)
+
+
+def two_hosts(tier_service, short_dir, host_blocks: int):
     ctx = zmq.Context()
     pub = f"tcp://127.0.0.1:{free_port()}"  # the CM's PUB, as it relays TierReports
     cm = PubSocket(ctx, pub)
     peers = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-    a, b = (tier_service(host_bytes=64 * NBYTES, peer=p, cm_pub=pub) for p in peers)
+    a, b = (tier_service(host_bytes=host_blocks * NBYTES, peer=p, cm_pub=pub) for p in peers)
     socks = {}
     for name, service in (("a", a), ("b", b)):
         reply = ipc_address(short_dir, f"me-{name}")
@@ -161,4 +171,45 @@ def test_peers_expire_and_waiting_lookups_are_bounded_at_their_limits(short_dir)
         assert remote.peers == {}
     finally:
         remote.close()
+        ctx.term()
+
+
+def test_a_fetch_takes_at_most_max_fetch_blocks(big_hosts):
+    """A lookup missing MAX_FETCH_BLOCKS blocks that a peer holds gets them
+    all; one missing a block more gets MAX_FETCH_BLOCKS (the TE computes the rest)."""
+    a, b, socks, relay = big_hosts
+    exact = list(range(10_000, 10_000 + MAX_FETCH_BLOCKS))
+    over = list(range(20_000, 20_000 + MAX_FETCH_BLOCKS + 1))
+    write(a, *socks["a"], exact + over)
+    lookup(socks, "b", [1])
+    relay()
+    b.call(lambda s: setattr(s.remote, "budget_s", 30.0))  # the size binds, not the clock
+    assert len(lookup(socks, "b", exact).slots) == MAX_FETCH_BLOCKS
+    assert b.call(lambda s: s.remote.num_fetched) == MAX_FETCH_BLOCKS
+    hits = lookup(socks, "b", over)
+    assert len(hits.slots) == MAX_FETCH_BLOCKS
+    assert b.call(lambda s: s.remote.num_fetched) == 2 * MAX_FETCH_BLOCKS
+    assert blocks(b, hits) == blocks(a, lookup(socks, "a", over[:MAX_FETCH_BLOCKS]))
+
+
+def test_a_peer_answers_at_most_one_chunk(hosts):
+    """A PeerGet of CHUNK_BLOCKS held blocks gets them all; one of a block
+    more gets CHUNK_BLOCKS, with exactly their bytes."""
+    a, b, socks, relay = hosts
+    hashes = list(range(30_000, 30_000 + CHUNK_BLOCKS + 1))
+    write(a, *socks["a"], hashes)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(a.settings.peer)
+        for ask in (hashes[:CHUNK_BLOCKS], hashes):
+            dealer.send(msgspec.msgpack.encode(PeerGet(model_key="m", geometry=GEOM,
+                                                       hashes=ask)))
+            assert dealer.poll(3000)
+            header, data = dealer.recv_multipart()
+            assert msgspec.msgpack.decode(header, type=PeerBlocks).num_blocks == CHUNK_BLOCKS
+            assert len(data) == CHUNK_BLOCKS * NBYTES
+    finally:
+        dealer.close(linger=0)
         ctx.term()
