@@ -1,7 +1,7 @@
 """DualPath on one node: PE-only loading, DualPath, and an oracle without
 storage limits, side by side on an agent trace shaped like DualPath's Table 2.
 
-    python tools/bench_dualpath.py [--model models/tiny] [--agents 12] [--turns 6]
+    python tools/bench_dualpath.py [--model models/tiny] [--agents 12 | --window-s 30] [--turns 6]
         [--context 1200] [--append 40-80] [--max-tokens 12] [--storage-gbps 0.01] [--host-mib 4]
         [--rates 0.25,0.5,1,2] [--rounds 2] [--slo-s 20] [--png dualpath.png] [--json out.json]
     python tools/bench_dualpath.py --offline [--rounds 3] [--json rows.json] [...]
@@ -13,29 +13,37 @@ several (--decode-blocks: the scheduler sends a decode TE only what fits, so
 a small one serializes the batch and binds before storage does), and a host
 tier of about a third of the agents' working set (--host-mib), so most turns'
 contexts come back from storage (Table 2's shape scaled to this machine:
-long contexts, short appends, many turns, a high hit rate). On one node the
-host tier is also the decode engines' staging buffer (engine/tiers/staging.py):
-staged blocks stay pinned there until their prefill engine has them, up to
-half of it. These defaults are the storage-bound regime conf/dualpath.toml
-describes: PE-only's prefill engines idle on their read queues.
+long contexts, short appends, many turns, a high hit rate). These defaults
+are the storage-bound regime conf/dualpath.toml describes: PE-only's prefill
+engines idle on their read queues.
 
 Modes (one node each, one at a time):
   pe_only   [router] dualpath.read_paths = "prefill": the prefill TE always reads
-  dualpath  the scheduler picks the side with the shorter storage read queue
+  dualpath  the scheduler picks the side with the shorter storage read queue; a
+            decode TE streams what it reads to the prefill TE a layer at a time
+            (conf/dualpath.toml: dualpath_hop = "stream", transfer/layer_stream.py)
   oracle    dualpath with no storage_read_gbps: storage I/O costs no bandwidth
-  dualpath_stream (only with --modes): dualpath with the decode TEs streaming what
-            they read to the prefill TE a layer at a time (dualpath_hop = "stream",
-            kv_stream_bytes: their own buffer, not the host tier; what a prefill TE
-            on another host gets: transfer/layer_stream.py)
+  dualpath_host (only with --modes): dualpath with the older hop on one node, the
+            decode TE staging the blocks in the host tier (engine/tiers/staging.py),
+            pinned there until the prefill TE has them, up to half of it
 An agent is a session of --turns turns: turn 1 sends its context, every later
 turn the whole trajectory so far (the replies included) plus an append.
 Agents arrive open-loop (Poisson, --rates agents/s, same seeded trace for
 every mode); JCT is an agent's first request to its last reply. Per mode and
-rate: median / p90 JCT, agents/s completed, the cache hit rate, storage
-bytes read per path, and the storage load balance (max / mean bytes read
-over the four TEs). "Agents/s at the SLO" is the highest rate whose p90 JCT
-stays within --slo-s. Rounds interleave the modes (pe_only, dualpath, oracle,
-pe_only, ...); tables are medians over rounds.
+rate: median / p90 JCT, agents/s completed, the cache hit rate (cached /
+prompt tokens over every turn, and over turns 2+: DualPath's 98.7% is 1 -
+append / context, a later turn's, so it leaves out turn 1's context, which
+nothing can hold yet; its ceiling, what a cache that kept every full block
+could hold), storage bytes read per path, and the storage load
+balance (max / mean bytes read over the four TEs). "Agents/s at the SLO" is
+the highest rate whose p90 JCT stays within --slo-s, and, finer, the rate at
+which p90 JCT first passes it (linear between the two rates around it).
+With a fixed --agents a high rate is one burst (36 agents at 8/s arrive in
+4.5 s) and the SLO then bounds that burst's completion; --window-s W sends
+rate x W agents instead, a load held for W seconds, where the SLO bounds
+the rate a node sustains.
+Rounds interleave the modes (pe_only, dualpath, oracle, pe_only, ...);
+tables are medians over rounds.
 
 --offline is DualPath's rollout experiment: the same fixed batch of agents
 all start at once and run to completion; jct_s is the batch's completion
@@ -65,6 +73,7 @@ import msgspec
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from deepserve.config.engine import EngineConfig
 from deepserve.config.loading import load_node_config
 from deepserve.ipc.sockets import free_port
 from deepserve.supervisor.node import Node
@@ -75,8 +84,8 @@ from bench_stats import percentile  # noqa: E402
 import traces  # noqa: E402
 
 MODES = ("pe_only", "dualpath", "oracle")  # the default --modes
-ALL_MODES = ("pe_only", "dualpath", "dualpath_stream", "oracle")
-STREAM_BYTES = 256 << 20  # a decode TE's layer-stream buffer (dualpath_stream)
+ALL_MODES = ("pe_only", "dualpath", "dualpath_host", "oracle")
+HOST_HOP = {"kv_stream_bytes": 0, "dualpath_hop": "auto"}  # dualpath_host's decode TEs
 ONLINE_GBPS = 0.01
 OFFLINE_GBPS = 0.005  # PE-only's read queues stay long while the CPUs idle (conf/dualpath.toml)
 
@@ -86,11 +95,10 @@ def node_config(mode: str, args, disk: Path):
         "port": free_port(), "model": str(args.model), "served_model": "m",
         "host_cache_bytes": int(args.host_mib * (1 << 20)), "disk_cache_dir": str(disk)})
     gbps = None if mode == "oracle" else args.storage_gbps
-    stream = {"kv_stream_bytes": STREAM_BYTES, "dualpath_hop": "stream"}
     tes = tuple(msgspec.structs.replace(te, options={
         **te.options, "storage_read_gbps": gbps, "num_kv_blocks":
             args.decode_blocks if te.te_type == "decode" else args.device_blocks,
-        **(stream if mode == "dualpath_stream" and te.te_type == "decode" else {})})
+        **(HOST_HOP if mode == "dualpath_host" and te.te_type == "decode" else {})})
         for te in config.tes)
     dualpath = msgspec.structs.replace(config.router.dualpath,
                                        read_paths="prefill" if mode == "pe_only" else "both")
@@ -99,11 +107,13 @@ def node_config(mode: str, args, disk: Path):
     return msgspec.structs.replace(config, tes=tes, router=router, supervisor=sup)
 
 
-def agents(args, seed: int) -> list[list[list[int]]]:
-    """Per agent: its context, then each later turn's append (token ids)."""
+def agents(args, seed: int, rate: float | None = None) -> list[list[list[int]]]:
+    """Per agent: its context, then each later turn's append (token ids);
+    --agents of them, or with --window-s, as many as arrive at `rate` in it."""
     rng = random.Random(seed)
     out = []
-    for _ in range(args.agents):
+    count = round(rate * args.window_s) if rate and args.window_s else args.agents
+    for _ in range(count):
         first = [rng.randrange(100, 1900) for _ in range(args.context)]
         appends = [[rng.randrange(100, 1900) for _ in range(rng.randint(*args.append))]
                    for _ in range(args.turns - 1)]
@@ -111,10 +121,15 @@ def agents(args, seed: int) -> list[list[list[int]]]:
     return out
 
 
-async def run_agent(client, url: str, turns, max_tokens: int, delay: float) -> dict:
+async def run_agent(client, url: str, turns, max_tokens: int, delay: float,
+                    block_size: int = 16) -> dict:
+    """One agent's turns in order; per turn its prompt and cached tokens, and
+    what a cache that kept everything could hold of it (cacheable: the full
+    blocks of the trajectory so far, whose last token's KV no step computed)."""
     await asyncio.sleep(delay)
-    t0, ids, prompt, cached, error = time.perf_counter(), [], 0, 0, None
+    t0, ids, prompt, cached, cacheable, error = time.perf_counter(), [], [], [], [], None
     for append in turns:
+        cacheable.append(max(0, len(ids) - 1) // block_size * block_size)
         ids = ids + append
         body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
                 "logprobs": 0}
@@ -126,15 +141,17 @@ async def run_agent(client, url: str, turns, max_tokens: int, delay: float) -> d
             reply = r.get("error") if isinstance(r, dict) else None
             error = reply.get("message") if isinstance(reply, dict) else f"{type(e).__name__}: {e}"
             break
-        prompt += r["usage"]["prompt_tokens"]
-        cached += r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        prompt.append(r["usage"]["prompt_tokens"])
+        cached.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
         ids = ids + out
     return {"jct": time.perf_counter() - t0, "ok": error is None, "error": error,
-            "prompt": prompt, "cached": cached}
+            "prompt": sum(prompt), "cached": sum(cached),  # every turn, and turns 2+:
+            "prompt_later": sum(prompt[1:]), "cached_later": sum(cached[1:]),
+            "cacheable_later": sum(cacheable[1:len(prompt)])}
 
 
-async def run_load(url: str, trace, rate: float | None, max_tokens: int, seed: int
-                   ) -> tuple[list[dict], dict]:
+async def run_load(url: str, trace, rate: float | None, max_tokens: int, seed: int,
+                   block_size: int) -> tuple[list[dict], dict]:
     """Every agent of the trace (Poisson arrivals at `rate`; None: all at once,
     the offline batch), and what the machine did meanwhile (sample_load)."""
     rng, t, delays = random.Random(seed), 0.0, []
@@ -143,7 +160,7 @@ async def run_load(url: str, trace, rate: float | None, max_tokens: int, seed: i
         t += rng.expovariate(rate) if rate else 0.0
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
         sampler = asyncio.create_task(sample_load(client, url))
-        results = await asyncio.gather(*(run_agent(client, url, a, max_tokens, d)
+        results = await asyncio.gather(*(run_agent(client, url, a, max_tokens, d, block_size)
                                          for a, d in zip(trace, delays)))
         sampler.cancel()
         return results, await sampler
@@ -190,6 +207,12 @@ def storage_reads(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
+def block_size(node: Node) -> int:
+    sizes = {te.options.get("block_size", EngineConfig.block_size) for te in node.config.tes}
+    assert len(sizes) == 1, sizes  # one prefix cache, one block size
+    return sizes.pop()
+
+
 def run_mode(mode: str, args, rate: float | None, seed: int) -> dict:
     """One node in `mode` serving the seeded agents at `rate` (None: offline,
     all at once; jct_s is then the whole batch's completion time)."""
@@ -200,8 +223,8 @@ def run_mode(mode: str, args, rate: float | None, seed: int) -> dict:
             node.start()
             before = storage_reads(node.url)
             started = time.perf_counter()
-            results, load = asyncio.run(run_load(node.url, agents(args, seed), rate,
-                                                 args.max_tokens, seed))
+            results, load = asyncio.run(run_load(node.url, agents(args, seed, rate), rate,
+                                                 args.max_tokens, seed, block_size(node)))
             wall = time.perf_counter() - started
             time.sleep(1.5)  # the last TEReports reach the gateway
             after = storage_reads(node.url)
@@ -224,6 +247,10 @@ def run_mode(mode: str, args, rate: float | None, seed: int) -> dict:
             "agents_per_s": len(ok) / wall,
             "jct_p50_s": percentile(jcts, 50), "jct_p90_s": percentile(jcts, 90),
             "hit_rate": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
+            "hit_rate_later_turns": sum(r["cached_later"] for r in ok)
+            / max(1, sum(r["prompt_later"] for r in ok)),
+            "hit_ceiling_later_turns": sum(r["cacheable_later"] for r in ok)
+            / max(1, sum(r["prompt_later"] for r in ok)),
             "bytes_prefill_path": sum(v for (_, p), v in reads.items() if p == "prefill"),
             "bytes_decode_path": sum(v for (_, p), v in reads.items() if p == "decode"),
             "balance_max_over_mean": max(loads) / statistics.mean(loads) if any(loads) else None,
@@ -258,12 +285,25 @@ def table(runs: list[dict], args) -> str:
                 f"{sum(r['agents_failed'] for r in rows)} |")
     lines.append("")
     for mode in args.modes:
-        within = [rate for rate in args.rates
-                  if (m := med([r for r in runs if r["mode"] == mode and r["rate"] == rate],
-                               "jct_p90_s")[0]) is not None and m <= args.slo_s]
+        p90 = [(rate, m) for rate in sorted(args.rates)
+               if (m := med([r for r in runs if r["mode"] == mode and r["rate"] == rate],
+                            "jct_p90_s")[0]) is not None]
+        within = [rate for rate, m in p90 if m <= args.slo_s]
         lines.append(f"{mode}: agents/s at the SLO (p90 JCT <= {args.slo_s:g} s): "
-                     f"{max(within) if within else 'none of the rates'}")
+                     f"{max(within) if within else 'none of the rates'}; "
+                     f"where p90 first crosses it: {_fmt(slo_crossing(p90, args.slo_s), '{:.2f}')}")
     return "\n".join(lines)
+
+
+def slo_crossing(p90: list[tuple[float, float]], slo_s: float) -> float | None:
+    """The rate at which p90 JCT first passes slo_s, interpolated linearly
+    between the grid's rates (None: within it at every rate, or at none)."""
+    for (r0, p0), (r1, p1) in zip(p90, p90[1:]):
+        if p0 <= slo_s < p1:
+            return r0 + (slo_s - p0) * (r1 - r0) / (p1 - p0)
+        if p0 > slo_s:
+            return None
+    return None
 
 
 def _fmt(value, spec: str) -> str:
@@ -274,8 +314,8 @@ def offline_table(runs: list[dict]) -> str:
     """One row per mode (medians over rounds, min-max), then the JCT ratios
     taken round by round."""
     lines = ["| mode | JCT (s) | CPU busy | read queue (tokens, mean) | hit rate | "
-             "MB prefill path | MB decode path | decode-path requests | failed |",
-             "|" + "---|" * 9]
+             "hit rate, turns 2+ (ceiling) | MB prefill path | MB decode path | "
+             "decode-path requests | failed |", "|" + "---|" * 10]
     for mode in ALL_MODES:
         rows = [r for r in runs if r["mode"] == mode]
         if not rows:
@@ -286,6 +326,8 @@ def offline_table(runs: list[dict]) -> str:
         lines.append(  # a batch shorter than one sample has no CPU or queue figure
             f"| {mode} | {jct[0]:.2f} ({jct[1]:.2f}-{jct[2]:.2f}) | {_fmt(cpu[0], '{:.0f}%')} | "
             f"{_fmt(queue[0], '{:.0f}')} | {100 * med(rows, 'hit_rate')[0]:.1f}% | "
+            f"{100 * med(rows, 'hit_rate_later_turns')[0]:.1f}% "
+            f"({100 * med(rows, 'hit_ceiling_later_turns')[0]:.1f}%) | "
             f"{med(rows, 'bytes_prefill_path')[0] / 1e6:.1f} | "
             f"{med(rows, 'bytes_decode_path')[0] / 1e6:.1f} | {decode:.0f} | "
             f"{sum(r['agents_failed'] for r in rows)} |")
@@ -293,7 +335,7 @@ def offline_table(runs: list[dict]) -> str:
     for r in runs:
         by_round.setdefault(r["round"], {})[r["mode"]] = r["jct_s"]
     for a, b in (("pe_only", "dualpath"), ("dualpath", "oracle"),
-                 ("pe_only", "dualpath_stream"), ("dualpath_stream", "oracle")):
+                 ("pe_only", "dualpath_host"), ("dualpath_host", "dualpath")):
         ratios = [m[a] / m[b] for m in by_round.values() if a in m and b in m]
         if ratios:
             lines.append(f"JCT {a} / {b}: median {statistics.median(ratios):.2f} "
@@ -330,6 +372,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "tiny"))
     ap.add_argument("--agents", type=int, default=12)
+    ap.add_argument("--window-s", type=float, default=None,
+                    help="online: rate x this many agents per rate, not --agents (a load "
+                    "held this long, where a fixed count at a high rate is one burst)")
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--context", type=int, default=1200)
     ap.add_argument("--append", type=traces.parse_range, default=(40, 80))

@@ -3,8 +3,10 @@ tier as storage, a storage bucket per TE, layer-wise loads on the prefill TEs)
 serving agentic multi-turn sessions.
 
 Greedy tokens equal a colocated TE's with every cache off, turn after turn,
-while the decode TEs read part of the storage (decode path > 0) and the
-prefill TEs the rest."""
+while the decode TEs read part of the storage (decode path > 0) and stream it
+to the prefill TEs a layer at a time (hit tier "stream"), and the prefill TEs
+read the rest. The older hop through the host tier:
+tests/supervisor/test_node_dualpath_host.py."""
 
 from __future__ import annotations
 
@@ -107,6 +109,7 @@ def test_agentic_sessions_match_cache_off_and_both_paths_read(node, tiny_model):
     assert reads["decode"] > 0, reads  # decode TEs read storage for prefill TEs
     assert reads["prefill"] > 0, reads
     assert lookups(node.url, "fetch_layers") > 0  # the prefill TEs read them layer by layer
+    assert hit_tokens(node.url, "stream") > 0  # and pulled what the decode TEs read
     assert lookups(node.url, "layers_lost") == 0
     # every request's read path was chosen once and counted by its decode TE
     # (in its periodic TEReport: on a loaded machine the last ones come late)
