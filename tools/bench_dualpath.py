@@ -122,7 +122,7 @@ def agents(args, seed: int, rate: float | None = None) -> list[list[list[int]]]:
 
 
 async def run_agent(client, url: str, turns, max_tokens: int, delay: float,
-                    block_size: int = 16) -> dict:
+                    block_size: int) -> dict:
     """One agent's turns in order; per turn its prompt and cached tokens, and
     what a cache that kept everything could hold of it (cacheable: the full
     blocks of the trajectory so far, whose last token's KV no step computed)."""

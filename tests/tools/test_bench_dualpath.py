@@ -56,7 +56,7 @@ def test_later_turns_leave_out_the_first_turns_context():
             return Reply()
 
     out = asyncio.run(bench.run_agent(Client(), "http://x", [[1] * 100, [2] * 28, [3] * 28],
-                                      2, 0.0))
+                                      2, 0.0, block_size=16))
     assert out["ok"] and (out["prompt"], out["cached"]) == (390, 208)
     assert (out["prompt_later"], out["cached_later"]) == (290, 208)
     # the ceiling: the full blocks of 100 + 2 and 130 + 2 tokens, less each last one
