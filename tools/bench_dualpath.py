@@ -15,7 +15,9 @@ tier of about a third of the agents' working set (--host-mib), so most turns'
 contexts come back from storage (Table 2's shape scaled to this machine:
 long contexts, short appends, many turns, a high hit rate). These defaults
 are the storage-bound regime conf/dualpath.toml describes: PE-only's prefill
-engines idle on their read queues.
+engines idle on their read queues. In every mode a prefill TE reads the disk
+hits of a request waiting for room in its pool ahead, into its buffer
+(conf/dualpath.toml's prefill kv_stream_bytes: the paper's PE buffer).
 
 Modes (one node each, one at a time):
   pe_only   [router] dualpath.read_paths = "prefill": the prefill TE always reads

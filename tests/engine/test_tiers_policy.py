@@ -134,6 +134,29 @@ def test_hits_with_no_room_wait_holding_nothing_then_look_again(env):
     kv.free(s.holder_seq_id)
 
 
+def test_a_request_waiting_for_room_counts_its_disk_hits_in_the_read_queue_once(env):
+    kv, tiers = env  # the queue DualPath's scheduler weighs (TEReport.storage_queue_tokens)
+    hog = _fill(kv, keep_free=2)
+    s = seq()
+    lookup = tiers.admit(s, 0.0).sends[0]
+    tiers.on_hits(TierHits(lookup_id=lookup.lookup_id, lease_id=7, slots=[5, ON_DISK, ON_DISK],
+                           segment="seg", disk_dir="/d"), 0.1)
+    assert tiers.waiting and tiers.storage.num_blocks == 0  # nothing dispatched yet ...
+    assert tiers.read_queue_blocks == 2  # ... but two blocks to read once it has room
+    kv.free(hog)
+    again = tiers.poll(0.2).sends[0]
+    assert tiers.read_queue_blocks == 0  # looking again: what it reads is not known yet
+    ops = tiers.on_hits(TierHits(lookup_id=again.lookup_id, lease_id=8,
+                                 slots=[5, ON_DISK, ON_DISK, ON_DISK], segment="seg",
+                                 disk_dir="/d"), 0.3).ops
+    assert not tiers.waiting and tiers.read_queue_blocks == tiers.storage.num_blocks == 3
+    for rank in (0, 1):
+        for op in ops:
+            tiers.on_ops_done(done(op, rank=rank), 0.4)
+    assert tiers.read_queue_blocks == 0
+    kv.free(s.holder_seq_id)
+
+
 def test_waiting_for_room_ends_at_the_deadline_in_a_recompute(env):
     kv, tiers = env
     hog = _fill(kv, keep_free=2)

@@ -45,11 +45,24 @@ def dualpath_config(tiny_model, disk: Path):
     return config  # drills on, the drill's host tier (1 MiB, as above)
 
 
+def with_options(config, te_type: str, **options):
+    """config with these [[te]] options on its TEs of te_type."""
+    return msgspec.structs.replace(config, tes=tuple(
+        msgspec.structs.replace(te, options={**te.options, **options})
+        if te.te_type == te_type else te for te in config.tes))
+
+
 @pytest.fixture(scope="module")
 def node(tiny_model, tmp_path_factory):
     config = dualpath_config(tiny_model, tmp_path_factory.mktemp("storage"))
     assert {te.te_type for te in config.tes} == {"prefill", "decode"} and len(config.tes) == 4
     assert config.supervisor.drill and config.node.host_cache_bytes == 1 << 20
+    yield from serving(config)
+
+
+def serving(config):
+    """A module fixture's body: config's node, started, then stopped with no
+    shared memory left."""
     node = Node(config)
     node.start()
     yield node
@@ -57,10 +70,10 @@ def node(tiny_model, tmp_path_factory):
     assert _shm(node) == set()
 
 
-def sessions(first_session: int = 0) -> list[list[list[int]]]:
+def sessions(first_session: int = 0, count: int = SESSIONS) -> list[list[list[int]]]:
     """Per session: its first prompt, then what each later turn appends."""
     out = []
-    for s in range(first_session, first_session + SESSIONS):
+    for s in range(first_session, first_session + count):
         first = [(s * 211 + i * 53) % 1800 + 100 for i in range(CONTEXT)]
         appends = [[(s * 17 + t * 29 + i * 7) % 1800 + 100 for i in range(APPEND)]
                    for t in range(1, TURNS)]
@@ -82,10 +95,10 @@ async def run_session(client: httpx.AsyncClient, url: str, turns: list[list[int]
     return prompts, outputs
 
 
-async def run_all(url: str, first_session: int = 0):
+async def run_all(url: str, first_session: int = 0, count: int = SESSIONS):
     async with httpx.AsyncClient() as client:
         return await asyncio.gather(*(run_session(client, url, s)
-                                      for s in sessions(first_session)))
+                                      for s in sessions(first_session, count)))
 
 
 def test_agentic_sessions_match_cache_off_and_both_paths_read(node, tiny_model):

@@ -10,14 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-import msgspec
 import pytest
 
 from deepserve import LLM, SamplingParams
-from deepserve.supervisor.node import Node
-from tests.supervisor.test_node import _shm
 from tests.supervisor.test_node_dualpath import (OUT, ROUNDS, SESSIONS, by_path,
-                                                 dualpath_config, hit_tokens, lookups, run_all)
+                                                 dualpath_config, hit_tokens, lookups, run_all,
+                                                 serving, with_options)
 from tests.supervisor.test_node_dualpath import \
     test_dualpath_de_fail_drill  # noqa: F401  (here: a decode TE dies while it stages)
 
@@ -27,14 +25,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def node(tiny_model, tmp_path_factory):
     config = dualpath_config(tiny_model, tmp_path_factory.mktemp("storage"))
-    tes = tuple(msgspec.structs.replace(te, options={
-        **te.options, "kv_stream_bytes": 0, "dualpath_hop": "auto"})
-        if te.te_type == "decode" else te for te in config.tes)
-    node = Node(msgspec.structs.replace(config, tes=tes))
-    node.start()
-    yield node
-    node.stop()
-    assert _shm(node) == set()
+    yield from serving(with_options(config, "decode", kv_stream_bytes=0, dualpath_hop="auto"))
 
 
 def test_host_staged_hits_give_the_cache_off_tokens(node, tiny_model):

@@ -79,6 +79,26 @@ def test_staged_blocks_reach_the_prefill_pool_a_layer_at_a_time(pair):
     assert de.streams.num_pulls == L  # one pull a layer, for both stream rows
 
 
+def test_a_read_ahead_into_its_own_buffer_is_read_in_place_and_dropped_after_the_forward(
+        pair):
+    """A prefill TE's read-ahead (its PE buffer): the same worker stages and
+    loads, with no pull over its socket; the forward that read it drops it."""
+    de, de_disk, _, _ = pair  # the executor with a buffer, as a prefill TE's here
+    write(de_disk, [11, 13])
+    done = de.run(CacheOp(1, STAGE_STREAM, [], hashes=[11, 13], disk_dir=str(de_disk),
+                          seq_id=7))
+    assert done.num_ok == 2 and done.stream == de.streams.address
+    op = CacheOp(2, LOAD_LAYERS, [3, 5], slots=[ON_STREAM, ON_STREAM], hashes=[0, 0],
+                 disk_dir=str(de_disk), seq_id=7, layers=1, stream=done.stream, stream_id=7,
+                 stream_rows=[0, 1])
+    assert de.layers.open(op).prime() == 2
+    assert forward(de) == []
+    for b, h in ((3, 11), (5, 13)):
+        assert torch.equal(de.pool[:, :, :, b], block(h))
+    assert de.streams.num_pulls == 0  # in place: nothing went over tcp
+    assert de.streams.held_bytes == 0  # consumed by its forward: the buffer is free again
+
+
 def test_a_stage_stops_at_a_bad_file_and_at_a_full_buffer(pair):
     de, de_disk, _, _ = pair
     write(de_disk, [1, 2, 3, 4, 5])

@@ -78,7 +78,10 @@ class EngineConfig:
     path: the disk hits it reads for a prefill TE, which pulls them a layer at a
     time during its forward, over tcp: transfer/layer_stream.py); 0: none, and
     staged hits go through the node's host tier, which only prefill TEs of
-    this host can read. The prefill TE needs kv_load_layers > 0 to pull them."""
+    this host can read. The prefill TE needs kv_load_layers > 0 to pull them.
+    A prefill TE's (with kv_load_layers > 0) is its PE buffer: a request
+    waiting for room in its pool has its disk hits read ahead into it, and
+    loads them from there in place once it has room."""
     dualpath_hop: str = "auto"
     """How a decode TE hands the hits it read to its prefill TE: "auto" streams
     them to a prefill TE on another host (with kv_stream_bytes) and stages them

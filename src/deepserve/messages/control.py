@@ -88,7 +88,8 @@ class TEReport(msgspec.Struct, tag="te_report", **_STRUCT):
     # what its own pool served, not a prefill TE's hits a decode task adopted)
     kv_cached_bytes: int = 0  # bytes of KV blocks in its prefix tree (all ranks)
     cost_model: dict[str, float] = {}  # what its fetch-or-recompute model believes now
-    storage_queue_tokens: int = 0  # tokens it still has to read from the disk tier
+    storage_queue_tokens: int = 0  # tokens it still has to read from the disk tier (reads
+    # dispatched, and the disk hits of requests waiting for room in its pool)
     storage_read_bytes: dict[str, int] = {}  # cumulative disk reads by path: prefill, decode
     num_free_tokens: int = 0  # tokens its KV pool can still take
     tier_fetch_seconds: dict[str, list[float]] = {}  # fetches since the last report, per tier

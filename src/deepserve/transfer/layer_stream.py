@@ -151,7 +151,7 @@ class LayerStreamServer:
             log.warning("layer stream: bad request dropped: %s", e)
             return
         try:
-            data = self._layer(pull)
+            data = self.layer(pull.stream_id, pull.layer, pull.rows)
         except (KeyError, IndexError, ValueError) as e:
             reply = Layer(pull.req, False, error=str(e))
             self._sock.send_multipart([ident, self._enc.encode(reply)])
@@ -162,20 +162,23 @@ class LayerStreamServer:
         self._sock.send_multipart([ident, self._enc.encode(reply),
                                    data.view(-1).view(torch.uint8).numpy()])
 
-    def _layer(self, pull: Pull) -> torch.Tensor:
+    def layer(self, stream_id: int, layer: int, rows: list[int]) -> torch.Tensor:
+        """What a Pull gets: (len(rows), 2, H, bs, D), a copy. A worker reading
+        a stream of its own (a prefill TE's PE buffer) calls it directly;
+        KeyError (no such stream), IndexError (a layer or row out of range)."""
         with self._lock:
-            stream = self._streams.get(pull.stream_id)
+            stream = self._streams.get(stream_id)
             if stream is None:
-                raise KeyError(f"no stream {pull.stream_id} here (dropped, expired or never put)")
+                raise KeyError(f"no stream {stream_id} here (dropped, expired or never put)")
             stream.expires = time.monotonic() + self.ttl_s
             blocks = stream.blocks
         n, _, num_layers = blocks.shape[:3]
-        if not 0 <= pull.layer < num_layers:
-            raise IndexError(f"layer {pull.layer} out of range [0, {num_layers})")
-        if len(pull.rows) > n or any(not 0 <= r < n for r in pull.rows):
+        if not 0 <= layer < num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {num_layers})")
+        if len(rows) > n or any(not 0 <= r < n for r in rows):
             raise IndexError(f"rows: at most {n}, each in [0, {n})")
-        rows = torch.tensor(pull.rows, dtype=torch.long)
-        return blocks[:, :, pull.layer].index_select(0, rows).contiguous()
+        index = torch.tensor(rows, dtype=torch.long)
+        return blocks[:, :, layer].index_select(0, index).contiguous()
 
 
 class LayerStreamClient:

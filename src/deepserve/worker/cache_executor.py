@@ -17,8 +17,10 @@ the TEs that write or read it. The forward never waits for these copies:
       sequence's next forward (layer_loads.py); it writes only that
       sequence's own blocks.
   stage_stream reads block files into a buffer of this worker's own, served
-      as a layer stream (transfer/layer_stream.py) for a prefill TE on
-      another host, until drop_stream (or nobody pulls it for its ttl).
+      as a layer stream (transfer/layer_stream.py) for a prefill TE (a
+      decode TE's), or read in place by this worker's own layered load (a
+      prefill TE's read-ahead while its request waits for room), until
+      drop_stream, the forward that read it (its own), or its ttl.
 
 Each thread owns its socket; copies are torch ops on the pool and on the
 host pool's shared memory (attached by name, the mapping kept until the
@@ -84,11 +86,12 @@ class CacheExecutor:
         self._host: tuple[str, object, torch.Tensor] | None = None  # name, shm, slots view
         self._host_lock = threading.Lock()
         self.die_in_stage = False  # drill (stage-die): exit 13 after a stage's first block
-        self.layers = LayerLoads(pool, self.geometry, self.bucket, self._load_host, ctx)
         self.streams = None
         if stream is not None and rank == 0:
             bind, max_bytes, ttl_s = stream
             self.streams = LayerStreamServer(bind, ctx, max_bytes=max_bytes, ttl_s=ttl_s)
+        self.layers = LayerLoads(pool, self.geometry, self.bucket, self._load_host, ctx,
+                                 self.streams)
         self._priming: dict[int, LayerLoad] = {}  # op id -> its load, until primed
         self.num_done = 0
         # two threads: copies in memory never queue behind storage reads (the bucket)

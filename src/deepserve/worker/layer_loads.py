@@ -42,7 +42,7 @@ from deepserve.messages.cache import LOAD_HOST, ON_DISK, ON_STREAM, CacheOp
 from deepserve.messages.step import LoadLost
 from deepserve.tiers import block_file
 from deepserve.tiers.token_bucket import TokenBucket
-from deepserve.transfer.layer_stream import LayerStreamClient
+from deepserve.transfer.layer_stream import LayerStreamClient, LayerStreamServer
 from deepserve.transfer.types import TransferError
 
 log = logging.getLogger(__name__)
@@ -57,11 +57,13 @@ class LayerLoad:
 
     def __init__(self, op: CacheOp, pool: torch.Tensor, geometry, bucket: TokenBucket,
                  load_host: Callable[[CacheOp], int], on_wait: Callable[[], None],
-                 ctx: zmq.Context | None = None):
+                 ctx: zmq.Context | None = None, own: LayerStreamServer | None = None):
         """load_host: the cache executor's copy of a load_host op (host hits);
-        ctx: for the stream's socket (ON_STREAM rows)."""
+        ctx: for the stream's socket (ON_STREAM rows); own: this worker's stream
+        server, whose streams (its PE buffer) are read in place, not over tcp."""
         self.op, self.pool, self.geometry, self.bucket = op, pool, geometry, bucket
         self.load_host, self.on_wait, self.ctx = load_host, on_wait, ctx
+        self.own = own if own is not None and op.stream == own.address else None
         self.num_layers = geometry.num_layers
         self.depth = max(1, min(op.layers, self.num_layers))
         self.disk = [i for i, s in enumerate(op.slots) if s in (ON_DISK, ON_STREAM)]
@@ -194,11 +196,15 @@ class LayerLoad:
         if not rows:
             return None
         try:
-            if self.stream is None:  # on the storage thread (prime), then the reader's
-                self.stream = LayerStreamClient(self.op.stream, self.ctx or zmq.Context.instance(),
-                                                LAYER_TIMEOUT_S)
-            got = self.stream.pull(self.op.stream_id, j, rows)
-        except (TransferError, zmq.ZMQError) as e:
+            if self.own is not None:  # read ahead by this worker: no socket
+                got = self.own.layer(self.op.stream_id, j, rows)
+            else:
+                if self.stream is None:  # on the storage thread (prime), then the reader's
+                    self.stream = LayerStreamClient(self.op.stream,
+                                                    self.ctx or zmq.Context.instance(),
+                                                    LAYER_TIMEOUT_S)
+                got = self.stream.pull(self.op.stream_id, j, rows)
+        except (TransferError, zmq.ZMQError, KeyError, IndexError) as e:
             return TransferError(str(e))
         if tuple(got.shape) != (len(rows), 2, *self.ring.shape[3:]):
             return TransferError(f"stream layer of shape {tuple(got.shape)}, not "
@@ -262,6 +268,12 @@ class LayerLoad:
             self.taken = j + 1
             self.cond.notify_all()
 
+    def consumed(self) -> None:
+        """Its forward is done: a stream of this worker's own is not needed again
+        (a decode TE's stream is dropped by that TE when the KV reaches it)."""
+        if self.own is not None:
+            self.own.drop(self.op.stream_id)
+
     def lost(self) -> LoadLost | None:
         """After the forward: what it could not bring (None: all of it)."""
         if self.error is None or not self.num_ok:
@@ -292,10 +304,11 @@ class LayerLoads:
     primed on the storage thread, consumed by that sequence's next forward."""
 
     def __init__(self, pool: torch.Tensor, geometry, bucket: TokenBucket,
-                 load_host: Callable[[CacheOp], int], ctx: zmq.Context | None = None):
+                 load_host: Callable[[CacheOp], int], ctx: zmq.Context | None = None,
+                 own: LayerStreamServer | None = None):
         self.pool, self.geometry, self.bucket, self.load_host = pool, geometry, bucket, \
             load_host
-        self.ctx = ctx  # for the loads' stream sockets
+        self.ctx, self.own = ctx, own  # for the loads' streams: sockets; this worker's
         self.loads: dict[int, LayerLoad] = {}
         self.lock = threading.Lock()
         self.num_waits = 0  # WAIT_SLICE_S slices a forward waited on a layer: progress
@@ -307,7 +320,7 @@ class LayerLoads:
 
     def open(self, op: CacheOp) -> LayerLoad:
         load = LayerLoad(op, self.pool, self.geometry, self.bucket, self.load_host,
-                         self._on_wait, self.ctx)
+                         self._on_wait, self.ctx, self.own)
         with self.lock:
             old, self.loads[op.seq_id] = self.loads.get(op.seq_id), load
         if old is not None:
@@ -358,6 +371,7 @@ class LayerForward:
         lost = [x for x in (load.lost() for load in self.loads) if x is not None]
         for load in self.loads:
             load.close()
+            load.consumed()
         for x in lost:
             log.warning("layered load of seq %d lost: %s", x.seq_id, x.message)
         return lost

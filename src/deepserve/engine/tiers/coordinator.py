@@ -69,12 +69,15 @@ class _Lookup:
 @dataclass
 class _WaitingForRoom:
     """A request whose hits found no device blocks to load into: it holds
-    nothing (its lease is released) and looks again once num_blocks are free.
-    Recomputing it instead would take as many blocks, and the compute too."""
+    no lease (released) and looks again once num_blocks are free; its disk
+    hits are read meanwhile into the PE buffer, where there is one
+    (staging.py: read_ahead). Recomputing it instead would take as many
+    blocks, and the compute too."""
 
     seq: Sequence
     num_blocks: int
     deadline: float
+    num_disk: int = 0  # of its hits, the ones it will read from storage (its read queue)
 
 
 @dataclass
@@ -150,6 +153,7 @@ class TierCoordinator:
               room_deadline: float | None = None) -> None:
         found = lookup_below(self.kv, self.channel, seq)
         if found is None:
+            self.staging.settle_read_ahead(seq, False, effects)
             effects.ready.append(seq)
             return
         lookup, num_device = found
@@ -181,7 +185,6 @@ class TierCoordinator:
             outcome = "recompute"
         else:
             outcome = self._start_load(lookup, msg, slots, plan.num_blocks, now, effects)
-        self.lookups_by_outcome[outcome] += 1
         fetching = outcome in ("fetch", "fetch_layers")  # it releases the lease when done
         if not fetching:
             self.channel.release(msg.lease_id, effects)
@@ -190,8 +193,16 @@ class TierCoordinator:
             need = max(need, self.kv.num_blocks_for(seq.num_tokens))
         if outcome == "no_room" and need <= self.kv.num_blocks:  # it can fit: wait for room
             deadline = lookup.room_deadline or now + self.channel.op_timeout_s
-            self.waiting.append(_WaitingForRoom(seq, need, deadline))
-        elif not fetching:
+            disk = [h for h, s in zip(lookup.hashes, slots[:plan.num_blocks]) if s == ON_DISK]
+            ahead = bool(self.layered.layers) and self.staging.read_ahead(
+                seq, disk, msg.disk_dir, now, effects)  # meanwhile, into its PE buffer
+            self.lookups_by_outcome["no_room_read_ahead" if ahead else outcome] += 1
+            self.waiting.append(_WaitingForRoom(seq, need, deadline, 0 if ahead else len(disk)))
+            return effects
+        self.lookups_by_outcome[outcome] += 1
+        self.staging.settle_read_ahead(seq, outcome == "fetch_layers" and ON_STREAM in slots,
+                                       effects)
+        if not fetching:
             effects.ready.append(seq)
         return effects
 
@@ -214,7 +225,7 @@ class TierCoordinator:
             return "gap"
         if layered:
             self.layered.start(seq, lookup.num_device, lookup.hashes, msg, slots, skip, k, now,
-                               effects)
+                               effects, read_ahead=seq.seq_id in self.staging.ahead)
             return "fetch_layers"
         table = self.kv.block_table(holder)
         ops: list[CacheOp] = []
@@ -335,12 +346,24 @@ class TierCoordinator:
             self.waiting.remove(w)
             if not w.seq.is_finished:
                 self.lookups_by_outcome["room_timeout"] += 1
+                self.staging.settle_read_ahead(w.seq, False, effects)
                 effects.ready.append(w.seq)
         free = self.kv.num_free_blocks
-        while self.waiting and free >= self.waiting[0].num_blocks:
-            w = self.waiting.popleft()
+        for w in list(self.waiting):
+            if free < w.num_blocks:
+                break
+            if w.seq.seq_id in self.staging.reading_ahead:  # its reads are under way: the
+                continue  # room goes to the next, which would wait behind them otherwise
+            self.waiting.remove(w)
             free -= w.num_blocks
             self._look(w.seq, now, effects, w.deadline)
+
+    @property
+    def read_queue_blocks(self) -> int:
+        """Blocks this TE has yet to read from storage: those dispatched and not
+        done, and the disk hits of the requests waiting for room (they read them
+        as soon as they get it; DualPath's scheduler weighs this queue)."""
+        return self.storage.num_blocks + sum(w.num_disk for w in self.waiting)
 
     def pop_stats(self) -> tuple[dict[str, int], dict[str, list[float]]]:
         """Cumulative hit tokens per tier; fetch seconds since the last call."""

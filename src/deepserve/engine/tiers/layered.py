@@ -22,7 +22,8 @@ A prefill task whose decode TE read hits for it into a layer stream
 stream's blocks (ON_STREAM) in place of its own disk hits and of the misses
 past them (with_stream); those are always pulled layer by layer, through a
 ring of kv_load_layers (all the layers when that is 0). They count as tier
-"stream".
+"stream". A prefill TE's read-ahead of its own disk hits into its PE buffer
+(staging.py) comes the same way, read in place, and counts as tier "disk".
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class _Layered:
     lease_id: int
     started: float
     deadline: float
+    read_ahead: bool = False  # its stream is this TE's own read-ahead (disk hits read early)
 
     @property
     def num_disk(self) -> int:
@@ -90,9 +92,10 @@ class TierLayered:
         return bool(self.loads)
 
     def start(self, seq: Sequence, num_device: int, hashes: list[int], msg: TierHits,
-              slots: list[int], skip: int, k: int, now: float, effects: TierEffects) -> None:
+              slots: list[int], skip: int, k: int, now: float, effects: TierEffects,
+              read_ahead: bool = False) -> None:
         """Hits skip..k-1 (past num_device device blocks; slots: msg's, with_stream)
-        into seq's own blocks."""
+        into seq's own blocks; read_ahead: seq's stream is this TE's own (staging.py)."""
         table = self.kv.block_table(seq.seq_id)
         rows = range(skip, k)
         stream = seq.kv_stream
@@ -106,7 +109,7 @@ class TierLayered:
             op.stream, op.stream_id = stream.address, stream.stream_id
             op.stream_rows = [row_of[hashes[i]] for i in rows if slots[i] == ON_STREAM]
         load = _Layered(seq, num_device + skip, op.slots, msg.lease_id, now,
-                        now + self.storage.op_deadline_s())
+                        now + self.storage.op_deadline_s(), read_ahead)
         self.storage.num_blocks += load.num_disk
         self.loads[op.op_id] = load
         effects.ops.append(op)
@@ -124,8 +127,8 @@ class TierLayered:
             disk = load.slots[:msg.num_ok].count(ON_DISK)
             streamed = load.slots[:msg.num_ok].count(ON_STREAM)
             self.count(seq, DISK, disk, now - load.started)  # the wait for the first layers
-            if streamed:
-                self.count(seq, STREAM, streamed)
+            if streamed:  # a decode TE's, or read ahead from storage by this TE: disk
+                self.count(seq, DISK if load.read_ahead else STREAM, streamed)
             self.count(seq, HOST, msg.num_ok - disk - streamed)
         else:
             self._drop(seq, effects)

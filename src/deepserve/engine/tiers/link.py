@@ -113,7 +113,7 @@ class TierLink:
         return dict(tier_hit_tokens={**hits, "device": num_device_hits},
                     tier_fetch_seconds={t: s for t, s in fetch_seconds.items() if s},
                     cost_model=self.tiers.cost.snapshot(),
-                    storage_queue_tokens=self.tiers.storage.num_blocks * block_size,
+                    storage_queue_tokens=self.tiers.read_queue_blocks * block_size,
                     storage_read_bytes=dict(self.tiers.storage.bytes_read),
                     tier_lookups=dict(self.tiers.lookups_by_outcome))
 

@@ -44,6 +44,15 @@ PE, over tcp: transfer/layer_stream.py):
     ... its KV arrives (or the task ends) -> CacheOp drop_stream (or the
     buffer's ttl) and the lookup lease released
 
+A prefill TE with such a buffer reads ahead the same way for its own
+requests (read_ahead; the paper's PE read path, storage -> PE buffer -> the
+pool a layer at a time): one whose hits found no room in its pool waits for
+room anyway (coordinator.py), so its disk hits are read into the buffer
+meanwhile, through its own bucket, and the layered load it starts once it
+has room reads them there in place (worker/layer_loads.py), not over tcp.
+Without it a request's reads started only when it had room, so a pool that
+holds a context or two kept the bucket idle while requests waited.
+
 Every failure or missing answer just ends the staging: the prefill TE reads
 what is left through its own path, or recomputes it; nothing waits past its
 deadline.
@@ -55,8 +64,8 @@ from dataclasses import dataclass, field
 
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import Sequence
-from deepserve.engine.tiers.channel import (DECODE_PATH, StorageQueue, TierChannel,
-                                            TierEffects, lookup_below)
+from deepserve.engine.tiers.channel import (DECODE_PATH, PREFILL_PATH, StorageQueue,
+                                            TierChannel, TierEffects, lookup_below)
 from deepserve.messages.cache import (DROP_STREAM, NO_SLOT, ON_DISK, STAGE_DISK,
                                       STAGE_STREAM, CacheOp, CacheOpsDone, TierCommit, TierDrop,
                                       TierHits, TierReserve, TierReserved)
@@ -76,6 +85,7 @@ class _Stage:
     staged: list[int] = field(default_factory=list)  # hashes of slots
     op_id: int = 0
     done: dict[int, CacheOpsDone] = field(default_factory=dict)
+    read_ahead: bool = False  # this TE's own request, waiting for room (read_ahead)
 
 
 class TierStaging:
@@ -84,6 +94,8 @@ class TierStaging:
         self.stages: dict[int, _Stage] = {}  # by lookup id, then reserve id, then op id
         self.held: dict[int, list[int]] = {}  # seq id -> leases held for its prefill TE
         self.streamed: set[int] = set()  # seq ids whose layer stream the worker holds
+        self.reading_ahead: set[int] = set()  # seq ids whose read_ahead is under way
+        self.ahead: set[int] = set()  # ... and whose read-ahead stream the worker holds
         self.hop = "auto"  # EngineConfig.dualpath_hop; streams only with stream_host
         self.stream_host = ""  # this TE's kv_bind_host when it serves layer streams
 
@@ -111,6 +123,39 @@ class TierStaging:
                                                self.streams_to(prefill_from))
         effects.sends.append(lookup)
         return effects
+
+    def read_ahead(self, seq: Sequence, hashes: list[int], disk_dir: str, now: float,
+                   effects: TierEffects) -> bool:
+        """A request of this TE's own waits for room in its pool: read its disk
+        hits (hashes) into this worker's buffer now, through this TE's bucket
+        (DualPath's PE buffer), so that once it has room its layered load reads
+        them there in place (ON_STREAM) instead of starting the reads only then.
+        False: no buffer here, nothing to read, or a stream it has already."""
+        if not self.stream_host or not hashes or seq.kv_stream is not None:
+            return False
+        st = _Stage(seq, hashes, now, stream=True, disk_dir=disk_dir, read_ahead=True)
+        st.staged = hashes
+        self.reading_ahead.add(seq.seq_id)
+        self._start_op(st, now, effects, CacheOp(self.channel.next_id(), STAGE_STREAM, [],
+                                                 hashes=hashes, disk_dir=disk_dir,
+                                                 seq_id=seq.seq_id))
+        return True
+
+    def settle_read_ahead(self, seq: Sequence, used: bool, effects: TierEffects) -> None:
+        """The request stops waiting: its layered load reads its read-ahead
+        stream (used: the worker drops it after that forward), or it does not
+        (dropped now, or when a read still under way ends)."""
+        if not used and seq.seq_id in self.reading_ahead:
+            self.reading_ahead.discard(seq.seq_id)  # abandoned: _end drops what it read
+            return
+        if seq.seq_id not in self.ahead:
+            return
+        self.ahead.discard(seq.seq_id)
+        seq.kv_stream = None  # the load has its address, if it reads it
+        if used:
+            self.streamed.discard(seq.seq_id)
+        else:
+            self.unstage(seq.seq_id, effects)
 
     def on_hits(self, msg: TierHits, now: float, effects: TierEffects) -> bool:
         """False: not a lookup of this pipeline."""
@@ -169,19 +214,28 @@ class TierStaging:
         del self.stages[msg.op_id]
         self.storage.num_blocks -= len(st.staged)
         first = st.done[0]  # rank 0 reads and writes whole blocks
-        self.storage.bytes_read[DECODE_PATH] += first.nbytes
+        self.storage.bytes_read[PREFILL_PATH if st.read_ahead else DECODE_PATH] += first.nbytes
         if first.corrupt:
             effects.sends.append(TierDrop(model_key=self.channel.key, hashes=first.corrupt))
             effects.events += [("cache_block_corrupt", {"tier": "disk", "block": h})
                                for h in first.corrupt]
         if st.stream and first.num_ok and first.stream:
             self.streamed.add(st.seq.seq_id)
+            if st.read_ahead:
+                self.ahead.add(st.seq.seq_id)
             st.seq.kv_stream = KVStream(address=first.stream, stream_id=st.seq.seq_id,
                                         hashes=st.staged[:first.num_ok])
         self._end(st, effects, [] if st.stream else st.slots[:first.num_ok])
         return True
 
     def _end(self, st: _Stage, effects: TierEffects, written=()) -> None:
+        if st.read_ahead:  # it waits for room in the coordinator, which looks again
+            seq_id = st.seq.seq_id
+            if st.seq.is_finished or seq_id not in self.reading_ahead:  # ended, or it
+                st.seq.kv_stream = None  # stopped waiting (settle_read_ahead): not wanted
+                self.unstage(seq_id, effects)
+            self.reading_ahead.discard(seq_id)
+            return
         if st.stream and st.seq.is_finished:
             self.unstage(st.seq.seq_id, effects)
         hold = bool(written) and not st.seq.is_finished
@@ -200,6 +254,7 @@ class TierStaging:
         """The task's prefill TE has what it needed (or the task ended)."""
         for lease in self.held.pop(seq_id, []):
             self.channel.release(lease, effects)
+        self.ahead.discard(seq_id)
         if seq_id in self.streamed:
             self.streamed.discard(seq_id)
             effects.ops.append(CacheOp(self.channel.next_id(), DROP_STREAM, [], seq_id=seq_id))
