@@ -114,8 +114,8 @@ class GatewayMetrics:
             "request's prefix, by outcome: fetch, none (no tier holds it), recompute (the "
             "cost model's choice), no_room (no device blocks to load it into now: it waits for "
             "them and looks again), no_room_read_ahead (no_room, and its disk hits are read "
-            "into the TE's buffer meanwhile), room_timeout (waited too long: computed), gap, timeout (the "
-            "tier service did not answer in time), fetch_layers (a fetch loaded layer by "
+            "into the TE's buffer meanwhile), room_timeout (waited too long: computed), gap, "
+            "timeout (the tier service did not answer in time), fetch_layers (a fetch loaded layer by "
             "layer), layers_lost (such a load failed in its forward: the request was retried)",
             ["outcome"], registry=r)
         self.storage_queue = Gauge("deepserve_storage_read_queue_tokens", "Tokens of KV a TE "

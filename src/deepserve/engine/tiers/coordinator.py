@@ -348,14 +348,16 @@ class TierCoordinator:
                 self.lookups_by_outcome["room_timeout"] += 1
                 self.staging.settle_read_ahead(w.seq, False, effects)
                 effects.ready.append(w.seq)
-        free = self.kv.num_free_blocks
-        for w in list(self.waiting):
+        free, room = self.kv.num_free_blocks, []
+        for w in self.waiting:
             if free < w.num_blocks:
                 break
             if w.seq.seq_id in self.staging.reading_ahead:  # its reads are under way: the
                 continue  # room goes to the next, which would wait behind them otherwise
-            self.waiting.remove(w)
+            room.append(w)
             free -= w.num_blocks
+        for w in room:
+            self.waiting.remove(w)
             self._look(w.seq, now, effects, w.deadline)
 
     @property
