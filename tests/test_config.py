@@ -121,6 +121,8 @@ CASES = [
     ("node", "disk_fsync", "always", "kv-cache", lambda s, t: s.fsync == "always"),
     ("node", "context_cache_bytes", 1000, "kv-cache", lambda s, t: s.pin_bytes == 1000),
     ("node", "cache_cost_model", False, "te", lambda s, t: s.cache_cost_model is False),
+    ("node", "gguf_cache_dir", "var/gg", "node",
+     lambda s, t: s.node.gguf_cache_dir == at(t, "var/gg")),
     ("gateway", "api_keys", {"k": "t"}, "gateway", lambda s, t: dict(s.api_keys) == {"k": "t"}),
     ("gateway", "max_open_requests", 9, "gateway", lambda s, t: s.max_open_requests == 9),
     ("gateway", "request_timeout_s", 4.5, "gateway", lambda s, t: s.request_timeout_s == 4.5),
@@ -415,10 +417,13 @@ def test_flat_view_and_build():
         NodeConfig.build(model="/m", tes=[TESpec("te0", "sideways")])
 
 
-@pytest.mark.parametrize("name", ["node", "pd", "drill", "cluster-node"])
-def test_shipped_node_confs_load(name):
+@pytest.mark.parametrize("name, model", [
+    ("node", "smollm2-135m-instruct"),  # the built-in model bin/deepserve-up imports
+    ("pd", "tiny"), ("drill", "tiny"), ("cluster-node", "tiny")])
+def test_shipped_node_confs_load(name, model):
     config = load_node_config(ROOT / "conf" / f"{name}.toml")
-    assert config.node.model == str(ROOT / "models" / "tiny") and config.tes
+    assert config.node.model == str(ROOT / "models" / model) and config.tes
+    assert config.node.gguf_cache_dir == str(ROOT / "models" / "gguf")
 
 
 def test_the_shipped_scaled_cluster_confs_place_every_te_on_joined_nodes():

@@ -1,6 +1,6 @@
-"""Tokenizer: `tokenizer.json` through the `tokenizers` library, and the chat
-template from `tokenizer_config.json` rendered with jinja2 (sandboxed, with
-the helpers Hugging Face templates expect).
+"""Tokenizer: `tokenizer.json` through the `tokenizers` library, and the
+model's chat template (checkpoint.py finds it) rendered with jinja2
+(sandboxed, with the helpers Hugging Face templates expect).
 
 It lives on the bottom floor, beside config.py, because the TE's tokenizer
 process and the job executor (which tokenizes to route by cache locality)
@@ -15,24 +15,50 @@ on the template's special tokens only and everything between them, guarded
 spans included, is encoded with special-token matching off. Content with no
 special-token text takes the plain path: the same ids as before. A raw
 completion prompt is the caller's own text (it may send token ids anyway),
-so it is encoded as given, special tokens included."""
+so it is encoded as given, special tokens included.
+
+A raw prompt gets the model's BOS token in front when tokenizer_config.json
+says `add_bos_token: true` and tokenizer.json's post-processor does not add
+it already (a converted checkpoint, e.g. from GGUF, may say so only in the
+config): what transformers does when the flag reaches the tokenizer
+(`AutoTokenizer.from_pretrained(dir, add_bos_token=True)`; transformers 5
+itself drops the config's flag whenever a tokenizer.json is present, while
+llama.cpp and transformers 4's Llama tokenizers honour it). A chat prompt is
+encoded as `apply_chat_template` encodes it, without special tokens: the
+template writes the BOS itself when the model wants one, never twice.
+
+Templates: checkpoint.chat_templates (chat_template.jinja, the tokenizer
+config's string or list form); the "default" one renders chat requests, the
+others (e.g. "tool_use") are kept by name in `chat_templates`."""
 
 from __future__ import annotations
 
 import json
 import re
-from functools import cached_property
+from datetime import datetime
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from deepserve.checkpoint import DEFAULT_TEMPLATE, chat_templates
 from deepserve.errors import InvalidRequestError, ModelLoadError
 
 
 def _raise(message: str):
     raise jinja2.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' `tojson`: plain JSON (jinja's own escapes HTML characters)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 # Markers stand for guarded text while the template renders: plane-16 private
@@ -54,9 +80,11 @@ class Tokenizer:
             raise ModelLoadError(f"{path} cannot be read: {e}") from e
         cfg_path = model_dir / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template: str | None = self.config.get("chat_template")
+        self.chat_templates = chat_templates(model_dir, self.config)  # name -> template
+        self.chat_template: str | None = self.chat_templates.get(DEFAULT_TEMPLATE)
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.bos_token = _token_text(self.config.get("bos_token"))
+        self.bos_id = self._add_bos_id()  # prepended to a raw prompt (module doc) or None
         # special token text -> id; a second tokenizer that reads such text as text
         self._special_ids = {t.content: i for i, t in
                              self._tok.get_added_tokens_decoder().items() if t.special}
@@ -73,7 +101,23 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.bos_id is not None:
+            return [self.bos_id, *ids]
+        return ids
+
+    def _add_bos_id(self) -> int | None:
+        """The BOS id encode() must prepend itself: add_bos_token is true, the
+        BOS token is known, and the post-processor does not add it already."""
+        if self.config.get("add_bos_token") is not True or not self.bos_token:
+            return None
+        bos_id = self._tok.token_to_id(self.bos_token)
+        if bos_id is None:
+            raise ModelLoadError(f"bos_token {self.bos_token!r} is not in {self._path}")
+        probe = self._tok.encode("a")
+        if probe.ids[:1] == [bos_id] and probe.special_tokens_mask[:1] == [1]:
+            return None  # the post-processor's own
+        return bos_id
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -192,14 +236,31 @@ class Tokenizer:
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template", "messages")
         _check_messages(messages)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
         try:
-            return env.from_string(self.chat_template).render(
+            return _template(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                **self._special_token_texts)
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template rejected the messages: {e}", "messages") from e
+
+    @cached_property
+    def _special_token_texts(self) -> dict[str, str]:
+        """What transformers hands a template besides the messages: the named
+        special tokens' texts ("" for one the model does not have)."""
+        names = ("bos_token", "eos_token", "unk_token", "pad_token")
+        return {name: _token_text(self.config.get(name)) or "" for name in names}
+
+
+@lru_cache(maxsize=16)
+def _template(source: str) -> jinja2.Template:
+    """A template compiled as transformers compiles it: sandboxed, trimmed,
+    with loop controls, raise_exception, strftime_now and its tojson; once
+    per template source (a compiled template renders from any thread)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
+    env.filters["tojson"] = _tojson
+    return env.from_string(source)
 
 
 def _token_text(value) -> str | None:

@@ -3,7 +3,7 @@ pure objects, exact orders."""
 
 from deepserve.config.tenants import TenantSection, TenantsSection
 from deepserve.control.je.fair_queue import FairQueue
-from deepserve.control.je.fair_share import RESERVE_S, FairShare
+from deepserve.control.je.fair_share import RESERVE_S, FairShare, num_tokens
 from deepserve.messages.control import TEInfo
 from deepserve.messages.engine import SubmitRequest
 from deepserve.messages.sampling import SamplingParams
@@ -137,3 +137,16 @@ def test_a_tenant_at_its_share_leaves_a_slot_for_each_tenant_heard_from_lately()
     share.give("a0")
     share.give("a0")  # once only
     assert share.used["te0"] == 2 and share.slots_by_tenant == {"a": 2}
+
+
+def test_an_unset_max_tokens_counts_the_rest_of_the_models_context():
+    """The TE resolves it to at most max_len - prompt tokens: that is what it may ask."""
+    ids = list(range(30))
+    unset = SubmitRequest(request_id="u", prompt="x", sampling=SamplingParams())
+    assert num_tokens(unset, ids, max_len=100) == 100
+    assert num_tokens(unset, ids) == 31  # the context unknown: the prompt and one token
+    assert num_tokens(_msg("s", "a", max_tokens=5), ids, max_len=100) == 35
+    share = FairShare(TenantsSection(max_tokens=150))
+    assert share.admit(unset, num_tokens(unset, ids, max_len=100)) is None
+    share.wait("m", unset, ids, park_until=0.0)  # queued at what it was admitted with
+    assert share.queues["m"].peek().item.msg is unset and share.num_tokens["default"] == 100

@@ -118,6 +118,32 @@ def test_disaggregated_equals_colocated(tiny_model, tmp_path, reference, options
         pair.close()
 
 
+def test_the_models_defaults_hold_on_both_sides_of_a_disaggregated_request(tiny_model,
+                                                                           tmp_path):
+    """Unset fields resolved by the decode TE (greedy, a repetition penalty
+    below 1: seen tokens are favoured, so it shows in 10 tokens,
+    max_new_tokens 10): the prefill TE samples the first token with them,
+    over the prompt it was sent, so the output is the colocated one."""
+    from tests.engine.test_generation_defaults import variant
+    model = variant(tiny_model, tmp_path / "m", temperature=0.0, repetition_penalty=0.5,
+                    max_new_tokens=10)
+    unset = SamplingParams(ignore_eos=True)
+    llm = LLM(str(model), num_kv_blocks=256)
+    expected = [out.token_ids for out in llm.generate(PROMPTS, unset)]
+    plain = [out.token_ids for out in llm.generate(PROMPTS, SamplingParams(
+        temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.0))]
+    assert all(len(ids) == 10 for ids in expected)
+    assert any(e[0] != p[0] for e, p in zip(expected, plain))  # the prefill TE's token too
+    pair = Pair(model, tmp_path)
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            pair.submit(f"r{i}", prompt, unset)
+        got = _ids(pair.client, len(PROMPTS))
+    finally:
+        pair.close()
+    assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected
+
+
 def test_unacknowledged_kv_is_freed_and_acknowledged_kv_at_once(tiny_model, tmp_path):
     """The test plays a decode TE that orders KV into its own pool segment.
     The prefill TE writes the blocks, reports KVReady with the first token,

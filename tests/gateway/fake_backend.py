@@ -11,10 +11,12 @@ delta carries the prompt's token ids (UTF-8 bytes of the prompt, or the
 given ids) and cached_tokens = 8 when the same salt + prompt came before.
 Stop strings are cut like the TE does (text before the stop string, held
 back while it could still be the start of one; finish "stop"); max_tokens
-ends with "length". Magic words in the prompt steer one request:
-"[slow]" (0.2 s per delta), "[hang]" (nothing after the first delta),
-"[mute]" (no reply at all), "[invalid]" / "[dead]" (RequestFailed),
-"[lose3]" (te_lost after its third delta, as the JE says when a TE died).
+ends with "length" (unset: model_max_tokens, as a TE resolves it from the
+model's max_new_tokens, less a resumed attempt's output). Magic words in the
+prompt steer one request: "[slow]" (0.2 s per delta), "[hang]" (nothing
+after the first delta), "[mute]" (no reply at all), "[invalid]" / "[dead]"
+(RequestFailed), "[lose3]" (te_lost after its third delta, as the JE says
+when a TE died).
 
 Resumed attempts are served like a TE does: the words of the output ids
 already streamed (resumed_output_ids) are re-derived, the PRNG is advanced
@@ -90,6 +92,8 @@ class FakeBackend:
     je_address: str
     cm_address: str
     max_prompt_tokens: int = 4000
+    model_max_tokens: int = 16
+    """max_tokens of a request that leaves it unset (the fake model's max_new_tokens)."""
     delay_s: float = 0.0
     """Seconds between deltas of every request (tests may change it live)."""
     publish_interval_s: float = 0.1
@@ -271,6 +275,13 @@ class FakeBackend:
             elif job.is_hanging:
                 job.next_at = float("inf")
 
+    def _max_tokens(self, job: _Job) -> int:
+        """As a TE resolves it: unset is the model's max_new_tokens less the
+        output a resumed attempt has already."""
+        if job.submit.sampling.max_tokens is not None:
+            return job.submit.sampling.max_tokens
+        return self.model_max_tokens - job.num_resumed
+
     def _step(self, job: _Job) -> RequestDelta:
         """Generate one token; cut at a stop string like the TE's detokenizer."""
         sampling = job.submit.sampling
@@ -282,7 +293,7 @@ class FakeBackend:
         cut = min((i for i in (job.text.find(s) for s in sampling.stop) if i >= 0), default=-1)
         if cut >= 0:
             finish, visible = "stop", cut
-        elif job.num_tokens - job.num_resumed >= sampling.max_tokens:
+        elif job.num_tokens - job.num_resumed >= self._max_tokens(job):
             finish = "length"
         else:
             visible -= _held_back(job.text, sampling.stop)

@@ -21,6 +21,8 @@ _COMMON_BAD = {
     "max_tokens": [0, -1, 1.5, "5", True, 2**31, 10**30, -(10**30), [], {}],
     "temperature": [-0.1, 2.5, "hot", True, [], 10**400],
     "top_p": [0, 0.0, 1.01, -1, "x", True],
+    "top_k": [-2, 1.5, "5", True, 2**31, []],
+    "repetition_penalty": [0, 0.0, -1.5, "x", True, 10**400, []],
     "seed": [1.5, "1", True],  # any integer is a seed (wrapped into int64)
     "stop": ["", [""], [1], 5, ["a"] * 17, {"a": 1}, "\ud800"],
     "n": [0, 9, -1, 1.5, "2", True],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import msgspec
 import pytest
 from pydantic import ValidationError
 
@@ -65,7 +66,10 @@ def test_chat_sampling():
 def test_completion_defaults_and_prompt_forms():
     body = CompletionRequest.model_validate({"model": "m", "prompt": ["hello"]})
     [sampling] = body.sampling_per_choice(default_max_tokens=7)
-    assert (sampling.max_tokens, sampling.temperature, sampling.logprobs) == (7, 1.0, None)
+    assert (sampling.max_tokens, sampling.temperature, sampling.logprobs) == (7, None, None)
+    [unset] = body.sampling_per_choice(default_max_tokens=None)  # the TE resolves them
+    assert unset.max_tokens is None and not unset.is_resolved
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(unset)) == {}  # nothing on the wire
     assert body.wire_prompt(100) == ("hello", None)
     ids = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2]], "logprobs": 0})
     assert ids.wire_prompt(100) == (None, [1, 2])

@@ -146,6 +146,21 @@ def test_a_resumed_stream_has_the_text_an_uninterrupted_one_has(stack):
         assert whole == _stream_text(http, "not lost", seed, 8, stop=["a!"])
 
 
+def test_a_resumed_stream_without_max_tokens_leaves_it_to_the_te():
+    """max_tokens unset: the resumed attempt keeps it unset (the TE counts
+    resumed_output_ids against the model's max_new_tokens); the caller gets
+    as many tokens as an uninterrupted request."""
+    from tests.gateway.conftest import running_stack
+    with running_stack() as stack, stack.http(timeout=10.0) as http:
+        whole = _stream_text(http, "[lose3]y", 11, None)
+        lost = [s for s in stack.backend.submits if s.prompt == "[lose3]y"][-1]
+        [resumed] = [s for s in stack.backend.submits
+                     if s.request_id == lost.request_id and s.attempt == 1]
+        assert resumed.resumed_output_ids == 3 and resumed.sampling.max_tokens is None
+        assert whole == _stream_text(http, "not lost", 11, None)
+    assert len(whole.split()) == stack.backend.model_max_tokens
+
+
 def test_je_link_epochs_follow_connects_and_disconnects():
     import zmq
 

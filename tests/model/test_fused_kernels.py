@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from deepserve.model import kernels
 from deepserve.model.config import RopeConfig
-from deepserve.model.llama import RMSNorm
+from deepserve.model.layers import RMSNorm
 from deepserve.model.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")

@@ -52,7 +52,7 @@ def test_linear_routes_by_rows_where_torch_wins(monkeypatch, max_rows, free_kept
     to the kernel and larger ones to torch, keeping both copies of the
     weight; elsewhere the kernel serves every size and the copy is freed.
     The lm_head (always=True) stays on the kernel at every size."""
-    from deepserve.model.llama import Linear
+    from deepserve.model.layers import Linear
     monkeypatch.setattr(kernels, "kernel_max_rows", lambda: max_rows)
     calls, real = [], kernels.linear_bf16
 
@@ -100,7 +100,7 @@ def _torch_path(q, k_cache, v_cache, tables, lens, block_size, scale):
     available = kernels._state.get("ok")
     kernels._state["ok"] = False
     try:
-        return attention._decode(q, k_cache, v_cache, meta, scale)
+        return attention._decode(q, k_cache, v_cache, meta, attention.AttentionKind(scale))
     finally:
         kernels._state["ok"] = available
 

@@ -93,8 +93,8 @@ def test_missing_tensor_is_named(model_copy):
 
 
 def test_unsupported_architecture(model_copy):
-    _edit_config(model_copy, model_type="mixtral", architectures=["MixtralForCausalLM"])
-    with pytest.raises(UnsupportedModelError, match="mixtral"):
+    _edit_config(model_copy, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    with pytest.raises(UnsupportedModelError, match="deepseek_v3.*supported.*qwen3_moe"):
         LLM(str(model_copy))
 
 

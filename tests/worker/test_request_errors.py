@@ -40,11 +40,11 @@ def _poison_sample(monkeypatch):
     real = model_runner.sample
     calls = []
 
-    def sample(logits, params, generators):
+    def sample(logits, params, generators, seen=None):
         calls.append(len(params))
         if any(p.seed == POISON_SEED for p in params):
             raise ValueError("poisoned sampling state")
-        return real(logits, params, generators)
+        return real(logits, params, generators, seen)
 
     monkeypatch.setattr(model_runner, "sample", sample)
     return calls
@@ -103,7 +103,7 @@ def test_a_failed_sampling_setup_fails_that_seq_only(runner_model, monkeypatch):
 
 
 def test_a_device_error_in_sampling_stays_fatal(runner_model, monkeypatch):
-    def sample(logits, params, generators):
+    def sample(logits, params, generators, seen=None):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(model_runner, "sample", sample)

@@ -39,6 +39,12 @@ def _logits(dtype: torch.dtype) -> torch.Tensor:
     return rows.to(dtype)
 
 
+def _params(**fields) -> SamplingParams:
+    """Valid, and resolved as a TE resolves them for a model with no defaults
+    of its own: what sample() takes."""
+    return SamplingParams(**fields).validate().with_defaults({})
+
+
 def _gens(n: int, seed: int = 1) -> list[torch.Generator]:
     return [torch.Generator().manual_seed(seed % 2**64) for _ in range(n)]
 
@@ -61,7 +67,7 @@ def _check(logits: torch.Tensor, tokens: torch.Tensor, num_top: int | None = 20)
 def test_fixture_argmax_is_what_the_rows_say():
     """The rows below are what they claim; argmax ignores -inf and ties pick the first."""
     for dtype in DTYPES:
-        tokens = sample(_logits(dtype), [SamplingParams(temperature=0)] * 6, _gens(6))
+        tokens = sample(_logits(dtype), [_params(temperature=0)] * 6, _gens(6))
         assert tokens.tolist()[2:] == [17, 5, V - 1, 9]
         assert tokens[1] % 3 != 0  # a masked token is never the argmax
 
@@ -71,7 +77,7 @@ def test_fixture_argmax_is_what_the_rows_say():
 @pytest.mark.parametrize("top_p", TOP_PS)
 def test_every_temperature_and_top_p_is_safe(dtype, temperature, top_p):
     logits = _logits(dtype)
-    params = [SamplingParams(temperature=temperature, top_p=top_p).validate()] * 6
+    params = [_params(temperature=temperature, top_p=top_p)] * 6
     tokens = sample(logits, params, _gens(6))
     _check(logits, tokens)
     assert tokens[2] == 17  # the only finite logit always wins
@@ -84,7 +90,7 @@ def test_every_temperature_and_top_p_is_safe(dtype, temperature, top_p):
 @pytest.mark.parametrize("temperature", [1e-300, 1.0, 2.0])
 def test_every_top_k_is_safe(dtype, top_k, temperature):
     logits = _logits(dtype)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=0.9).validate()] * 6
+    params = [_params(temperature=temperature, top_k=top_k, top_p=0.9)] * 6
     tokens = sample(logits, params, _gens(6))
     _check(logits, tokens)
     if top_k == 1:  # the top token; row 5 has two tied for it, both kept
@@ -99,7 +105,7 @@ def test_tiny_temperature_is_greedy_and_leaves_the_generator_alone(temperature):
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(3))
     gens = _gens(4)
     states = [g.get_state() for g in gens]
-    tokens = sample(logits, [SamplingParams(temperature=temperature)] * 4, gens)
+    tokens = sample(logits, [_params(temperature=temperature)] * 4, gens)
     assert tokens.tolist() == logits.argmax(dim=-1).tolist()
     assert all(torch.equal(g.get_state(), s) for g, s in zip(gens, states))
 
@@ -111,7 +117,7 @@ def test_temperature_epsilon_itself_samples():
 @pytest.mark.parametrize("seed", SEEDS)
 def test_extreme_seeds_are_reproducible(seed):
     logits = torch.zeros(1, V)  # uniform: the draw is all the generator's
-    params = [SamplingParams(temperature=2.0, seed=seed).validate()]
+    params = [_params(temperature=2.0, seed=seed)]
     first = sample(logits, params, _gens(1, seed))
     assert first.tolist() == sample(logits, params, _gens(1, seed)).tolist()
     _check(logits, first)
@@ -138,7 +144,7 @@ def test_nan_and_dead_rows_still_give_a_valid_token():
     logits[1, :] = float("nan")
     logits[2, :] = NEG_INF
     for t in (0.0, 1.0):
-        tokens = sample(logits, [SamplingParams(temperature=t, top_p=0.5)] * 3, _gens(3))
+        tokens = sample(logits, [_params(temperature=t, top_p=0.5)] * 3, _gens(3))
         _check(logits, tokens)
         assert tokens[0] != 4
 
@@ -147,7 +153,7 @@ def test_a_mixed_batch_of_hostile_rows_at_n_max():
     """Eight rows (n = 8, the API's max), each with other boundary values."""
     logits = torch.cat([_logits(torch.bfloat16)] * 2)[:8]
     combos = itertools.islice(itertools.product(TEMPERATURES, TOP_PS, SEEDS), 0, None, 37)
-    params = [SamplingParams(temperature=t, top_p=p, seed=s, logprobs=20).validate()
+    params = [_params(temperature=t, top_p=p, seed=s, logprobs=20)
               for t, p, s in itertools.islice(combos, 8)]
     tokens = sample(logits, params, [torch.Generator().manual_seed(p.seed % 2**64)
                                      for p in params])
@@ -179,7 +185,7 @@ def _old_sample(logits, params, generators):
 def test_ordinary_values_sample_exactly_as_before(fields):
     """Greedy and seeded draws on ordinary logits are token for token unchanged."""
     logits = torch.randn(16, 1000, generator=torch.Generator().manual_seed(5)) * 3
-    params = [SamplingParams(**fields)] * 16
+    params = [_params(**fields)] * 16
     for seed in range(5):
         assert (sample(logits, params, _gens(16, seed)).tolist()
                 == _old_sample(logits, params, _gens(16, seed)).tolist())

@@ -25,8 +25,8 @@ from deepserve.config.tenants import TenantSection, TenantsSection
 from deepserve.config.addresses import RunAddresses
 from deepserve.config.node import _SECTION_TYPES, ENGINE_OPTIONS, NodeConfig, TESpec
 
-_PATHS = {"node": ("model", "disk_cache_dir"), "router": ("pd_heatmap", "pd_predictor"),
-          "supervisor": ("log_dir",), "model": ("path",),
+_PATHS = {"node": ("model", "disk_cache_dir", "gguf_cache_dir"),
+          "router": ("pd_heatmap", "pd_predictor"), "supervisor": ("log_dir",), "model": ("path",),
           "cluster": ("keys", "state_dir")}
 """Keys holding paths, resolved against the repository root."""
 _ARRAYS = ("te", "model")

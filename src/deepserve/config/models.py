@@ -122,7 +122,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 def model_spec(section, options: dict) -> ModelSpec:
     """A [[model]] table (decoded) and the engine options it set -> ModelSpec."""
-    return ModelSpec(name=section.name or Path(section.path).name, path=section.path,
+    return ModelSpec(name=section.name or model_name(section.path), path=section.path,
                      options=options, min_tes=section.min_tes, max_tes=section.max_tes,
                      idle_s=section.idle_s, slo=section.slo)
 
@@ -133,4 +133,17 @@ def parse_model_arg(value: str) -> tuple[str, str]:
     if not sep:
         name, path = "", value
     path = str(Path(path).resolve())
-    return (name or Path(path).name), path
+    return (name or model_name(path)), path
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A model given as a GGUF file (imported into a directory before use:
+    deepserve/model/gguf) rather than a Hugging Face directory."""
+    return str(path).lower().endswith(".gguf")
+
+
+def model_name(path: str | Path) -> str:
+    """The name a model is served under by default: its directory's name, or
+    a GGUF file's name without `.gguf`."""
+    name = Path(path).name
+    return name[:-len(".gguf")] if is_gguf(name) else name

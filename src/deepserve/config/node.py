@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import typing
 from dataclasses import MISSING, fields
-from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
@@ -31,7 +30,7 @@ from msgspec import Meta
 from deepserve.config.addresses import RunAddresses
 from deepserve.config.cluster import ClusterSection, named_for_cluster
 from deepserve.config.engine import EngineConfig
-from deepserve.config.models import ModelSection, ModelSpec, ScalingSection
+from deepserve.config.models import ModelSection, ModelSpec, ScalingSection, model_name
 from deepserve.config.tenants import TenantsSection
 
 Positive = Annotated[float, Meta(gt=0)]
@@ -47,9 +46,10 @@ class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 class NodeSection(Section):
     model: str = ""
-    """Model directory the [[te]] TEs serve; "" with [[model]] tables only."""
+    """Model directory (or .gguf file) the [[te]] TEs serve; "" with [[model]] tables only."""
     served_model: str = ""
-    """Name clients put in `model`; "" (resolved on load): the model directory's name."""
+    """Name clients put in `model`; "" (resolved on load): the model directory's name
+    (a GGUF file's name without .gguf)."""
     host: str = "127.0.0.1"
     """Interface the gateway's HTTP server listens on."""
     port: Annotated[int, Meta(ge=1, le=65535)] = 8000
@@ -78,10 +78,13 @@ class NodeSection(Section):
     cache_cost_model: bool = True
     """Fetch cached blocks from host / disk only when that beats recomputing them
     (measured bandwidths and prefill speed); false: fetch every hit."""
+    gguf_cache_dir: str = "models/gguf"
+    """Where the node imports the .gguf files its models name (Hugging Face directories
+    keyed by each file's content, made once before any TE starts; relative: to the root)."""
 
     def __post_init__(self):
         if not self.served_model:  # derived before anyone reads it; frozen after
-            msgspec.structs.force_setattr(self, "served_model", Path(self.model).name)
+            msgspec.structs.force_setattr(self, "served_model", model_name(self.model))
 
     @property
     def has_disk_tier(self) -> bool:
@@ -97,8 +100,9 @@ class GatewaySection(Section):
     """Seconds from admission to the last token; past it the request is aborted."""
     max_prompt_chars: Count = 1_000_000
     """Characters (or token ids) of prompt / messages at most; past it: 400."""
-    default_max_tokens: Count = 16
-    """max_tokens of a request that gives none."""
+    default_max_tokens: Count | None = None
+    """max_tokens of a request that gives none; unset: the model's max_new_tokens
+    capped by the rest of the context, else all of the rest (as vLLM)."""
     max_body_bytes: Count = 8 * 1024 * 1024
     """Bytes of an HTTP request body at most; past it: 413, before the body is
     read or parsed and before authentication."""

@@ -58,7 +58,8 @@ class TenantsSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     one more is answered 429. 0: no limit."""
     max_tokens: Limit = 0
     """Tokens one tenant may have in flight: prompt tokens + max_tokens of its
-    queued and running sub-requests; one more past it is answered 429. 0: no limit."""
+    queued and running sub-requests (one without max_tokens counts the rest of
+    the model's context); one more past it is answered 429. 0: no limit."""
     retry_after_s: Annotated[int, Meta(ge=1, le=3600)] = 1
     """Seconds a 429 for a tenant limit tells the caller to wait (Retry-After)."""
     named: dict[str, TenantSection] = {}

@@ -32,6 +32,7 @@ import psutil
 
 from deepserve.ipc.segments import SHM_DIR
 from deepserve.drill.target import model_dir
+from deepserve.config.models import is_gguf
 from deepserve.supervisor.node_config import with_cluster
 from deepserve.supervisor.process_table import sweep_scratch
 from deepserve.supervisor.ray_fabric import node_command
@@ -106,7 +107,8 @@ class LocalCluster:
         node_config = load_node_config(self.node_conf)
         for config in (self.config, node_config):  # a joined node without it dies at once
             model = model_dir(config)
-            if model and not (Path(model) / "config.json").is_file():
+            if model and not ((Path(model) / "config.json").is_file()
+                              or (is_gguf(model) and Path(model).is_file())):
                 raise FileNotFoundError(f"no model at {model} (make it with "
                                         "tools/make_model.py, or point the config elsewhere)")
         for name, host in JOINERS:

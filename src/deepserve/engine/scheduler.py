@@ -75,8 +75,16 @@ class SchedulerOutput:
                                      start + num_new == seq.num_tokens))
             if not seq.is_known_to_workers:
                 seq.is_known_to_workers = True
-                new.append(NewSeq(seq_id, seq.sampling))
+                new.append(_new_seq(seq))
         return StepBatch(step_id, seqs, new, released)
+
+
+def _new_seq(seq: Sequence) -> NewSeq:
+    """The workers' first word of a sequence: with its known tokens when
+    its sampler reads them (a pending PLACEHOLDER is not known yet)."""
+    if not seq.sampling.has_repetition_penalty:
+        return NewSeq(seq.seq_id, seq.sampling)
+    return NewSeq(seq.seq_id, seq.sampling, seq.token_ids[:seq.num_tokens - seq.num_pending_tokens])
 
 
 class Scheduler:

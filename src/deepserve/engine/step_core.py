@@ -11,6 +11,13 @@ it finished (stop, length, abort): the workers hear the sequence id with the
 next batch, so they drop its sampling state. `check_request` is the one
 validation every entry point runs before anything is queued (the tokenizer
 process runs it too, so a bad request never reaches the master).
+
+Sampling fields a request leaves unset take the model's generation defaults
+(checkpoint.GenerationDefaults) where it enters the TE: the tokenizer process
+(which knows a resumed attempt's output count) in process mode, add_request
+in-process. add() resolves whatever is still unset (nothing, on those paths),
+so every Sequence carries concrete values, and a prefill order carries the
+decode TE's own: the prefill TE samples the first token with them.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import itertools
 from typing import Hashable, Iterable
 
 from deepserve.cache.kv_manager import KVCacheManager
+from deepserve.checkpoint import GenerationDefaults
 from deepserve.config import EngineConfig
 from deepserve.engine.scheduler import Scheduler, SchedulerOutput
 from deepserve.engine.sequence import Sequence
@@ -50,6 +58,7 @@ class StepCore:
     def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int], vocab_size: int,
                  record_events: bool = False, collect_new_nodes: bool = False):
         self.config = config
+        self.generation = GenerationDefaults.load(config.model)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.record_events = record_events
@@ -73,6 +82,10 @@ class StepCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       "request_id")
 
+    def resolve(self, sampling: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """sampling with its unset fields filled from the model's defaults."""
+        return self.generation.apply(sampling, num_prompt_tokens, self.config.max_model_len)
+
     def stop_token_ids(self, sampling: SamplingParams) -> frozenset[int]:
         stops = frozenset(sampling.stop_token_ids)
         return stops if sampling.ignore_eos else stops | self.eos_token_ids
@@ -84,6 +97,7 @@ class StepCore:
             salt: Hashable = None, schedule: bool = True) -> Sequence:
         """A tracked sequence for the request, queued unless schedule=False
         (a decode task waits for its KV from a prefill TE first)."""
+        sampling = self.resolve(sampling, len(ids))
         seq = Sequence(self.new_seq_id(), ids, sampling, self.stop_token_ids(sampling), salt)
         self.track(request_id, seq)
         if schedule:

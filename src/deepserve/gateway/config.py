@@ -53,8 +53,11 @@ class GatewayConfig:
     max_prompt_chars: int = 1_000_000
     """Characters (or token ids) of prompt / messages content at most; past
     it: 400 context_length_exceeded, before anything is sent to a TE."""
-    default_max_tokens: int = 16
-    """max_tokens when a request gives neither max_tokens nor max_completion_tokens."""
+    default_max_tokens: int | None = None
+    """max_tokens when a request gives neither max_tokens nor max_completion_tokens.
+    None: unset, so the TE resolves it: the model's max_new_tokens
+    (generation_config.json) capped by the rest of the context, else all of
+    the rest (max_model_len - prompt tokens), as vLLM does."""
     max_body_bytes: int = 8 * 1024 * 1024
     """Bytes of an HTTP request body at most; past it: 413 with an OpenAI error
     body, answered before the body is read or parsed and before authentication
@@ -83,7 +86,7 @@ class GatewayConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in ("max_open_requests", "max_prompt_chars", "default_max_tokens",
                      "max_body_bytes", "max_connections", "max_queued_replies"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("request_timeout_s", "read_timeout_s", "write_timeout_s"):
             if not getattr(self, name) > 0:

@@ -78,6 +78,9 @@ class TaskDone(msgspec.Struct, tag="task_done", **_STRUCT):
 
 # -- tokenizer -> master ----------------------------------------------------
 class AddRequest(msgspec.Struct, tag="add", **_STRUCT):
+    """A checked request; its sampling resolved (the model's defaults in
+    every field the client left unset: messages/sampling.py)."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams

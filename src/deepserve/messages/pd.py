@@ -74,7 +74,9 @@ class KVStream(msgspec.Struct, kw_only=True, frozen=True):
 
 class PrefillOrder(msgspec.Struct, tag="prefill_order", **_STRUCT):
     """Decode TE -> prefill TE: compute this prompt's KV and write blocks
-    skip_blocks.. of it into dst_block_ids of my pool (one endpoint per rank)."""
+    skip_blocks.. of it into dst_block_ids of my pool (one endpoint per rank).
+    sampling: resolved by the decode TE (no field unset), so the prefill TE
+    samples the first token exactly as the decode TE samples the rest."""
 
     request_id: str
     order_id: int = 0  # unique per decode master: KVReady and KVAck echo it

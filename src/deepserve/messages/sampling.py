@@ -3,11 +3,21 @@
 It is a msgspec Struct because it travels (gateway -> job executor -> TE
 master -> workers); `validate()` raises InvalidRequestError naming the field,
 so every entry point rejects bad input the same way before it is queued.
+
+Five fields may be *unset* (None): temperature, top_k, top_p,
+repetition_penalty and max_tokens. The gateway sends only what the client
+set (None is the default, so omit_defaults leaves it off the wire), because
+an unset field takes the model's own default (generation_config.json) and
+only the TE knows its model: the TE resolves a request once, where it enters
+(checkpoint.GenerationDefaults.apply), and everything after that (the
+scheduler, PD's prefill order, the workers' sampler) sees concrete values.
+A value the client set always wins, even one equal to the built-in default.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import msgspec
 
@@ -17,6 +27,14 @@ from deepserve.errors import InvalidRequestError
 # logits by 1e-300 (0 in float32) or a denormal would make NaN. See sampler.py.
 TEMPERATURE_EPSILON = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch.Generator takes
+
+BUILTIN_DEFAULTS: Mapping[str, float | int] = {
+    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+"""What an unset field means when the model sets no default either (as in
+vLLM and the OpenAI API). An unset max_tokens has no constant default: it is
+the rest of the context (GenerationDefaults.apply)."""
+DEFAULTABLE = (*BUILTIN_DEFAULTS, "max_tokens")
+"""The fields that may be unset on the wire (module doc)."""
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -32,6 +50,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     top_p: nucleus mass in (0, 1]; 1 keeps all. The most likely token is
         always kept, so a top_p smaller than its probability (1e-300, 5e-324)
         keeps exactly that token.
+    repetition_penalty: finite, > 0; 1 is none. Hugging Face's rule over the
+        prompt and generated token ids: a seen token's positive logit is
+        divided by it, a negative one multiplied (worker/sampler.py).
     seed: a per-request generator seed in [-2**63, 2**64); the same seed gives
         the same output.
     max_tokens: how many tokens to generate at most (>= 1).
@@ -41,13 +62,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: None for none; N >= 0 returns the sampled token's logprob and
         the N most likely alternatives at each step. Logprobs are never -inf
         or NaN: a token of (near) zero probability reports -9999.0.
+
+    temperature, top_k, top_p, repetition_penalty and max_tokens: None is
+    unset, resolved by the TE (module doc; with_defaults).
     """
 
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = None
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
@@ -55,24 +80,42 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < TEMPERATURE_EPSILON
+        return self.temperature is not None and self.temperature < TEMPERATURE_EPSILON
+
+    @property
+    def is_resolved(self) -> bool:
+        """No field is unset: what the scheduler and the sampler need."""
+        return all(getattr(self, name) is not None for name in DEFAULTABLE)
+
+    @property
+    def has_repetition_penalty(self) -> bool:
+        """The sampler must know the sequence's token ids (1 or unset: no)."""
+        return self.repetition_penalty not in (None, 1.0)
+
+    def with_defaults(self, defaults: Mapping[str, float | int]) -> "SamplingParams":
+        """A copy whose unset fields take `defaults` (the model's), else
+        BUILTIN_DEFAULTS; a field already set keeps its value. max_tokens
+        stays unset unless `defaults` names it. Self when nothing changes."""
+        filled = {name: defaults.get(name, BUILTIN_DEFAULTS.get(name))
+                  for name in DEFAULTABLE if getattr(self, name) is None}
+        filled = {name: value for name, value in filled.items() if value is not None}
+        return msgspec.structs.replace(self, **filled) if filled else self
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        """Raise InvalidRequestError for the first bad field; return self."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        """Raise InvalidRequestError for the first bad field; return self.
+        Unset fields are valid (the TE fills them)."""
+        _check_number(self.temperature, "temperature", "a finite number >= 0",
+                      lambda v: v >= 0)
+        _check_number(self.top_p, "top_p", "in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        _check_number(self.repetition_penalty, "repetition_penalty",
+                      "a finite number > 0", lambda v: v > 0)
+        if self.top_k is not None and not (_is_int(self.top_k) and self.top_k >= -1):
+            raise InvalidRequestError(f"top_k must be -1, 0 or >= 1, got {self.top_k!r}", "top_k")
+        if self.max_tokens is not None and not (_is_int(self.max_tokens)
+                                                and self.max_tokens >= 1):
             raise InvalidRequestError(
                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise InvalidRequestError(
-                f"temperature must be a finite number >= 0, got {self.temperature}",
-                "temperature")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1, 0 or >= 1, got {self.top_k}", "top_k")
-        if self.seed is not None and not (isinstance(self.seed, int)
-                                          and SEED_MIN <= self.seed <= SEED_MAX):
+        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise InvalidRequestError(
                 f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}", "seed")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
@@ -84,3 +127,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise InvalidRequestError(
                 f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
         return self
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_number(value, field: str, what: str, is_in_range) -> None:
+    """InvalidRequestError naming `field` unless value is None or a finite
+    real number (not a bool) for which is_in_range holds."""
+    if value is None:
+        return
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and is_in_range(value)):
+        raise InvalidRequestError(f"{field} must be {what}, got {value!r}", field)

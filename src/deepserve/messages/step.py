@@ -36,10 +36,17 @@ class ScheduledSeq(msgspec.Struct, array_like=True, gc=False):
 
 
 class NewSeq(msgspec.Struct, array_like=True, gc=False):
-    """A sequence the workers have not seen: its sampling state starts here."""
+    """A sequence the workers have not seen: its sampling state starts here.
+
+    token_ids: its tokens so far (the prompt; for a decode task, the prompt
+        and the prefill TE's first token) when its sampler reads them
+        (repetition_penalty), else empty. The step's own token_ids cannot
+        stand in: a prefix-cache hit is never sent to the workers.
+    """
 
     seq_id: int
     sampling: SamplingParams
+    token_ids: list[int] = []
 
 
 class StepBatch(msgspec.Struct, array_like=True, gc=False):

@@ -19,6 +19,12 @@ block and attends over it:
     repeated;
   * prefill chunk (several new tokens): one call per sequence, causal with an
     offset when part of the context was computed earlier.
+
+A sliding layer (`window`) masks, for a query at position p, every key at or
+before p - window (Hugging Face's rule: a key counts while p - k < window);
+its blocks stay in the pool, so a layer of either kind reads the same block
+table. Score soft-capping (`softcap`: tanh(s / c) * c, Gemma) and windows take
+the torch path; the C++ decode kernel serves plain full attention.
 """
 
 from __future__ import annotations
@@ -78,22 +84,45 @@ class AttentionMetadata:
         keys = torch.arange(self.decode_tables.shape[1] * self.block_size)
         return (keys < self.decode_lens.unsqueeze(1)).view(1, self.num_decodes, 1, -1)
 
+    def window_mask(self, window: int) -> torch.Tensor:
+        """decode_mask less the keys a sliding layer of `window` no longer sees."""
+        masks = self.__dict__.setdefault("_window_masks", {})
+        if window not in masks:
+            keys = torch.arange(self.decode_tables.shape[1] * self.block_size)
+            first = (self.decode_lens - window).unsqueeze(1)  # keys <= len - 1 - window drop
+            masks[window] = self.decode_mask & (keys >= first).view(1, self.num_decodes, 1, -1)
+        return masks[window]
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """What one layer's attention is beyond causal: scale: q.k's softmax scale;
+    window: a sliding window in tokens (None: full); softcap: score cap (None: off)."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        return self.window is None and self.softcap is None
+
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, kind: AttentionKind) -> torch.Tensor:
     """q: (T, H, D); k, v: (T, Hkv, D); caches: (Hkv, NB, bs, D) -> (T, H, D)."""
     num_kv_heads, _, _, head_dim = k_cache.shape
     k_cache.view(num_kv_heads, -1, head_dim)[:, meta.slot_mapping] = k.transpose(0, 1)
     v_cache.view(num_kv_heads, -1, head_dim)[:, meta.slot_mapping] = v.transpose(0, 1)
     if meta.is_all_decode:
-        return _decode(q, k_cache, v_cache, meta, scale)
+        return _decode(q, k_cache, v_cache, meta, kind)
     out = torch.empty_like(q)
     if meta.num_decodes:
-        out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+        out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, kind)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_new)
-        out[rows] = _prefill(q[rows], k_cache, v_cache, span, scale)
+        out[rows] = _prefill(q[rows], k_cache, v_cache, span, kind)
     return out
 
 
@@ -107,12 +136,12 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> t
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+            meta: AttentionMetadata, kind: AttentionKind) -> torch.Tensor:
     """q: (B, H, D) -> (B, H, D), one query token per sequence."""
-    if kernels.available() and q.dtype in (torch.bfloat16, torch.float32) and \
-            q.shape[-1] in (32, 64, 128) and q.shape[1] // k_cache.shape[0] <= 8:
+    if kind.is_plain and kernels.available() and q.dtype in (torch.bfloat16, torch.float32) \
+            and q.shape[-1] in (32, 64, 128) and q.shape[1] // k_cache.shape[0] <= 8:
         return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables,
-                                              meta.decode_lens, scale)
+                                              meta.decode_lens, kind.scale)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     # (B, H, D) -> (Hkv, B, G, D): query heads of one KV head become its rows.
@@ -120,18 +149,48 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     blocks = meta.decode_tables.flatten()
     keys = gather_blocks(k_cache, blocks, num_seqs)  # (Hkv, B, L, D)
     values = gather_blocks(v_cache, blocks, num_seqs)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask,
-                                         scale=scale)  # (Hkv, B, G, D)
+    mask = meta.decode_mask if kind.window is None else meta.window_mask(kind.window)
+    out = _attend(qg, keys, values, mask, kind)  # (Hkv, B, G, D)
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             span: PrefillSpan, scale: float) -> torch.Tensor:
+             span: PrefillSpan, kind: AttentionKind) -> torch.Tensor:
     """q: (N, H, D) -> (N, H, D) for one sequence's chunk of N new tokens."""
     keys = gather_blocks(k_cache, span.block_ids, 1)[:, :, :span.ctx_len]  # (Hkv, 1, L, D)
     values = gather_blocks(v_cache, span.block_ids, 1)[:, :, :span.ctx_len]
     query = q.transpose(0, 1).unsqueeze(0)  # (1, H, N, D)
-    out = F.scaled_dot_product_attention(
-        query, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=span.mask,
-        is_causal=span.mask is None, scale=scale, enable_gqa=True)  # (1, H, N, D)
+    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # (1, Hkv, L, D)
+    if kind.is_plain:
+        out = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=span.mask, is_causal=span.mask is None,
+            scale=kind.scale, enable_gqa=True)  # (1, H, N, D)
+    else:
+        out = _attend(query, keys, values, _prefill_mask(span, kind.window), kind)
     return out.squeeze(0).transpose(0, 1)
+
+
+def _prefill_mask(span: PrefillSpan, window: int | None) -> torch.Tensor:
+    """(N, L) True where new token i (at position L - N + i) sees key j."""
+    query_pos = torch.arange(span.ctx_len - span.num_new, span.ctx_len).unsqueeze(1)
+    keys = torch.arange(span.ctx_len)
+    mask = keys <= query_pos
+    if window is not None:
+        mask &= keys > query_pos - window
+    return mask
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            kind: AttentionKind) -> torch.Tensor:
+    """Masked attention with optional score capping: q (..., Hq, N, D) over k, v
+    (..., Hkv, L, D), Hq a multiple of Hkv (GQA); mask broadcasts to (.., N, L)."""
+    if kind.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=kind.scale,
+                                              enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * kind.scale  # (..., Hq, N, L)
+    scores = torch.tanh(scores / kind.softcap) * kind.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)

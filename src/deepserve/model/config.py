@@ -1,5 +1,11 @@
 """ModelConfig: the parts of a Hugging Face `config.json` the decoder needs.
 
+One frozen record for every supported family: the fields a family does not
+use keep their Llama defaults (no q/k norm, no sliding window, no MoE), so
+the shared layers read flags, not model types. What each family's
+`config.json` means is read in model/architectures.py; this module holds the
+records, the rope spellings and the directory checks.
+
 Both rope spellings are read: the older top-level `rope_theta` +
 `rope_scaling`, and the newer (transformers 5) `rope_parameters` dict.
 """
@@ -11,28 +17,67 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deepserve.errors import ModelLoadError, UnsupportedModelError
+from deepserve.errors import ModelLoadError
 
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """dtype name -> bytes per element. Names, not torch dtypes: a process that
 only plans (a TE server, a pre-warmed pod, the master's block math) reads the
 config without importing torch (~1.5 s of CPU each on 2 cores)."""
 
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+FULL, SLIDING = "full_attention", "sliding_attention"
+
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """theta: base; rope_type: "default" or "llama3"; the rest only for llama3."""
+    """One rope table's parameters (model/rope.py builds it).
+
+    theta: base; rope_type: one of ROPE_TYPES; factor: the scaling factor
+    (linear, dynamic, yarn, llama3; longrope derives its own);
+    original_max_position_embeddings: the pretraining context the scaling
+    extends (llama3, yarn, longrope, dynamic); low/high_freq_factor: llama3's
+    band; beta_fast/beta_slow, mscale, mscale_all_dim, truncate: yarn's;
+    short_factor/long_factor: longrope's per-frequency divisors;
+    attention_factor: the cos/sin multiplier (yarn, longrope), None derives it.
+    """
 
     theta: float = 10000.0
     rope_type: str = "default"
-    factor: float = 1.0
+    factor: float | None = None
+    original_max_position_embeddings: int = 8192
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float | None = None
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse MLP: each token runs top_k of num_experts experts.
+
+    intermediate_size: one expert's; norm_topk_prob: renormalise the top-k
+    router weights to sum to 1; sparse_layers: per layer, True where the MLP
+    is the MoE block (others are the dense MLP of intermediate_size);
+    naming: the checkpoint's tensor names, "qwen3_moe" (mlp.gate,
+    mlp.experts.j.gate_proj/up_proj/down_proj) or "mixtral"
+    (block_sparse_moe.gate, block_sparse_moe.experts.j.w1/w3/w2).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]
+    naming: str
 
 
 @dataclass(frozen=True)
@@ -54,6 +99,34 @@ class ModelConfig:
     """A DTYPE_SIZES key."""
     rope: RopeConfig = field(default_factory=RopeConfig)
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    """The gated MLP's activation: "silu" or "gelu_pytorch_tanh"."""
+    qk_norm: bool = False
+    """RMSNorm over each head of q and k before rope (Qwen3, Gemma 3)."""
+    norm_offset: float = 0.0
+    """Added to every RMSNorm weight at load: Gemma scales by (1 + w)."""
+    sandwich_norms: bool = False
+    """Gemma 3: the attention output is normed before its residual add, and the
+    MLP has a norm before (pre_feedforward) and after (post_feedforward)."""
+    embed_scale: float = 1.0
+    """Embeddings are multiplied by this (Gemma: sqrt(hidden), in the weights' dtype)."""
+    attn_scale: float | None = None
+    """Softmax scale of q.k; None: head_dim ** -0.5."""
+    attn_softcap: float | None = None
+    """Attention scores become tanh(s / c) * c (None: off)."""
+    final_softcap: float | None = None
+    """Logits become tanh(l / c) * c (None: off)."""
+    sliding_window: int | None = None
+    """A sliding layer's query at position p sees keys in (p - window, p]."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer FULL or SLIDING; () means every layer is FULL."""
+    rope_local: RopeConfig | None = None
+    """The sliding layers' rope where it differs from `rope` (Gemma 3)."""
+    partial_rotary_factor: float = 1.0
+    """Rope turns the first head_dim * this dims of each head (Phi-4-mini: 0.75)."""
+    fused_checkpoint: bool = False
+    """The checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)."""
+    moe: MoEConfig | None = None
 
     @property
     def dtype(self) -> "torch.dtype":
@@ -69,6 +142,17 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The rope table layer `layer` turns q and k by."""
+        return self.rope_local if self.rope_local and self.is_sliding(layer) else self.rope
+
     def kv_bytes_per_block(self, block_size: int, tp_size: int = 1) -> int:
         """Bytes one KV block takes on one rank, which holds num_kv_heads / tp_size
         heads (K and V of every layer); ValueError naming tp if that is uneven."""
@@ -78,21 +162,6 @@ class ModelConfig:
         local_kv_heads = self.num_kv_heads // tp_size
         return 2 * self.num_layers * block_size * local_kv_heads * self.head_dim * \
             DTYPE_SIZES[self.dtype_name]
-
-
-def _rope_from(raw: dict) -> RopeConfig:
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, llama3)")
-    if rope_type == "default":
-        return RopeConfig(theta=float(theta))
-    return RopeConfig(
-        theta=float(theta), rope_type="llama3", factor=float(params["factor"]),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]))
 
 
 def _eos_ids(model_dir: Path, raw: dict) -> tuple[int, ...]:
@@ -107,7 +176,10 @@ def _eos_ids(model_dir: Path, raw: dict) -> tuple[int, ...]:
 
 
 def load_model_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
-    """Parse `model_dir/config.json`; raise ModelLoadError if unusable."""
+    """Parse `model_dir/config.json`; raise ModelLoadError if unusable,
+    UnsupportedModelError (naming the model_type) for a family we do not run."""
+    from deepserve.model.architectures import architecture_fields
+
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
     if not model_dir.is_dir():
@@ -118,35 +190,32 @@ def load_model_config(model_dir: str | Path, dtype: str | None = None) -> ModelC
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} (architectures {raw.get('architectures')}) is not "
-            f"supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
     try:
-        return _build(model_dir, raw, model_type, dtype)
+        return _build(model_dir, raw, dtype, architecture_fields(raw))
     except KeyError as e:
         raise ModelLoadError(f"{path} lacks the field {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: {e}") from e
 
 
-def _build(model_dir: Path, raw: dict, model_type: str, dtype: str | None) -> ModelConfig:
+def _build(model_dir: Path, raw: dict, dtype: str | None, fields: dict) -> ModelConfig:
     num_heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     dtype_name = dtype or raw.get("dtype") or raw.get("torch_dtype") or "float32"
     if dtype_name not in DTYPE_SIZES:
         raise ModelLoadError(f"dtype {dtype_name!r} is not supported; "
                              f"use one of {sorted(DTYPE_SIZES)}")
-    return ModelConfig(
-        model_type=model_type, hidden_size=hidden,
+    common = dict(
+        model_type=raw["model_type"], hidden_size=hidden,
         intermediate_size=int(raw["intermediate_size"]),
         num_layers=int(raw["num_hidden_layers"]), num_heads=num_heads,
-        num_kv_heads=int(raw.get("num_key_value_heads", num_heads)),
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
         head_dim=int(raw.get("head_dim") or hidden // num_heads),
         vocab_size=int(raw["vocab_size"]),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        # Qwen2 always biases q/k/v (never o); Llama's attention_bias covers all four.
-        qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        o_bias=model_type == "llama" and bool(raw.get("attention_bias", False)),
-        dtype_name=dtype_name, rope=_rope_from(raw), eos_token_ids=_eos_ids(model_dir, raw))
+        qkv_bias=False, o_bias=False, dtype_name=dtype_name,
+        eos_token_ids=_eos_ids(model_dir, raw))
+    common.update(fields)
+    return ModelConfig(**common)

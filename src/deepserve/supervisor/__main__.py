@@ -16,6 +16,8 @@ import time
 import click
 
 from deepserve.actor import ActorLife
+from deepserve.config.models import is_gguf
+from deepserve.errors import ModelLoadError
 from deepserve.ipc import curve
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import (load_node_config, with_cluster, with_models,
@@ -55,8 +57,9 @@ Ctrl-C stops every process."""
 @click.option("--conf", required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--host", default=None, help="overrides [node] host")
 @click.option("--port", default=None, type=int, help="overrides [node] port")
-@click.option("--model", "models", multiple=True, metavar="[NAME=]DIR",
-              help="serve this Hugging Face model directory (repeatable; replaces [node] model)")
+@click.option("--model", "models", multiple=True, metavar="[NAME=]DIR|FILE.gguf",
+              help="serve this Hugging Face model directory or GGUF file (repeatable; "
+                   "replaces [node] model)")
 @click.option("--scale-to-zero-after", "idle_s", default=None,
               type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="every model goes to zero TEs after this long without a request")
@@ -76,9 +79,10 @@ def main(conf: str, host: str | None, port: int | None, models: tuple[str, ...],
          node_name: str | None, cluster_port: int | None, standby: bool | None) -> None:
     for value in models:
         path = value.partition("=")[2] if "=" in value else value
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise click.BadParameter(f"{path!r} is not a model directory (no config.json)",
-                                     param_hint="--model")
+        if not (os.path.isfile(os.path.join(path, "config.json"))
+                or (is_gguf(path) and os.path.isfile(path))):
+            raise click.BadParameter(f"{path!r} is not a model directory (no config.json) "
+                                     "nor a .gguf file", param_hint="--model")
     try:
         config = with_models(with_port(load_node_config(conf), host, port), models, idle_s)
         config = with_cluster(config, join, cluster_host, node_name, cluster_port, standby)
@@ -90,6 +94,9 @@ def main(conf: str, host: str | None, port: int | None, models: tuple[str, ...],
     except curve.KeysError as e:  # [cluster] secure without usable keys
         life.close()
         raise click.UsageError(str(e)) from None
+    except ModelLoadError as e:  # a .gguf model that cannot be imported
+        life.close()
+        raise click.ClickException(str(e)) from None
     status = {"code": 0}
 
     vital = set(_VITAL) if not node.joins or node.standby else set()

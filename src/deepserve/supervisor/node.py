@@ -72,6 +72,7 @@ from deepserve.supervisor.health_log import HealthLog
 from deepserve.supervisor.node_config import NodeConfig, TESpec
 from deepserve.supervisor.placement import Gang, place
 from deepserve.supervisor.process_table import ProcessTable, sweep_scratch
+from deepserve.supervisor.model_import import import_node_models
 from deepserve.supervisor.node_models import NodeModels
 from deepserve.supervisor.scaler import NodeScaler
 from deepserve.supervisor.supervisor import NODE_PROCESSES, Supervisor
@@ -84,7 +85,7 @@ KV_CACHE = "kv-cache"
 
 class Node:
     def __init__(self, config: NodeConfig):
-        self.config = config
+        self.config = config = import_node_models(config)  # .gguf -> a directory, once
         if config.cluster.secure:  # this process and every child: CURVE on tcp:// (KeysError)
             curve.enable(config.cluster.keys)
         self.run_id = uuid.uuid4().hex[:8]

@@ -31,9 +31,9 @@ from deepserve.messages.step import (PLACEHOLDER, SampledToken, ScheduledSeq, Se
                                      StepBatch, StepOutput)
 from deepserve.model import kernels
 from deepserve.model.attention import AttentionMetadata, PrefillSpan
-from deepserve.model.llama import CausalLM
+from deepserve.model.decoder import CausalLM
 from deepserve.model.parallel import TensorParallel
-from deepserve.worker.sampler import logprobs_of, sample
+from deepserve.worker.sampler import SeenTokens, logprobs_of, sample
 
 _FATAL_WORDS = ("cuda", "cublas", "cudnn", "nccl", "hip", "device-side", "out of memory",
                 "illegal memory", "gloo", "collective")
@@ -74,6 +74,7 @@ class ModelRunner:
         self.kv_pool = kv_pool.zero_()  # (2, L, Hkv_local, NB, bs, D)
         self.kv_caches = [(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(cfg.num_layers)]
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator]] = {}
+        self.seen = SeenTokens(cfg.vocab_size)  # tokens of sequences with a repetition penalty
         self._default_generator = torch.Generator().manual_seed(seed)
         self._last_sampled: dict[int, int] = {}  # seq_id -> token sampled in its last step
         self._failed: dict[int, str] = {}  # seq_id -> why: never sampled again
@@ -156,11 +157,17 @@ class ModelRunner:
             if self.layer_loads is not None:
                 self.layer_loads.drop(seq_id)
             self._sampling.pop(seq_id, None)
+            self.seen.drop(seq_id)
             self._last_sampled.pop(seq_id, None)
             self._failed.pop(seq_id, None)
         for new in batch.new_seqs:
             try:
-                self._sampling[new.seq_id] = (new.sampling, self._generator(new.sampling))
+                # The master resolved every field; what a hand-made batch
+                # leaves unset reads as the built-in default.
+                sampling = new.sampling.with_defaults({})
+                self._sampling[new.seq_id] = (sampling, self._generator(sampling))
+                if sampling.has_repetition_penalty:
+                    self.seen.add(new.seq_id, new.token_ids)
             except Exception as exc:
                 if not is_request_error(exc):
                     raise
@@ -200,8 +207,10 @@ class ModelRunner:
     def _sample_rows(self, seqs: list[ScheduledSeq], logits: torch.Tensor
                      ) -> list[SampledToken]:
         params, gens = zip(*(self._sampling[s.seq_id] for s in seqs))
-        tokens = sample(logits, list(params), list(gens))
+        seq_ids = [s.seq_id for s in seqs]
+        tokens = sample(logits, list(params), list(gens), self.seen.gather(seq_ids))
         lps = logprobs_of(logits, tokens, [p.logprobs for p in params])
+        self.seen.mark(seq_ids, tokens)  # last: rows that raise are sampled again
         out = []
         for seq, token, lp in zip(seqs, tokens.tolist(), lps):
             if lp is None:

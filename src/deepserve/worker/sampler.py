@@ -1,9 +1,14 @@
 """Sampler: logits -> one token per row, per-request parameters.
 
-Greedy rows take the argmax. Other rows: temperature, then top-k, then top-p
+First the repetition penalty, on the whole batch at once (Hugging Face's
+RepetitionPenaltyLogitsProcessor: a logit of a token the sequence has seen,
+prompt or output, is divided by the penalty when positive and multiplied when
+negative; SeenTokens keeps which tokens each sequence has seen). Then greedy
+rows take the argmax. Other rows: temperature, then top-k, then top-p
 (nucleus) on the scaled logits, then a draw from the row's own generator, so a
 seeded request draws the same numbers whatever else is in the batch.
-Logprobs are of the model's own distribution (before temperature/top-k/top-p).
+Logprobs are of the model's own distribution (before the penalty and
+temperature/top-k/top-p), as vLLM reports them by default.
 
 Numerically safe for every value SamplingParams.validate() accepts, because
 one request must never kill the worker its batch runs on (issue 11). The rule:
@@ -23,6 +28,10 @@ one request must never kill the worker its batch runs on (issue 11). The rule:
   logit at all (a broken model, never a request's doing) is read as all
   zeros: uniform. So a sampled token is always a valid id and has a finite
   model logprob.
+- A penalized logit stays finite: the penalty is clamped to float32's normal
+  range (1e-300 is 0 in float32, 1e300 inf: 0 * inf would be NaN), a logit
+  it takes past float32's range is clamped to it, and a masked (-inf) logit
+  stays masked.
 - Reported logprobs are floored at LOGPROB_FLOOR (-9999.0, what the OpenAI API
   and vLLM report for a token of zero probability): never -inf or NaN, which
   JSON cannot carry. top-N lists at most min(N, vocab) pairs.
@@ -36,6 +45,7 @@ from deepserve.messages.sampling import SamplingParams
 
 LOGPROB_FLOOR = -9999.0
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
 
 
 def sanitize(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,15 +64,93 @@ def sanitize(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator]) -> torch.Tensor:
-    """logits: (N, V) -> token ids (N,) int64, each in [0, V)."""
+           generators: list[torch.Generator], seen: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """logits: (N, V) -> token ids (N,) int64, each in [0, V). params: resolved.
+    seen: (N, V) bool, the tokens each row's sequence has seen, when a row
+    has a repetition penalty (SeenTokens.gather); None: no row has."""
     logits, tokens = sanitize(logits)
+    if seen is not None:
+        penalties = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+        logits = penalize(logits, seen, penalties)
+        tokens = logits.argmax(dim=-1)
     for row, (p, gen) in enumerate(zip(params, generators)):
         if not p.is_greedy:
             scaled = _filter(logits[row], _scale(logits[row], p.temperature), p)
             probs = torch.softmax(scaled, dim=-1)
             tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
     return tokens
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, penalties: torch.Tensor
+             ) -> torch.Tensor:
+    """logits: (N, V) float32, sanitized; seen: (N, V) bool; penalties: (N,)
+    -> (N, V): HF's repetition penalty on the seen tokens (module doc); a
+    penalty of 1 leaves its row as it was, bit for bit."""
+    # A penalty past float32's range would make 0 * inf or 0 / 0 (NaN).
+    p = penalties.clamp(_FLOAT32_TINY, _FLOAT32_MAX).unsqueeze(1)  # (N, 1)
+    penalized = torch.where(logits < 0, logits * p, logits / p).clamp_(-_FLOAT32_MAX,
+                                                                       _FLOAT32_MAX)
+    return torch.where(seen & torch.isfinite(logits), penalized, logits)
+
+
+class SeenTokens:
+    """Which token ids each penalized sequence has seen (prompt and output).
+
+    One bool row per such sequence in one pooled (rows, V) tensor, so a step
+    reads its batch's rows with one gather and marks the tokens it sampled
+    with one scatter, however many sequences it holds. Row 0 stays all
+    False: the row of every sequence without a penalty. Freed rows are
+    reused; the pool doubles when it is full.
+    """
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.pool = torch.zeros(1, vocab_size, dtype=torch.bool)  # (rows, V)
+        self.rows: dict[int, int] = {}  # seq_id -> its row (>= 1)
+        self._free: list[int] = []
+
+    def add(self, seq_id: int, token_ids: list[int]) -> None:
+        """Track a sequence that has seen token_ids (ids outside the
+        vocabulary are ignored: check_request refused them upstream)."""
+        row = self._free.pop() if self._free else self._grow()
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        ids = ids[(ids >= 0) & (ids < self.vocab_size)]
+        self.pool[row].zero_()
+        self.pool[row, ids] = True
+        self.rows[seq_id] = row
+
+    def drop(self, seq_id: int) -> None:
+        row = self.rows.pop(seq_id, None)
+        if row is not None:
+            self._free.append(row)
+
+    def gather(self, seq_ids: list[int]) -> torch.Tensor | None:
+        """(N, V) bool rows of these sequences; None when none is tracked."""
+        if not self.rows:
+            return None
+        rows = self._rows_of(seq_ids)
+        return self.pool.index_select(0, rows) if bool(rows.any()) else None
+
+    def mark(self, seq_ids: list[int], tokens: torch.Tensor) -> None:
+        """Each tracked sequence has now seen its sampled token (tokens: (N,))."""
+        if not self.rows:
+            return
+        rows = self._rows_of(seq_ids)
+        tracked = rows > 0
+        self.pool[rows[tracked], tokens[tracked]] = True
+
+    def _rows_of(self, seq_ids: list[int]) -> torch.Tensor:
+        return torch.tensor([self.rows.get(i, 0) for i in seq_ids], dtype=torch.long)
+
+    def _grow(self) -> int:
+        """Double the pool; return one new row, keep the others free."""
+        n = self.pool.shape[0]
+        pool = torch.zeros(2 * n, self.vocab_size, dtype=torch.bool)
+        pool[:n] = self.pool
+        self.pool = pool
+        self._free.extend(range(2 * n - 1, n, -1))
+        return n
 
 
 def _scale(row: torch.Tensor, temperature: float) -> torch.Tensor:

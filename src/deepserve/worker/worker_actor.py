@@ -59,7 +59,7 @@ from deepserve.worker.cache_executor import CacheExecutor
 from deepserve.worker.kv_sender import KVSender
 from deepserve.messages.step import CACHE_ONLY_STEP_ID, SHUTDOWN_STEP_ID, StepBatch
 from deepserve.model import kernels
-from deepserve.model.llama import CausalLM
+from deepserve.model.decoder import CausalLM
 from deepserve.model.loader import load_model
 from deepserve.model.parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from deepserve.worker.model_runner import ModelRunner

@@ -103,8 +103,9 @@ class PromptTokens:
     """A request's prompt ids, bounded (char bound) and cached (module doc)."""
 
     def __init__(self, tokenizer: Tokenizer, max_chars: int | None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_len: int | None = None):
         self.tokenizer, self.max_chars, self.clock = tokenizer, max_chars, clock
+        self.max_len = max_len  # the model's context (max_position_embeddings), if known
         self._cache: OrderedDict[bytes, tuple[float, str | None, list[int]]] = OrderedDict()
         self.num_tokenized = 0
 
@@ -114,7 +115,7 @@ class PromptTokens:
         max_len = max_model_len or model_max_len(model_dir)
         per_token = max_token_chars(model_dir)
         max_chars = max_len * per_token if max_len and per_token else None
-        return cls(tokenizer, max_chars)
+        return cls(tokenizer, max_chars, max_len=max_len)
 
     def check_chars(self, msg) -> None:
         """PromptTooLongError when the text cannot fit the model (the char bound)."""

@@ -67,9 +67,13 @@ def tenant_of(msg: SubmitRequest) -> str:
     return msg.tenant or msg.salt or DEFAULT_TENANT
 
 
-def num_tokens(msg: SubmitRequest, ids: list[int]) -> int:
-    """What a request asks of an engine: its prompt tokens + max_tokens."""
-    return len(ids) + msg.sampling.max_tokens
+def num_tokens(msg: SubmitRequest, ids: list[int], max_len: int | None = None) -> int:
+    """What a request asks of an engine: its prompt tokens + max_tokens. An
+    unset max_tokens (the TE resolves it) may take the rest of the model's
+    context, max_len (when unknown: the prompt alone is counted)."""
+    if msg.sampling.max_tokens is not None:
+        return len(ids) + msg.sampling.max_tokens
+    return max(len(ids) + 1, max_len or 0)
 
 
 class FairShare:
@@ -183,8 +187,9 @@ class FairShare:
     def wait(self, model: str | None, msg: SubmitRequest, ids: list[int],
              park_until: float) -> None:
         queue = self.queues.setdefault(model, FairQueue(self.weight))
+        held = self.held.get(msg.request_id)  # admitted: its tokens are counted there
         queue.push(tenant_of(msg), Waiting(msg, ids, park_until, self.clock()),
-                   num_tokens(msg, ids))
+                   held[1] if held is not None else num_tokens(msg, ids))
 
     def release(self, send: Send) -> None:
         """Send each model's waiting requests in fair order while send() finds a slot."""

@@ -188,7 +188,7 @@ class JobExecutor:
             ids = request_ids(msg, model, self.book, self.contexts.book, self.turns)
         except InvalidRequestError as e:
             return self._fail(msg, e.code, str(e), e.param)
-        refused = self.share.admit(msg, num_tokens(msg, ids))
+        refused = self.share.admit(msg, num_tokens(msg, ids, self.book.prompts(model).max_len))
         if refused is not None:
             return self._reply(msg.reply_to, refused)
         if msg.attempt == 0:

@@ -23,6 +23,7 @@ from deepserve.engine.te.client import EngineClient
 from deepserve.errors import (EngineDeadError, InvalidRequestError, PromptTooLongError)
 from deepserve.messages.engine import RequestDelta, RequestFailed, SubmitRequest
 from deepserve.messages.sampling import SamplingParams
+from deepserve.model.gguf import resolve_model
 from deepserve.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -32,8 +33,11 @@ _ERRORS = {"invalid_request": InvalidRequestError, "prompt_too_long": PromptTooL
 class LLM:
     def __init__(self, model: str, **options):
         """options: EngineConfig's; with processes=True also tier_address (a
-        node KV tier service, tiers/tier_server.py) and cache_cost_model."""
+        node KV tier service, tiers/tier_server.py) and cache_cost_model.
+        A .gguf model is imported first (into gguf_cache_dir, default
+        $DEEPSERVE_GGUF_CACHE or ~/.cache/deepserve/gguf; cached by content)."""
         tiers = {k: options.pop(k) for k in ("tier_address", "cache_cost_model") if k in options}
+        model = resolve_model(model, options.pop("gguf_cache_dir", None))
         config = EngineConfig.from_options(model, **options)
         self.engine = self.client = None
         if tiers and not config.processes:

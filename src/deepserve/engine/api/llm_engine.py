@@ -50,6 +50,7 @@ class LLMEngine:
         is_ids = isinstance(prompt, (list, tuple))
         prompt_text, ids = self.tokenizer.request_ids(None if is_ids else prompt,
                                                       prompt if is_ids else None)
+        sampling = self.core.resolve(sampling, len(ids))  # the model's defaults, once
         self.core.check(request_id, ids, sampling)
         self._states[request_id] = RequestState(request_id, prompt_text, ids, sampling,
                                                 self.tokenizer)

@@ -46,7 +46,7 @@ PRELOAD = ["torch", "deepserve.worker.worker_actor", "deepserve.engine.te.master
            "deepserve.engine.te.tokenizer_actor", "deepserve.engine.te.launcher"]
 """What the forkserver imports once for all its children (each child's entry
 point, and this module for _child_main). Not torch._dynamo: nothing in a
-TE imports it (model/llama.py keeps the meta-device init from doing so)."""
+TE imports it (model/decoder.py keeps the meta-device init from doing so)."""
 ENTRY = {"tokenizer": "deepserve.engine.te.tokenizer_actor:tokenizer_main",
          "master": "deepserve.engine.te.master:master_main",
          "worker": "deepserve.worker.worker_actor:worker_main"}

@@ -4,13 +4,16 @@
     master ──StepTokens/FailRequest──────> [inbox PULL] ──RequestDelta/RequestFailed──> client
                                                           (the streaming shortcut)
 
-A request is validated here (step_core.check_request, the check the
-in-process engine runs too), before it reaches the batch; a bad one is
-answered with RequestFailed and never reaches the master. A message that is
-valid but wrong (an unknown or duplicate request id, token ids outside the
-vocabulary) is answered or dropped, never fatal; a request whose caller does
-not take its deltas (Outboxes.put False: gone or stalled) is aborted in the
-TE, so no batch slot generates for nobody. A request that ends here, any
+A request's unset sampling fields take the model's generation defaults
+here, once (checkpoint.GenerationDefaults; a resumed attempt's max_new_tokens
+counts the output it already has), and it is validated here
+(step_core.check_request, the check the in-process engine runs too), before
+it reaches the batch; a bad one is answered with RequestFailed and never
+reaches the master. A message that is valid but wrong (an unknown or
+duplicate request id, token ids outside the vocabulary) is answered or
+dropped, never fatal; a request whose caller does not take its deltas
+(Outboxes.put False: gone or stalled) is aborted in the TE, so no batch slot
+generates for nobody. A request that ends here, any
 way, is told to its job executor (TaskDone to done_to) once. Stop strings are
 found here (on text), so this process also tells the master to stop them.
 PD messages between TEs go master to master (messages/pd.py), not through here.
@@ -25,6 +28,7 @@ from multiprocessing.connection import Connection
 import zmq
 
 from deepserve.actor import ActorLife
+from deepserve.checkpoint import GenerationDefaults
 from deepserve.config import EngineConfig
 from deepserve.engine.output_processor import RequestState
 from deepserve.engine.step_core import check_request
@@ -69,6 +73,7 @@ class TokenizerActor:
         self.config = spec.config
         self.tokenizer = Tokenizer(spec.config.model)
         self.vocab_size = load_model_config(spec.config.model).vocab_size
+        self.generation = GenerationDefaults.load(spec.config.model)
         self.inbox = PullSocket(ctx, spec.listen_address, bind=True, type=ToTokenizer)
         self.to_master = PushSocket(ctx, spec.master_address, bind=False)
         self.ctx, self.client_address = ctx, spec.client_address
@@ -156,7 +161,9 @@ class TokenizerActor:
         try:
             prompt, ids = self.tokenizer.request_ids(msg.prompt, msg.prompt_token_ids,
                                                      msg.messages)
-            check_request(ids, msg.sampling, self.vocab_size, self.config.max_model_len)
+            sampling = self.generation.apply(msg.sampling, len(ids), self.config.max_model_len,
+                                             msg.resumed_output_ids)
+            check_request(ids, sampling, self.vocab_size, self.config.max_model_len)
         except Exception as e:  # InvalidRequestError, or content no tokenizer can take
             if not isinstance(e, InvalidRequestError):
                 log.warning("request %r refused: %s: %s", msg.request_id, type(e).__name__, e)
@@ -167,11 +174,11 @@ class TokenizerActor:
             self._forget(msg.request_id)
             return
         self.states[msg.request_id] = RequestState(
-            msg.request_id, prompt, ids, msg.sampling, self.tokenizer,
+            msg.request_id, prompt, ids, sampling, self.tokenizer,
             resumed_output_ids=msg.resumed_output_ids,
             resumed_text_chars=msg.resumed_text_chars)
         self.to_master.put(AddRequest(request_id=msg.request_id, prompt_token_ids=ids,
-                                      sampling=msg.sampling, salt=msg.salt,
+                                      sampling=sampling, salt=msg.salt,
                                       prefill_from=msg.prefill_from,
                                       pin_context=msg.pin_context, read_path=msg.read_path,
                                       tenant=msg.tenant))

@@ -5,6 +5,12 @@ OpenAI does. An integral JSON number (5.0) is an integer, as in JSON Schema.
 Everything a TE would reject for a reason the gateway can see
 (ranges, empty or oversized prompts, several prompts) is a 400 here, before
 any message is sent.
+
+Sampling fields the client leaves out stay unset in the SamplingParams it
+becomes (temperature, top_p, top_k, repetition_penalty, max_tokens): the TE
+fills them from the model's generation_config.json (messages/sampling.py).
+top_k and repetition_penalty are vLLM's extra fields. An unset max_tokens is
+the rest of the context, unless the operator set [gateway] default_max_tokens.
 """
 
 from __future__ import annotations
@@ -44,6 +50,10 @@ def Int(**bounds):  # noqa: N802 - a type
 TokenCount = Int(ge=1, le=2**31 - 1)
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Int(ge=-1, le=2**31 - 1)
+"""-1 or 0: every token (vLLM's extra field)."""
+RepetitionPenalty = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+"""1: none; Hugging Face's rule over prompt and output (vLLM's extra field)."""
 Seed = Int()
 """Any integer; only its value modulo 2**64 counts (wrapped into int64). No
 bounds: tools that read a bound near 2**63 as a float disagree at the edge."""
@@ -84,6 +94,8 @@ class _GenerationRequest(BaseModel):
     max_tokens: TokenCount | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
+    top_k: TopK | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     seed: Seed | None = None
     stop: Stop | None = None
     n: Int(ge=1, le=8) | None = None
@@ -102,18 +114,17 @@ class _GenerationRequest(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
-                  default_max_tokens: int) -> SamplingParams:
+                  default_max_tokens: int | None) -> SamplingParams:
+        """Only what the client set (and the operator's default max_tokens);
+        the rest stays unset for the TE to resolve."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         seed = None if self.seed is None else _wrap_int64(self.seed)
-        kwargs = dict(max_tokens=max_tokens or default_max_tokens, stop=stop, seed=seed,
-                      logprobs=logprobs)
-        if self.temperature is not None:
-            kwargs["temperature"] = self.temperature
-        if self.top_p is not None:
-            kwargs["top_p"] = self.top_p
-        return SamplingParams(**kwargs).validate()
+        return SamplingParams(
+            max_tokens=max_tokens or default_max_tokens, temperature=self.temperature,
+            top_p=self.top_p, top_k=self.top_k, repetition_penalty=self.repetition_penalty,
+            stop=stop, seed=seed, logprobs=logprobs).validate()
 
-    def sampling_per_choice(self, default_max_tokens: int) -> list[SamplingParams]:
+    def sampling_per_choice(self, default_max_tokens: int | None) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i gets seed + i."""
         base = self.sampling(default_max_tokens)
         if base.seed is None:
@@ -121,7 +132,7 @@ class _GenerationRequest(BaseModel):
         return [msgspec.structs.replace(base, seed=_wrap_int64(base.seed + i))
                 for i in range(self.num_choices)]
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
+    def sampling(self, default_max_tokens: int | None) -> SamplingParams:
         raise NotImplementedError
 
 
@@ -138,7 +149,7 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = None
     top_logprobs: Int(ge=0, le=20) | None = None
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
+    def sampling(self, default_max_tokens: int | None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -167,7 +178,7 @@ class CompletionRequest(_GenerationRequest):
     prompt: Prompt
     logprobs: Int(ge=0, le=20) | None = None
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
+    def sampling(self, default_max_tokens: int | None) -> SamplingParams:
         return self._sampling(self.max_tokens, self.logprobs, default_max_tokens)
 
     def wire_prompt(self, max_chars: int) -> tuple[str | None, list[int] | None]:

@@ -8,7 +8,9 @@ that whatever the orphaned attempt still sends is not taken for the new one's.
 
 next_attempt(route) is the resubmission after its TE (or its JE) was lost:
 prompt = the prompt's token ids + every output token already streamed,
-max_tokens reduced by as many, `resumed_output_ids` = those tokens and
+max_tokens reduced by as many (an unset one stays unset: the TE counts
+`resumed_output_ids` against the model's max_new_tokens, and the rest of
+the context shrinks by itself), `resumed_output_ids` = those tokens and
 `resumed_text_chars` = the characters (code points) of their text already
 passed on to the caller. The TE detokenizes from those ids and streams only
 the text past that point, so the caller's text has no gap and no repeat even
@@ -56,9 +58,11 @@ def next_attempt(route: Route) -> SubmitRequest | None:
     first = route.submit
     if route.token_ids and route.prompt_token_ids is None:
         return None  # cannot happen: the first delta carries the prompt ids
-    max_tokens = first.sampling.max_tokens - len(route.token_ids)
-    if max_tokens < 1:
-        return None
+    max_tokens = first.sampling.max_tokens
+    if max_tokens is not None:
+        max_tokens -= len(route.token_ids)
+        if max_tokens < 1:
+            return None
     route.attempt += 1
     if route.prompt_token_ids is None:  # nothing streamed: the same request again
         return msgspec.structs.replace(first, request_id=route.wire_id, attempt=route.attempt)

@@ -1,14 +1,18 @@
-"""The Llama / Qwen2 decoder over a flat batch of tokens and a paged KV pool.
+"""The decoder every supported family runs, over a flat batch of tokens and a
+paged KV pool: Llama, Qwen2/3, Mistral, Phi-3, Gemma 3, Qwen3-MoE, Mixtral.
 
 Shapes: T = tokens in this step (all sequences, flattened), H/Hkv = query/KV
 heads, D = head_dim, E = hidden size. q/k/v and gate/up projections are fused
 at load time (one matmul each), which is what the checkpoints' separate
-tensors compute.
+tensors compute. What a family changes is read from ModelConfig flags
+(model/architectures.py): q/k norms, sliding layers and their own rope,
+Gemma's sandwich norms, embedding scale and soft caps, MoE MLPs.
 
 Tensor parallelism (model/parallel.py): with tp = N each rank builds the same
 modules at local sizes, Hl = H / N query heads, Hkvl = Hkv / N KV heads and
-I / N MLP columns; the loader fills them with this rank's shard. o_proj and
-down_proj are RowParallelLinear: one all-reduce each, bias added once after.
+I / N MLP columns (each expert's too, model/moe.py); the loader fills them
+with this rank's shard. o_proj and down_proj are RowParallelLinear: one
+all-reduce each, bias added once after.
 """
 
 from __future__ import annotations
@@ -16,90 +20,15 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepserve.model import kernels
-from deepserve.model.attention import AttentionMetadata, paged_attention
-from deepserve.model.config import ModelConfig
+from deepserve.model.attention import AttentionKind, AttentionMetadata, paged_attention
+from deepserve.model.config import ModelConfig, RopeConfig
+from deepserve.model.layers import Linear, RMSNorm, RowParallelLinear, gated_activation
+from deepserve.model.moe import SparseMoE
 from deepserve.model.parallel import TensorParallel
 from deepserve.model.rope import RotaryEmbedding
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In float32 like the reference, then back to the activation dtype.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-    def add_norm(self, x: torch.Tensor | None, residual: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x); x None: no add. The fused op
-        updates residual in place (it is the layer's own running sum)."""
-        if kernels.fused(residual) and self.weight.dtype == torch.bfloat16:
-            return kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
-        if x is not None:
-            residual = residual + x
-        return self(residual), residual
-
-
-class Linear(nn.Linear):
-    """nn.Linear that, once pack() ran, multiplies with the C++ bf16 kernel
-    on a packed copy of its weight (model/kernels.py); the torch path else."""
-
-    packed: torch.Tensor | None = None
-    kernel_rows: int | None = None
-    """With a packed weight: inputs of up to this many rows go to the kernel,
-    larger ones to torch (None: every input; kernels.kernel_max_rows)."""
-
-    def pack(self, free_weight: bool, always: bool = False) -> None:
-        """Pack a bf16 weight when the kernels are there. free_weight drops
-        the unpacked copy (not for a weight tied to the embedding) where the
-        kernel serves every size; where torch wins past a few rows, both
-        copies are kept. always: the kernel at every size (the lm_head, whose
-        fp32 logits the kernel gives without a bf16 rounding)."""
-        if self.weight.dtype != torch.bfloat16 or not kernels.available():
-            return
-        self.packed = kernels.pack_linear_weight(self.weight.detach())
-        self.kernel_rows = None if always else kernels.kernel_max_rows()
-        if free_weight and self.kernel_rows is None:
-            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None and (self.kernel_rows is None or
-                                        x.numel() <= self.kernel_rows * x.shape[-1]):
-            return kernels.linear_bf16(x, self.packed, bias, self.out_features)
-        return F.linear(x, self.weight, bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
-
-
-class RowParallelLinear(Linear):
-    """A Linear whose input features are split across ranks.
-
-    Each rank holds weight columns for its slice of the input, so its product
-    is a partial sum of the full output: one all-reduce completes it. The bias
-    (replicated) is added after the sum so that it counts once, not N times.
-    At tp=1 this is exactly nn.Linear.
-    """
-
-    def __init__(self, local_in: int, out: int, bias: bool, tp: TensorParallel):
-        super().__init__(local_in, out, bias=bias)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.tp.is_parallel:
-            return super().forward(x)
-        y = self.tp.all_reduce(self.matmul(x, None))  # (T, out), summed over ranks
-        return y if self.bias is None else y + self.bias
-
 
 _KV_HINT = " (replicating KV heads when tp > num_kv_heads is not supported yet)"
 
@@ -111,7 +40,8 @@ class Attention(nn.Module):
     KV heads [r*Hkvl, (r+1)*Hkvl), so each query head keeps its GQA KV head.
     """
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding,
+                 tp: TensorParallel):
         super().__init__()
         self.num_heads = tp.shard(cfg.num_heads, "num_heads")
         self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_kv_heads", _KV_HINT)
@@ -119,16 +49,23 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim  # local
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.qkv_bias)
+                               bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        self.scale = cfg.head_dim ** -0.5
+        self.kind = AttentionKind(
+            scale=cfg.attn_scale or cfg.head_dim ** -0.5,
+            window=cfg.sliding_window if cfg.is_sliding(layer) else None,
+            softcap=cfg.attn_softcap)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        fused = kernels.fused(qkv)
+        qkv = self.qkv_proj(x)  # (T, (Hl + 2 Hkvl) D)
+        if self.q_norm is not None:
+            self._norm_heads(qkv, num_tokens)
+        fused = kernels.fused(qkv) and not self.rotary.is_partial
         if fused:  # rotated in place, q and k together
             kernels.rotary(qkv, positions, self.rotary.cos, self.rotary.sin, self.num_heads,
                            self.num_kv_heads, self.head_dim)
@@ -138,34 +75,53 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if not fused:
             q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, Hl, D)
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.kind)  # (T, Hl, D)
         return self.o_proj(out.view(num_tokens, self.q_size))  # (T, E), all-reduced
+
+    def _norm_heads(self, qkv: torch.Tensor, num_tokens: int) -> None:
+        """RMSNorm each head of q and k over D, in place in qkv (before rope)."""
+        q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(
+            num_tokens, self.num_kv_heads, self.head_dim)
+        q.copy_(self.q_norm(q))
+        k.copy_(self.k_norm(k))
 
 
 class MLP(nn.Module):
-    """SwiGLU over this rank's I / N intermediate columns; down_proj all-reduces."""
+    """Gated MLP (SwiGLU / GeGLU) over this rank's I / N intermediate columns;
+    down_proj all-reduces."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    def __init__(self, hidden: int, intermediate: int, act: str, tp: TensorParallel):
         super().__init__()
-        self.intermediate_size = tp.shard(cfg.intermediate_size, "intermediate_size")  # local
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = RowParallelLinear(self.intermediate_size, cfg.hidden_size, False, tp)
+        self.intermediate_size = tp.shard(intermediate, "intermediate_size")  # local
+        self.gate_up_proj = Linear(hidden, 2 * self.intermediate_size, bias=False)
+        self.down_proj = RowParallelLinear(self.intermediate_size, hidden, False, tp)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # (T, 2 I/N)
-        if kernels.fused(gate_up):
-            return self.down_proj(kernels.silu_and_mul(gate_up))  # (T, E), all-reduced
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # (T, I/N) each
-        return self.down_proj(F.silu(gate) * up)
+        h = gated_activation(self.gate_up_proj(x), self.act)  # (T, I/N)
+        return self.down_proj(h)  # (T, E), all-reduced
+
+
+def _mlp(cfg: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
+    if cfg.moe is not None and cfg.moe.sparse_layers[layer]:
+        return SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act, tp)
+    return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, tp)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding,
+                 tp: TensorParallel):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        e, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(e, eps)
+        self.self_attn = Attention(cfg, layer, rotary, tp)
+        self.post_attention_layernorm = RMSNorm(e, eps)
+        self.mlp = _mlp(cfg, layer, tp)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(e, eps)
+            self.post_feedforward_layernorm = RMSNorm(e, eps)
 
     def forward(self, x, residual, positions, meta, kv):
         """x: the previous layer's MLP output (None for the first layer);
@@ -173,8 +129,14 @@ class DecoderLayer(nn.Module):
         the next layer adds them, as the reference's x + mlp(...) does."""
         h, residual = self.input_layernorm.add_norm(x, residual)
         h = self.self_attn(h, positions, meta, kv)
-        h, residual = self.post_attention_layernorm.add_norm(h, residual)
-        return self.mlp(h), residual
+        if not self.sandwich:
+            h, residual = self.post_attention_layernorm.add_norm(h, residual)
+            return self.mlp(h), residual
+        # Gemma 3: the attention output is normed before it joins the residual,
+        # and the MLP output is normed after.
+        h, residual = self.pre_feedforward_layernorm.add_norm(
+            self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class CausalLM(nn.Module):
@@ -189,13 +151,18 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        tables: dict[RopeConfig, RotaryEmbedding] = {}  # one table per distinct rope
+        for rope in {cfg.layer_rope(i) for i in range(cfg.num_layers)}:
+            tables[rope] = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, rope,
+                                           cfg.rotary_dim)
         # given a weight, Embedding skips its normal_() init: on the meta device
         # that init runs a torch._refs function, which imports torch._dynamo
         # (~1.2 s per process on 2 cores) for values the loader overwrites
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tables[cfg.layer_rope(i)], tp)
+                                    for i in range(cfg.num_layers))
+        self.rotary_tables = list(tables.values())
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -205,6 +172,11 @@ class CausalLM(nn.Module):
     def num_local_kv_heads(self) -> int:
         """KV heads this rank stores: what its KV pool is sized by."""
         return self.config.num_kv_heads // self.tp.size  # divisibility checked in Attention
+
+    def rebuild_rotary(self) -> None:
+        """Compute the rope tables (after the module was built on `meta`)."""
+        for table in self.rotary_tables:
+            table.rebuild()
 
     def pack_weights(self) -> None:
         """Pack every bf16 projection for the C++ kernel (a no-op without it)."""
@@ -222,7 +194,7 @@ class CausalLM(nn.Module):
         """after_layer(i), if given, runs once layer i's KV is in the pool
         (layer-wise KV transfer starts there while layer i+1 computes);
         before_layer(i) before layer i reads it (layer-wise KV loads)."""
-        x, residual = None, self.embed_tokens(input_ids)  # (T, E)
+        x, residual = None, self._embed(input_ids)  # (T, E)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             if before_layer is not None:
                 before_layer(i)
@@ -231,10 +203,19 @@ class CausalLM(nn.Module):
                 after_layer(i)
         return self.norm.add_norm(x, residual)[0]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (T, E)
+        if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the weights' dtype
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head.packed is not None:
             # fp32 in, fp32 out: the kernel's accumulators, not rounded to bf16
             # first (bf16 logits tie often: 8 bits of mantissa).
-            return self.lm_head(hidden.float())  # (N, V)
-        return self.lm_head(hidden).float()  # (N, V)
+            logits = self.lm_head(hidden.float())  # (N, V)
+        else:
+            logits = self.lm_head(hidden).float()  # (N, V)
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
