@@ -1,7 +1,8 @@
 """The families beyond Llama through a real node: PD transfer, the host tier
 and prefix caching on a sliding-window Gemma 3 (q/k norms, soft caps, local
-and global rope) and on a Qwen3-MoE, each against transformers' own greedy
-tokens on the same checkpoint.
+and global rope), a Qwen3-MoE, a Mistral and a Phi-3 whose every layer
+slides, and a Mixtral, each against transformers' own greedy tokens on the
+same checkpoint.
 
 The KV layout is the same for every family (every layer keeps every block,
 a sliding layer masks what it no longer sees), so a block that moves between
@@ -32,7 +33,13 @@ def ids(seed: int, n: int) -> list[int]:
     return [(seed * 131 + i * 37) % 1900 + 50 for i in range(n)]
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen3-moe"])
+SHAPES = ["gemma3", "qwen3-moe", "mistral-window", "phi3-longrope", "mixtral"]
+"""Every family that differs from Llama/Qwen in more than its config numbers
+(sliding windows, soft caps, q/k norms, longrope, experts). Qwen3 dense
+shares qwen3-moe's attention; Llama runs through a node in test_node_smollm2."""
+
+
+@pytest.fixture(scope="module", params=SHAPES)
 def zoo(request, tmp_path_factory, tiny_model):
     """(node, HF model) for one shape: te0 colocated, te1 -> te2 a PD pair,
     a host tier of 200 blocks."""
