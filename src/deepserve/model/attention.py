@@ -43,15 +43,32 @@ class PrefillSpan:
     """One sequence with several new tokens in this step.
 
     rows [start, start + num_new) of the flat batch are its new tokens;
-    block_ids: (nb,) its blocks; ctx_len: tokens of context, the new last;
-    mask: (num_new, ctx_len) bool, None when ctx_len == num_new (plain causal).
+    block_ids: (nb,) its blocks; ctx_len: tokens of context, the new last.
     """
 
     start: int
     num_new: int
     block_ids: torch.Tensor
     ctx_len: int
-    mask: torch.Tensor | None
+    _masks: dict = field(default_factory=dict, repr=False)  # window -> mask, per step
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """(num_new, ctx_len) causal mask; None when ctx_len == num_new (plain causal)."""
+        return None if self.num_new == self.ctx_len else self.window_mask(None)
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """(num_new, ctx_len) True where new token i (at position ctx_len -
+        num_new + i) sees key j: j <= it, and j within `window` of it when
+        given. Built once per step and window, shared by the layers."""
+        if window not in self._masks:
+            query_pos = torch.arange(self.ctx_len - self.num_new, self.ctx_len).unsqueeze(1)
+            keys = torch.arange(self.ctx_len)
+            mask = keys <= query_pos
+            if window is not None:
+                mask &= keys > query_pos - window
+            self._masks[window] = mask
+        return self._masks[window]
 
 
 @dataclass
@@ -73,6 +90,7 @@ class AttentionMetadata:
     block_size: int
     prefills: list[PrefillSpan] = field(default_factory=list)
     is_all_decode: bool = False
+    _window_masks: dict = field(default_factory=dict, repr=False)  # window -> decode mask
 
     @property
     def num_decodes(self) -> int:
@@ -86,7 +104,7 @@ class AttentionMetadata:
 
     def window_mask(self, window: int) -> torch.Tensor:
         """decode_mask less the keys a sliding layer of `window` no longer sees."""
-        masks = self.__dict__.setdefault("_window_masks", {})
+        masks = self._window_masks
         if window not in masks:
             keys = torch.arange(self.decode_tables.shape[1] * self.block_size)
             first = (self.decode_lens - window).unsqueeze(1)  # keys <= len - 1 - window drop
@@ -166,18 +184,8 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             query, keys, values, attn_mask=span.mask, is_causal=span.mask is None,
             scale=kind.scale, enable_gqa=True)  # (1, H, N, D)
     else:
-        out = _attend(query, keys, values, _prefill_mask(span, kind.window), kind)
+        out = _attend(query, keys, values, span.window_mask(kind.window), kind)
     return out.squeeze(0).transpose(0, 1)
-
-
-def _prefill_mask(span: PrefillSpan, window: int | None) -> torch.Tensor:
-    """(N, L) True where new token i (at position L - N + i) sees key j."""
-    query_pos = torch.arange(span.ctx_len - span.num_new, span.ctx_len).unsqueeze(1)
-    keys = torch.arange(span.ctx_len)
-    mask = keys <= query_pos
-    if window is not None:
-        mask &= keys > query_pos - window
-    return mask
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -66,10 +66,16 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
 
 
+def _extension(rope: RopeConfig, max_positions: int) -> tuple[int, float]:
+    """(the pretraining context, how many times longer the model's is): the
+    config's factor, else max positions / original (yarn, longrope)."""
+    old_len = rope.original_max_position_embeddings
+    return old_len, rope.factor or max_positions / old_len
+
+
 def _yarn(inv: torch.Tensor, dim: int, rope: RopeConfig,
           max_positions: int) -> tuple[torch.Tensor, float]:
-    old_len = rope.original_max_position_embeddings
-    factor = rope.factor or max_positions / old_len
+    old_len, factor = _extension(rope, max_positions)
     attention = rope.attention_factor
     if attention is None:
         attention = (_yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
@@ -91,8 +97,7 @@ def _yarn(inv: torch.Tensor, dim: int, rope: RopeConfig,
 
 def _longrope(exponents: torch.Tensor, rope: RopeConfig, max_positions: int,
               long: bool) -> tuple[torch.Tensor, float]:
-    old_len = rope.original_max_position_embeddings
-    factor = rope.factor or max_positions / old_len
+    old_len, factor = _extension(rope, max_positions)
     attention = rope.attention_factor
     if attention is None:
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))

@@ -258,7 +258,7 @@ class ModelRunner:
                 decode_rows.append(row)
             else:
                 blocks = tables[i, :len(s.block_table)]
-                prefills.append(PrefillSpan(row, n, blocks, ctx, _offset_causal(n, ctx)))
+                prefills.append(PrefillSpan(row, n, blocks, ctx))
             row += n
         ctx_lens = torch.tensor([seqs[i].start + 1 for i in decode_idx], dtype=torch.long)
         width = max((len(seqs[i].block_table) for i in decode_idx), default=0)
@@ -273,12 +273,3 @@ def _padded_tables(seqs: list[ScheduledSeq]) -> torch.Tensor:
     width = max(len(s.block_table) for s in seqs)
     return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
                         dtype=torch.long)
-
-
-def _offset_causal(num_new: int, ctx: int) -> torch.Tensor | None:
-    """(num_new, ctx) mask: new token i (position ctx - num_new + i) sees keys <= it."""
-    if num_new == ctx:
-        return None
-    keys = torch.arange(ctx)
-    queries = torch.arange(ctx - num_new, ctx).unsqueeze(1)
-    return keys <= queries
