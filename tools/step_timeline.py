@@ -29,7 +29,7 @@ PARTS = (("master", "schedule"), ("master", "ring_write"), ("worker", "ring_wait
 
 
 def _by_step(spans, part: str) -> dict[int, tuple[float, float, int]]:
-    return {s: (a, b, n) for p, s, a, b, n in spans if p == part}
+    return {s: (a, b, n) for p, s, a, b, n, *_ in spans if p == part}
 
 
 def analyse(spans: dict[str, list], batch: int) -> dict:

@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.http.schemas import MAX_NUM_STOP_TOKEN_IDS, MAX_TOKEN_ID
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_backend import FakeBackend
 
@@ -70,19 +71,23 @@ def test_omitted_fields_travel_unset_and_take_the_models_default(stack, path, st
 def test_every_field_the_client_sets_reaches_the_je_as_set(stack, path):
     limit = "max_completion_tokens" if path == CHAT else "max_tokens"
     body = _body(path, temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0,
-                 **{limit: 3})
+                 stop_token_ids=[7, 0], ignore_eos=True, **{limit: 3})
     with stack.http() as http:
         [choice] = _post(http, path, body)
     [submit] = _submits(stack, body)
     s = submit.sampling
     assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.max_tokens) == (
         1.0, 1.0, -1, 1.0, 3)  # equal to the built-in defaults, and still set: they win
+    assert (s.stop_token_ids, s.ignore_eos) == ([7, 0], True)
     assert len(choice["text"].split()) == 3
 
 
 @pytest.mark.parametrize("field,value", [
     ("repetition_penalty", 0), ("repetition_penalty", -1.2), ("repetition_penalty", "1.1"),
-    ("top_k", -2), ("top_k", 2.5), ("temperature", 3), ("max_tokens", 0)])
+    ("top_k", -2), ("top_k", 2.5), ("temperature", 3), ("max_tokens", 0),
+    ("stop_token_ids", [-1]), ("stop_token_ids", ["1"]), ("stop_token_ids", 5),
+    ("stop_token_ids", [2**31]), ("stop_token_ids", [1] * (MAX_NUM_STOP_TOKEN_IDS + 1)),
+    ("ignore_eos", "true"), ("ignore_eos", 1)])
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 def test_a_bad_value_is_a_400_naming_the_field(stack, path, field, value):
     with stack.http() as http:
@@ -90,6 +95,18 @@ def test_a_bad_value_is_a_400_naming_the_field(stack, path, field, value):
     assert resp.status_code == 400
     error = resp.json()["error"]
     assert error["param"] == field and error["type"] == "invalid_request_error", error
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_stop_token_ids_are_accepted_up_to_their_bounds(stack, path):
+    body = _body(path, max_tokens=2, stop_token_ids=[MAX_TOKEN_ID] + [0] * (
+        MAX_NUM_STOP_TOKEN_IDS - 1), ignore_eos=False)
+    with stack.http() as http:
+        _post(http, path, body)
+    [submit] = _submits(stack, body)
+    assert len(submit.sampling.stop_token_ids) == MAX_NUM_STOP_TOKEN_IDS
+    assert submit.sampling.stop_token_ids[0] == MAX_TOKEN_ID  # the TE checks the vocabulary
+    assert submit.sampling.ignore_eos is False
 
 
 def test_an_operator_default_max_tokens_fills_an_omitted_one(make_stack):

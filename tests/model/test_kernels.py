@@ -37,6 +37,32 @@ def test_linear_matches_fp32_matmul(m, n, k):
     torch.testing.assert_close(no_bias, ref - b.float(), rtol=1e-5, atol=1e-4 * k ** 0.5)
 
 
+@pytest.mark.parametrize("m,n", [(1, 48), (7, 40), (97, 1152)])
+def test_linear_bf16_output_is_its_fp32_output_rounded(m, n):
+    """bf16 out = the fp32 out (the same sums) rounded to nearest even, bias
+    and all, in whole panels (rounded 16 at a time) and a partial last one
+    alike (n = 40: 16 + 16 + 8); NaN stays NaN, a sum past bf16's range inf."""
+    gen = torch.Generator().manual_seed(m + n)
+    k = 64
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    x[0, :] = 0.0
+    x[0, 0] = 1.0  # row 0 = w[:, 0] + b: sums of two bf16 values, ties among them
+    if m > 1:
+        x[1, 0] = float("nan")
+    packed = kernels.pack_linear_weight(w)
+    rounded = kernels.linear_bf16(x.float(), packed, b, n).to(torch.bfloat16)  # torch: RNE
+    out16 = kernels.linear_bf16(x, packed, b, n)
+    finite = [i for i in range(m) if i != 1]
+    assert torch.equal(out16[finite].view(torch.int16), rounded[finite].view(torch.int16))
+    if m > 1:
+        assert out16[1].isnan().all()
+    big = torch.full((1, k), 3e38, dtype=torch.bfloat16)
+    ones = kernels.pack_linear_weight(torch.ones(16, k, dtype=torch.bfloat16))
+    assert kernels.linear_bf16(big, ones, None, 16).isinf().all()
+
+
 def test_linear_keeps_leading_dims():
     w = torch.randn(48, 32).to(torch.bfloat16)
     x = torch.randn(2, 3, 32).to(torch.bfloat16)

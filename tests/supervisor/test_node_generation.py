@@ -57,3 +57,16 @@ def test_streamed_completion_without_max_tokens_fills_the_context(node):
     finishes = [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
     assert finishes == ["length", "length"]
     assert usage.completion_tokens == 2 * (MAX_MODEL_LEN - usage.prompt_tokens)
+
+
+def test_stop_token_ids_end_a_request_at_that_token_even_with_ignore_eos(node):
+    client = _client(node)
+    free = client.completions.create(model="gen", prompt="def f(x):", max_tokens=8, logprobs=0)
+    ids = [int(t.split(":")[1]) for t in free.choices[0].logprobs.tokens]  # "token_id:N"
+    assert len(ids) == 8 and free.choices[0].finish_reason == "length"
+    stop_at = ids.index(ids[3]) + 1  # the first place that token comes out
+    stopped = client.completions.create(model="gen", prompt="def f(x):", max_tokens=8,
+                                        extra_body={"stop_token_ids": [ids[3]],
+                                                    "ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == stop_at  # the stop token counts, as EOS does

@@ -36,7 +36,7 @@ from deepserve.engine.te.specs import TokenizerSpec
 from deepserve.errors import InvalidRequestError, PromptTooLongError
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, PushSocket
-from deepserve.ipc.timeline import Timeline
+from deepserve.ipc.timeline import Timeline, token_key
 from deepserve.messages.engine import (AbortRequest, AddRequest, FinishRequest, GetStats,
                                        NewTokens, RequestDelta, RequestFailed, StepTokens,
                                        SubmitRequest, TaskDone, ToTokenizer)
@@ -131,7 +131,7 @@ class TokenizerActor:
             start = time.monotonic()
             self._detok_s = self._reply_s = 0.0
             for item in msg.items:
-                self._tokens(item)
+                self._tokens(item, msg.step_id)
             if self.timeline.on:  # two spans laid end to end: the sums of each part
                 mid = start + self._detok_s
                 self.timeline.add("detokenize", msg.step_id, start, mid, len(msg.items))
@@ -183,7 +183,7 @@ class TokenizerActor:
                                       pin_context=msg.pin_context, read_path=msg.read_path,
                                       tenant=msg.tenant))
 
-    def _tokens(self, item: NewTokens) -> None:
+    def _tokens(self, item: NewTokens, step_id: int) -> None:
         state = self.states.get(item.request_id)
         if state is None:
             return  # aborted, or stopped by a stop string a step ago
@@ -206,6 +206,9 @@ class TokenizerActor:
             first=is_first)
         self._detok_s += t1 - t0
         self._reply_s += time.monotonic() - t1
+        if self.timeline.on:
+            self.timeline.add("reply_item", step_id, t1, time.monotonic(), len(item.token_ids),
+                              token_key(item.request_id, len(state.token_ids)))
         if state.is_finished:
             del self.states[item.request_id]
             self._forget(item.request_id)

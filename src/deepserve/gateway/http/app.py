@@ -114,6 +114,7 @@ def create_app(config: GatewayConfig,
             if task is not None:
                 task.cancel()
             await client.close()
+            app.state.gateway.timeline.close()
 
     app = FastAPI(title="DeepServe gateway", lifespan=lifespan, openapi_url=None,
                   docs_url=None, redoc_url=None)

@@ -16,9 +16,10 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+import msgspec
 from fastapi import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -27,6 +28,7 @@ from deepserve.gateway.errors import APIError, from_exception
 from deepserve.gateway.link.job_client import JobClient
 from deepserve.gateway.link.reply_stream import ReplyStream
 from deepserve.gateway.metrics import GatewayMetrics
+from deepserve.ipc.timeline import Timeline, token_key
 from deepserve.gateway.http.responses import ChatRenderer, Choice, CompletionRenderer, Renderer, Usage
 from deepserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -42,6 +44,8 @@ class GatewayState:
     config: GatewayConfig
     client: JobClient
     metrics: GatewayMetrics
+    timeline: Timeline = field(default_factory=lambda: Timeline("gateway"))
+    """Off unless $DEEPSERVE_TIMELINE names a folder (ipc/timeline.py)."""
 
 
 NO_ENGINE_WAIT_S = 10.0
@@ -87,7 +91,8 @@ async def generate(request: Request, state: GatewayState,
     if body.stream:
         # From here Starlette's own disconnect listener owns `receive`.
         stream.is_disconnected = None
-        return ClosingStreamingResponse(_events(stream, renderer, len(samplings)),
+        return ClosingStreamingResponse(_events(stream, renderer, len(samplings),
+                                                state.timeline),
                                         on_close=stream.close, headers=SSE_HEADERS,
                                         media_type="text/event-stream")
     try:
@@ -105,17 +110,23 @@ async def _collect(stream: ReplyStream, renderer: Renderer, num_choices: int) ->
     return renderer.response(choices, usage)
 
 
-async def _events(stream: ReplyStream, renderer: Renderer,
-                  num_choices: int) -> AsyncIterator[bytes]:
-    """Server-sent events; an error after the 200 becomes an error event."""
+async def _events(stream: ReplyStream, renderer: Renderer, num_choices: int,
+                  timeline: Timeline) -> AsyncIterator[bytes]:
+    """Server-sent events; an error after the 200 becomes an error event.
+    With the timeline on, each delta's span runs from the writer having it
+    to its event written (the server asks for the next one once it is)."""
     usage = Usage(num_choices)
     try:
         for chunk in renderer.opening_chunks(num_choices):
             yield _sse(chunk)
         async for index, delta in stream:
+            got = time.monotonic()
             usage.add(index, delta)
             for chunk in renderer.delta_chunks(index, delta):
                 yield _sse(chunk)
+            if timeline.on:
+                timeline.add("sse", -1, got, time.monotonic(), len(delta.token_ids),
+                             token_key(delta.request_id, usage.completion_tokens[index]))
         if renderer.include_usage:
             yield _sse(renderer.usage_chunk(usage))
     except Exception as exc:  # noqa: BLE001 - the stream must end with an error event
@@ -128,8 +139,18 @@ async def _events(stream: ReplyStream, renderer: Renderer,
     yield b"data: [DONE]\n\n"
 
 
+_json = msgspec.json.Encoder()
+
+
 def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    """One event: msgspec's encoder (a fraction of json.dumps' time per token);
+    text it cannot take as UTF-8 (a lone surrogate from a client's own input,
+    echoed in an error) is escaped by json instead."""
+    try:
+        data = _json.encode(obj)
+    except UnicodeEncodeError:
+        data = json.dumps(obj, separators=(",", ":")).encode()
+    return b"data: " + data + b"\n\n"
 
 
 class ClosingStreamingResponse(StreamingResponse):

@@ -9,8 +9,9 @@ any message is sent.
 Sampling fields the client leaves out stay unset in the SamplingParams it
 becomes (temperature, top_p, top_k, repetition_penalty, max_tokens): the TE
 fills them from the model's generation_config.json (messages/sampling.py).
-top_k and repetition_penalty are vLLM's extra fields. An unset max_tokens is
-the rest of the context, unless the operator set [gateway] default_max_tokens.
+top_k, repetition_penalty, stop_token_ids and ignore_eos are vLLM's extra
+fields. An unset max_tokens is the rest of the context, unless the operator
+set [gateway] default_max_tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
 MAX_NUM_STOP = 16
 MAX_STOP_CHARS = 256
+MAX_NUM_STOP_TOKEN_IDS = 64
+"""stop_token_ids of one request at most (each within the model's vocabulary:
+the TE's check)."""
 """Characters of one stop string at most (the TE holds back that much text)."""
 MAX_NUM_MESSAGES = 1024
 """Chat messages of one request at most."""
@@ -98,6 +102,10 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: RepetitionPenalty | None = None
     seed: Seed | None = None
     stop: Stop | None = None
+    stop_token_ids: Annotated[list[Int(ge=0, le=MAX_TOKEN_ID)],
+                              Field(max_length=MAX_NUM_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: bool | None = None
+    """Generate past the model's EOS tokens (up to max_tokens; vLLM's extra field)."""
     n: Int(ge=1, le=8) | None = None
     user: str | None = None
     context_id: Annotated[str, Field(min_length=1, max_length=MAX_CONTEXT_ID_CHARS)] | None = None
@@ -122,7 +130,8 @@ class _GenerationRequest(BaseModel):
         return SamplingParams(
             max_tokens=max_tokens or default_max_tokens, temperature=self.temperature,
             top_p=self.top_p, top_k=self.top_k, repetition_penalty=self.repetition_penalty,
-            stop=stop, seed=seed, logprobs=logprobs).validate()
+            stop=stop, seed=seed, logprobs=logprobs, stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=bool(self.ignore_eos)).validate()
 
     def sampling_per_choice(self, default_max_tokens: int | None) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i gets seed + i."""

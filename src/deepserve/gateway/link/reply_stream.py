@@ -120,8 +120,13 @@ class ReplyStream:
                 if await self.is_disconnected():
                     raise ClientDisconnected()
                 self._next_disconnect_check = now + DISCONNECT_POLL_S
-            wait_s = min(self._deadline, self._next_disconnect_check) - now
-            try:
-                return await asyncio.wait_for(self.queue.get(), max(wait_s, 0.001))
-            except asyncio.TimeoutError:
+            # Streaming, nothing asks (Starlette notices the client going): no
+            # poll, one wake-up per reply (a stale check time woke it every ms).
+            wake = self._deadline if self.is_disconnected is None else \
+                min(self._deadline, self._next_disconnect_check)
+            wait_s = wake - now
+            try:  # a timer, not wait_for's task per reply (one wake-up per token)
+                async with asyncio.timeout(max(wait_s, 0.001)):
+                    return await self.queue.get()
+            except TimeoutError:
                 pass
