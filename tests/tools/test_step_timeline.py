@@ -68,6 +68,6 @@ def test_a_te_of_processes_writes_its_timeline(tiny_model, tmp_path):
     # (Per step, not as medians: the period's median is over consecutive
     # pairs, the forward's over every step, and under load they can cross.)
     worker = next(v for c, v in spans.items() if c.endswith("worker0"))
-    fwd = {step: (a, b) for part, step, a, b, _ in worker if part == "forward"}
+    fwd = {step: (a, b) for part, step, a, b, *_ in worker if part == "forward"}
     pairs = [(fwd[s], fwd[s + 1]) for s in fwd if s + 1 in fwd]
     assert len(pairs) >= 8 and all(nxt[0] >= cur[1] for cur, nxt in pairs)
