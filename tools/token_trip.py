@@ -75,9 +75,9 @@ async def _level(url: str, name: str, prompts: list[list[int]], n: int) -> dict:
     return arrivals
 
 
-def _node_processes(root: psutil.Process, folder: Path) -> dict[int, str]:
-    """pid -> role: TE processes by their timeline file's name (written at the
-    end: the caller fills them in then), the rest by their module."""
+def _node_processes(root: psutil.Process) -> dict[int, str]:
+    """pid -> role: the node's processes by their module; a TE's processes
+    are named later, by their timeline files (written when the node stops)."""
     roles = {}
     for proc in [root] + root.children(recursive=True):
         try:
@@ -177,7 +177,7 @@ def main(model, dtype, concurrency, input_len, output_len, budget, port):
     root = psutil.Process(srv["proc"].pid)
     cpu_rows, results = [], {}
     try:
-        roles = _node_processes(root, folder)
+        roles = _node_processes(root)
         for c in levels:
             idle0 = _cpu(roles)
             time.sleep(3.0)
@@ -194,8 +194,7 @@ def main(model, dtype, concurrency, input_len, output_len, budget, port):
         if int(pid) in roles:
             roles[int(pid)] = component.rsplit("-", 1)[-1]
     for c in levels:
-        level_arrivals = results[c]
-        print_trip(c, trip(spans, level_arrivals))
+        print_trip(c, trip(spans, results[c]))
     print("\nCPU per process: ms per output token while the level ran | % of a core idle")
     print(" | ".join(["process", *[f"c={c} ms/token | idle %" for c, *_ in cpu_rows]]))
     for pid, role in sorted(roles.items(), key=lambda kv: kv[1]):
