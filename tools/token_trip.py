@@ -50,10 +50,11 @@ HOPS = ("worker forward", "worker sample", "worker step_done", "master wake", "m
 
 
 async def _one(http: httpx.AsyncClient, url: str, name: str, prompt: list[int], n: int,
-               arrivals: dict) -> int:
+               arrivals: dict) -> None:
+    """Stream one completion; arrivals[(its request id, event count)] = when."""
     body = {"model": name, "prompt": prompt, "max_tokens": n, "ignore_eos": True,
             "temperature": 0, "stream": True}
-    events, rid = 0, None
+    events = 0
     async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
@@ -65,7 +66,6 @@ async def _one(http: httpx.AsyncClient, url: str, name: str, prompt: list[int], 
                 rid = f"{chunk['id']}-{choice['index']}"
                 events += 1
                 arrivals[(rid, events)] = now
-    return events
 
 
 async def _level(url: str, name: str, prompts: list[list[int]], n: int) -> dict:
@@ -125,7 +125,7 @@ def trip(spans: dict[str, list], arrivals: dict) -> dict[str, list[float]]:
     written = {f"{rid}#{num}": (a, b) for rid, items in sse.items() for num, a, b, _ in items}
     hops = defaultdict(list)
     w, m, t = step["worker0"], step["master"], step["tokenizer"]
-    for key, (s, r0, r1) in replies.items():
+    for key, (s, _, r1) in replies.items():
         if int(key.rsplit("#", 1)[1]) < 2 or key not in written or key not in client_at:
             continue  # the first token comes out of a prefill
         try:

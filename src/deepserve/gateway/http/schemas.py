@@ -28,10 +28,10 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
 MAX_NUM_STOP = 16
 MAX_STOP_CHARS = 256
+"""Characters of one stop string at most (the TE holds back that much text)."""
 MAX_NUM_STOP_TOKEN_IDS = 64
 """stop_token_ids of one request at most (each within the model's vocabulary:
 the TE's check)."""
-"""Characters of one stop string at most (the TE holds back that much text)."""
 MAX_NUM_MESSAGES = 1024
 """Chat messages of one request at most."""
 
