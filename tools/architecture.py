@@ -19,8 +19,8 @@ from typing import NamedTuple
 # sub-packages belong to it); top-level modules are rooms of their own.
 FLOORS = {
     "ipc": 0, "messages": 0, "actor": 0, "faults": 0, "config": 0, "errors": 0, "tokenizer": 0,
-    "checkpoint": 0,
-    "model": 1, "cache": 1, "transfer": 1,
+    "checkpoint": 0, "chat_template": 0, "tool_calls": 0,
+    "model": 1, "cache": 1, "transfer": 1, "structured": 1,
     "worker": 2, "tiers": 2,
     "engine": 3,
     "gateway": 4, "control": 4, "supervisor": 4,
@@ -38,7 +38,7 @@ FORBIDDEN = {
 
 FLOOR_NAMES = {
     0: "plumbing and vocabulary",
-    1: "model, cache, transfer",
+    1: "model, cache, transfer, structured outputs",
     2: "one device; the node's KV tiers",
     3: "one TE (engine)",
     4: "what callers and operators touch",

@@ -29,36 +29,30 @@ template writes the BOS itself when the model wants one, never twice.
 
 Templates: checkpoint.chat_templates (chat_template.jinja, the tokenizer
 config's string or list form); the "default" one renders chat requests, the
-others (e.g. "tool_use") are kept by name in `chat_templates`."""
+others (e.g. "tool_use") are kept by name in `chat_templates`.
+
+token_bytes(id): the exact bytes one token stands for (logprobs' `bytes`),
+read off tokenizer.json's decoder: a byte-level vocabulary (decoder
+ByteLevel: GPT-2, SmolLM2, Qwen, Llama 3) spells each byte with one
+character of GPT-2's byte <-> unicode table; a sentencepiece-style one
+(Metaspace, or Replace "▁" -> " ": Llama 2, Mistral, Gemma) spells a space
+"▁" and, with a ByteFallback decoder, a raw byte <0xNN>; added (special)
+tokens are their content. Any other decoder: the UTF-8 of decode([id]). A
+token's leading space is kept (decode() strips it at the start of a text),
+as vLLM shows it."""
 
 from __future__ import annotations
 
 import json
 import re
-from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from deepserve import chat_template
 from deepserve.checkpoint import DEFAULT_TEMPLATE, chat_templates
 from deepserve.errors import InvalidRequestError, ModelLoadError
-
-
-def _raise(message: str):
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    """transformers' `tojson`: plain JSON (jinja's own escapes HTML characters)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
 
 
 # Markers stand for guarded text while the template renders: plane-16 private
@@ -84,14 +78,16 @@ class Tokenizer:
         self.chat_template: str | None = self.chat_templates.get(DEFAULT_TEMPLATE)
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.bos_token = _token_text(self.config.get("bos_token"))
+        self._path = path
         self.bos_id = self._add_bos_id()  # prepended to a raw prompt (module doc) or None
         # special token text -> id; a second tokenizer that reads such text as text
-        self._special_ids = {t.content: i for i, t in
-                             self._tok.get_added_tokens_decoder().items() if t.special}
-        self._path = path
+        added = self._tok.get_added_tokens_decoder()
+        self._special_ids = {t.content: i for i, t in added.items() if t.special}
         texts = sorted(self._special_ids, key=len, reverse=True)  # longest first
         self._special_re = re.compile("|".join(map(re.escape, texts))) if texts else None
         self._guard_re = re.compile("|".join([*map(re.escape, texts), _MARK_RE.pattern]))
+        self._added = {i: t.content for i, t in added.items()}  # id -> text (token_bytes)
+        self._bytes: dict[int, bytes] = {}  # token_bytes' cache
 
     @property
     def vocab_size(self) -> int:
@@ -99,6 +95,57 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's string for an id (as spelled there: "Ġhi", "▁hi")."""
+        return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one token (module doc); b"" for an id the
+        vocabulary does not have. Cached: logprobs ask for the same ids often."""
+        found = self._bytes.get(token_id)
+        if found is None:
+            found = self._bytes[token_id] = self._spell_bytes(token_id)
+        return found
+
+    def _spell_bytes(self, token_id: int) -> bytes:
+        added = self._added.get(token_id)
+        if added is not None:
+            return added.encode()
+        piece = self._tok.id_to_token(token_id) if token_id >= 0 else None
+        if piece is None:
+            return b""
+        kind, space, byte_fallback = self._spelling
+        if kind == "byte_level":
+            table = _unicode_to_byte()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        elif kind == "sentencepiece":
+            byte = _BYTE_PIECE.fullmatch(piece) if byte_fallback else None
+            return bytes([int(byte[1], 16)]) if byte else piece.replace(space, " ").encode()
+        return self._tok.decode([token_id], skip_special_tokens=False).encode()
+
+    @cached_property
+    def _spelling(self) -> tuple[str, str, bool]:
+        """(kind, space marker, <0xNN> pieces are bytes) from tokenizer.json's
+        decoder; kind "byte_level", "sentencepiece" or "text" (module doc)."""
+        decoder = self._tok.decoder
+        spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
+        parts = spec.get("decoders", []) if spec.get("type") == "Sequence" else [spec]
+        types = {part.get("type") for part in parts}
+        if "ByteLevel" in types:
+            return "byte_level", "", False
+        for part in parts:
+            pattern = part.get("pattern")
+            if part.get("type") == "Metaspace":
+                space = part.get("replacement") or _SPACE_MARK
+            elif part.get("type") == "Replace" and part.get("content") == " " \
+                    and isinstance(pattern, dict) and pattern.get("String"):
+                space = pattern["String"]
+            else:
+                continue
+            return "sentencepiece", space, "ByteFallback" in types
+        return "text", "", False
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -123,11 +170,13 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def request_ids(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                    messages: list[dict] | None = None) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) of a request given as chat messages,
-        token ids or text; InvalidRequestError when there is nothing usable."""
+                    messages: list[dict] | None = None, chat_options: dict | None = None
+                    ) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a request given as chat messages
+        (rendered with chat_options: render's), token ids or text;
+        InvalidRequestError when there is nothing usable."""
         if messages is not None:
-            text, guarded = self._render_guarded(messages)
+            text, guarded = self._render_guarded(messages, **(chat_options or {}))
             if not guarded:
                 return text, self.encode(text, add_special_tokens=False)
             return text, self._encode_guarded(text, guarded)
@@ -141,10 +190,11 @@ class Tokenizer:
             raise InvalidRequestError("prompt is empty", "prompt")
         return prompt, self.encode(prompt)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **options
                ) -> tuple[str, list[tuple[int, int]]]:
-        """The chat template's text and its guarded spans (encode_rendered takes both)."""
-        return self._render_guarded(messages, add_generation_prompt)
+        """The chat template's text and its guarded spans (encode_rendered
+        takes both); options: chat_template.render's (tools, ...)."""
+        return self._render_guarded(messages, add_generation_prompt, **options)
 
     def encode_rendered(self, text: str, guarded: list[tuple[int, int]],
                         prefix: tuple[str, list[int]] | None = None) -> list[int] | None:
@@ -165,8 +215,8 @@ class Tokenizer:
             return list(head_ids)
         return list(head_ids) + self.encode_rendered(tail, spans)
 
-    def _render_guarded(self, messages: list[dict], add_generation_prompt: bool = True
-                        ) -> tuple[str, list[tuple[int, int]]]:
+    def _render_guarded(self, messages: list[dict], add_generation_prompt: bool = True,
+                        **options) -> tuple[str, list[tuple[int, int]]]:
         """(rendered prompt, [start, end) spans of it that came from message
         text and look like special tokens or markers: encode them as text)."""
         _check_messages(messages)
@@ -180,9 +230,17 @@ class Tokenizer:
                 markers[match[0]] = chr(_MARK_FIRST + len(markers))
             return markers[match[0]]
 
-        escaped = [{k: self._guard_re.sub(mark, v) if isinstance(v, str) else v
-                    for k, v in m.items()} for m in messages]
-        rendered = self.apply_chat_template(escaped, add_generation_prompt)
+        def guard(value):  # every string, however deep (tool calls, tools' schemas)
+            if isinstance(value, str):
+                return self._guard_re.sub(mark, value)
+            if isinstance(value, dict):
+                return {guard(k): guard(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [guard(v) for v in value]
+            return value
+
+        rendered = self.apply_chat_template(guard(messages), add_generation_prompt,
+                                            **guard(options))
         if not markers:
             return rendered, []
         originals = {marker: text for text, marker in markers.items()}
@@ -232,16 +290,15 @@ class Tokenizer:
         flush()
         return ids
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **options) -> str:
+        """options: chat_template.render's (tools, continue_final_message,
+        template_kwargs)."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template", "messages")
         _check_messages(messages)
-        try:
-            return _template(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                **self._special_token_texts)
-        except jinja2.TemplateError as e:
-            raise InvalidRequestError(f"chat template rejected the messages: {e}", "messages") from e
+        return chat_template.render(self.chat_template, messages, self._special_token_texts,
+                                    add_generation_prompt, **options)
 
     @cached_property
     def _special_token_texts(self) -> dict[str, str]:
@@ -251,16 +308,17 @@ class Tokenizer:
         return {name: _token_text(self.config.get(name)) or "" for name in names}
 
 
-@lru_cache(maxsize=16)
-def _template(source: str) -> jinja2.Template:
-    """A template compiled as transformers compiles it: sandboxed, trimmed,
-    with loop controls, raise_exception, strftime_now and its tojson; once
-    per template source (a compiled template renders from any thread)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
-    env.filters["tojson"] = _tojson
-    return env.from_string(source)
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SPACE_MARK = "\u2581"  # sentencepiece's "▁"
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte <-> unicode table, read backwards: printable Latin-1
+    bytes are spelled as themselves, the other bytes as 256, 257, ... in order."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + n): b for n, b in enumerate(others)}}
 
 
 def _token_text(value) -> str | None:

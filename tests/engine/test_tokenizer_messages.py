@@ -85,3 +85,20 @@ def test_the_tenant_goes_on_to_the_master(t):
     t.send(SubmitRequest(request_id="r", prompt="hello", sampling=PARAMS, tenant="B"))
     [add] = drain(t.master)
     assert isinstance(add, AddRequest) and add.tenant == "B"
+
+
+def test_a_delta_with_logprobs_carries_the_bytes_of_every_token_they_name(t):
+    """The gateway has no tokenizer: the bytes of the sampled token and of its
+    alternatives come with the delta, and only when logprobs were asked for."""
+    t.send(SubmitRequest(request_id="lp", prompt="hello", sampling=SamplingParams(
+        max_tokens=8, logprobs=2)))
+    t.send(SubmitRequest(request_id="plain", prompt="hello", sampling=PARAMS))
+    logprobs = [(5, -0.1, [(5, -0.1), (7, -2.5)]), (6, -0.3, [(6, -0.3), (5, -1.0)])]
+    t.send(StepTokens(items=[NewTokens("lp", [5, 6], logprobs=logprobs),
+                             NewTokens("plain", [5, 6])]))
+    deltas = {d.request_id: d for d in drain(t.client)}
+    tokenizer = t.actor.tokenizer
+    assert deltas["lp"].token_bytes == {i: tokenizer.token_bytes(i) for i in (5, 6, 7)}
+    assert b"".join(deltas["lp"].token_bytes[i] for i in (5, 6)).decode() == \
+        tokenizer.decode([5, 6])
+    assert deltas["plain"].token_bytes is None

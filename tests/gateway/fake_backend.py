@@ -13,7 +13,8 @@ Stop strings are cut like the TE does (text before the stop string, held
 back while it could still be the start of one; finish "stop"); max_tokens
 ends with "length" (unset: model_max_tokens, as a TE resolves it from the
 model's max_new_tokens, less a resumed attempt's output). Magic words in the
-prompt steer one request: "[slow]" (0.2 s per delta), "[hang]" (nothing
+prompt steer one request: "[script]TEXT" (the output is TEXT, to the end of
+the message, 4 characters a delta), "[slow]" (0.2 s per delta), "[hang]" (nothing
 after the first delta), "[mute]" (no reply at all), "[invalid]" / "[dead]"
 (RequestFailed), "[lose3]" (te_lost after its third delta, as the JE says
 when a TE died).
@@ -76,6 +77,7 @@ class _Job:
     is_first: bool = True
     lose_after: int | None = None  # "[lose3]": te_lost after this many tokens
     num_resumed: int = 0  # output tokens a resumed attempt started from
+    script: str | None = None  # "[script]TEXT": the output is TEXT, 4 characters a token
 
 
 def _resume(job: _Job, output_ids: list[int]) -> None:
@@ -102,6 +104,8 @@ class FakeBackend:
     starts before it hears the CM, as one restarted beside a running node)."""
     te_ids: list[str] = field(default_factory=lambda: ["te-0"])
     """TEs the fake CM lists; assign a new list to change what it publishes."""
+    max_model_len: int = 0
+    """What its TEs announce (TEInfo.max_model_len; 0: unknown)."""
     submits: list[SubmitRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     latencies: list[RequestLatencies] = field(default_factory=list)
@@ -238,6 +242,7 @@ class FakeBackend:
         delay_s = SLOW_DELAY_S if "[slow]" in text else self.delay_s
         job = _Job(msg, prompt_ids, random.Random(seed), delay_s, time.monotonic() + delay_s,
                    "[hang]" in text, lose_after=3 if "[lose3]" in text else None)
+        job.script = _script_of(msg)
         if msg.resumed_output_ids:
             _resume(job, prompt_ids[len(prompt_ids) - msg.resumed_output_ids:])
         self._jobs[msg.request_id] = job
@@ -284,10 +289,13 @@ class FakeBackend:
 
     def _step(self, job: _Job) -> RequestDelta:
         """Generate one token; cut at a stop string like the TE's detokenizer."""
+        if job.script is not None:
+            return self._scripted(job)
         sampling = job.submit.sampling
         index = job.rng.randrange(len(WORDS))
         token_id = TOKEN_BASE + index
-        job.text += ("" if job.num_tokens == 0 else " ") + WORDS[index]
+        piece = ("" if job.num_tokens == 0 else " ") + WORDS[index]
+        job.text += piece
         job.num_tokens += 1
         finish, visible = None, len(job.text)
         cut = min((i for i in (job.text.find(s) for s in sampling.stop) if i >= 0), default=-1)
@@ -300,8 +308,23 @@ class FakeBackend:
         delta = RequestDelta(request_id=job.submit.request_id,
                              text=job.text[job.num_sent_chars:visible], token_ids=[token_id],
                              finish_reason=finish, logprobs=_logprobs(token_id, sampling),
+                             token_bytes=_token_bytes(token_id, piece, sampling),
                              attempt=job.submit.attempt)
         job.num_sent_chars = max(job.num_sent_chars, visible)
+        if job.is_first:
+            job.is_first = False
+            self._first_delta_fields(job, delta)
+        return delta
+
+    def _scripted(self, job: _Job) -> RequestDelta:
+        """The next 4 characters of a "[script]" output; "stop" after the last."""
+        piece = job.script[job.num_sent_chars:job.num_sent_chars + 4]
+        job.num_sent_chars += len(piece)
+        job.num_tokens += 1
+        finish = "stop" if job.num_sent_chars >= len(job.script) else None
+        delta = RequestDelta(request_id=job.submit.request_id, text=piece,
+                             token_ids=[TOKEN_BASE], finish_reason=finish,
+                             attempt=job.submit.attempt)
         if job.is_first:
             job.is_first = False
             self._first_delta_fields(job, delta)
@@ -323,13 +346,20 @@ class FakeBackend:
 
     def _publish(self) -> None:
         te_ids = list(self.te_ids)
-        self._pub.put(TEList(tes=[TEInfo(te_id=t, model="tiny", address=self.je_address)
-                                  for t in te_ids]))
+        self._pub.put(TEList(tes=[TEInfo(te_id=t, model="tiny", address=self.je_address,
+                                         max_model_len=self.max_model_len) for t in te_ids]))
         for te_id in te_ids:
             self._pub.put(TEReport(te_id=te_id, num_waiting=0, num_running=len(self._jobs),
                                    load_tokens=0, kv_usage=0.25,
                                    num_prompt_tokens=self._num_prompt_tokens,
                                    num_cached_tokens=self._num_cached_tokens))
+
+
+def _script_of(msg: SubmitRequest) -> str | None:
+    """The text after "[script]" in the prompt or the last message, if any."""
+    text = msg.prompt if msg.prompt is not None else (
+        msg.messages[-1]["content"] if msg.messages else "")
+    return text.split("[script]", 1)[1] if "[script]" in text else None
 
 
 def _magic_text(msg: SubmitRequest) -> str:
@@ -345,6 +375,15 @@ def _held_back(text: str, stops: list[str]) -> int:
                 longest = n
                 break
     return longest
+
+
+def _token_bytes(token_id: int, piece: str, sampling) -> dict[int, bytes] | None:
+    """As a TE's tokenizer sends them: the sampled token's are the text it
+    added; an alternative j's are " " + WORDS[j]."""
+    if sampling.logprobs is None:
+        return None
+    alternatives = {TOKEN_BASE + j: f" {WORDS[j]}".encode() for j in range(sampling.logprobs)}
+    return {**alternatives, token_id: piece.encode()}
 
 
 def _logprobs(token_id: int, sampling) -> list | None:

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.gateway.conftest import MODEL
-from tests.gateway.fake_backend import CACHED_TOKENS, TOKEN_BASE
+from tests.gateway.fake_backend import CACHED_TOKENS, TOKEN_BASE, WORDS
 
 CHAT = [{"role": "user", "content": "hi"}]
 CHAT_PROMPT_TOKENS = len(b"user: hi")
@@ -133,16 +133,35 @@ def test_chat_logprobs(stack):
                                                   logprobs=True, top_logprobs=2)
     content = resp.choices[0].logprobs.content
     assert len(content) == 3
-    for entry in content:
-        assert entry.token.startswith("token_id:") and int(entry.token[9:]) >= TOKEN_BASE
+    assert "".join(entry.token for entry in content) == resp.choices[0].message.content
+    for entry in content:  # the token's text and bytes, from the TE's token_bytes
+        assert bytes(entry.bytes).decode() == entry.token and entry.token.strip() in WORDS
         assert entry.logprob == -0.25 and len(entry.top_logprobs) == 2
+        top = entry.top_logprobs[1]  # the fake's first alternative: id TOKEN_BASE, " alpha"
+        if entry.token.strip() != "alpha":  # (else the sampled token's own bytes)
+            assert (top.token, bytes(top.bytes)) == (" alpha", b" alpha")
 
 
 def test_completion_logprobs_stream(stack):
     chunks = list(stack.openai().completions.create(model=MODEL, prompt="lp", max_tokens=3,
                                                     logprobs=1, stream=True))
     tokens = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
-    assert len(tokens) == 3 and all(t.startswith("token_id:") for t in tokens)
+    text, _ = _stream_text(chunks)
+    assert len(tokens) == 3 and "".join(tokens) == text
+
+
+def test_completion_logprobs_offsets_and_token_ids(stack):
+    kwargs = dict(model=MODEL, prompt="lp", max_tokens=4, logprobs=2, seed=5)
+    resp = stack.openai().completions.create(**kwargs)
+    logprobs, text = resp.choices[0].logprobs, resp.choices[0].text
+    assert [text[o:] for o in logprobs.text_offset] == [
+        "".join(logprobs.tokens[i:]) for i in range(4)]
+    assert all(" alpha" in top for top, token in zip(logprobs.top_logprobs, logprobs.tokens)
+               if token.strip() != "alpha")  # the fake's first alternative (id TOKEN_BASE)
+    as_ids = stack.openai().completions.create(
+        **kwargs, extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    assert all(t.startswith("token_id:") and int(t[9:]) >= TOKEN_BASE for t in as_ids.tokens)
+    assert as_ids.text_offset == logprobs.text_offset
 
 
 def test_no_logprobs_unless_asked(stack):

@@ -15,8 +15,10 @@ _CONTEXT_TOKENS = 5  # prompt tokens kept for tokenizers whose decode depends on
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True):
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0  # window start
         self._read_offset = len(self._ids)  # tokens before this are already text
@@ -25,8 +27,8 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one output token; return the new text it completes ('' if none)."""
         self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset:])
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix):]
@@ -36,9 +38,12 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: release whatever is held back, broken bytes included."""
-        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset:])
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
         delta = full[len(prefix):] if len(full) > len(prefix) else ""
         self._read_offset = len(self._ids)
         self.text += delta
         return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)

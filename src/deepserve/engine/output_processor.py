@@ -1,8 +1,10 @@
 """RequestState: one request's text, built token by token.
 
 Used by the in-process engine and by the tokenizer process alike. It
-detokenizes incrementally, cuts the text at the first stop string (which then
-finishes the request), and holds back the last len(longest stop) - 1
+detokenizes incrementally (special tokens left out unless the request's
+skip_special_tokens is false), cuts the text at the first stop string (which
+then finishes the request; the string itself stays with
+include_stop_str_in_output), and holds back the last len(longest stop) - 1
 characters while the request runs, so a stop string split across two
 increments never reaches the caller.
 
@@ -34,7 +36,8 @@ class RequestState:
         self.finish_reason: str | None = None
         num_resumed = max(0, min(resumed_output_ids, len(prompt_token_ids)))
         num_context = len(prompt_token_ids) - num_resumed
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids[:num_context])
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids[:num_context],
+                                             sampling.skip_special_tokens)
         for token_id in prompt_token_ids[num_context:]:
             self._detok.push(token_id)
         self.text = self._detok.text  # the resumed output's, then this attempt's
@@ -72,7 +75,10 @@ class RequestState:
         if not self.sampling.stop:
             return False
         start = max(0, self._num_emitted - self._holdback)
-        hits = [i for i in (self.text.find(s, start) for s in self.sampling.stop) if i >= 0]
+        hits = [(i, -len(s)) for s in self.sampling.stop for i in (self.text.find(s, start),)
+                 if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, minus_len = min(hits)  # the first; of those there, the longest
+            self.text = self.text[:at - minus_len if self.sampling.include_stop_str_in_output
+                                  else at]
         return bool(hits)

@@ -81,10 +81,19 @@ class SchedulerOutput:
 
 def _new_seq(seq: Sequence) -> NewSeq:
     """The workers' first word of a sequence: with its known tokens when
-    its sampler reads them (a pending PLACEHOLDER is not known yet)."""
-    if not seq.sampling.has_repetition_penalty:
-        return NewSeq(seq.seq_id, seq.sampling)
-    return NewSeq(seq.seq_id, seq.sampling, seq.token_ids[:seq.num_tokens - seq.num_pending_tokens])
+    its sampler reads them (a pending PLACEHOLDER is not known yet), its
+    output so far, and the stop ids its min_tokens masks."""
+    new = NewSeq(seq.seq_id, seq.sampling)
+    known = seq.num_tokens - seq.num_pending_tokens
+    new.output_ids = seq.token_ids[seq.num_prompt_tokens:known]
+    if seq.sampling.min_tokens > 0:
+        new.stop_token_ids = sorted(seq.stop_token_ids)
+    if seq.sampling.has_repetition_penalty:
+        new.token_ids = seq.token_ids[:known]
+    if seq.sampling.structured is not None and seq.sampling.structured.num_replayed:
+        first = seq.num_prompt_tokens - seq.sampling.structured.num_replayed
+        new.replay_ids = seq.token_ids[max(0, first):seq.num_prompt_tokens]
+    return new
 
 
 class Scheduler:

@@ -5,8 +5,8 @@
     Master (process mode) ──┘   release, schedule    └─> KVCacheManager
 
 A request enters as `add(request_id, ids, sampling, salt)`: its stop tokens
-(the request's own, plus the model's EOS unless ignore_eos) are assembled
-here and nowhere else. It leaves through `release(seq)` exactly once, after
+(the request's own, plus the model's EOS unless ignore_eos; always with a
+grammar, whose end allows only EOS) are assembled here and nowhere else. It leaves through `release(seq)` exactly once, after
 it finished (stop, length, abort): the workers hear the sequence id with the
 next batch, so they drop its sampling state. `check_request` is the one
 validation every entry point runs before anything is queued (the tokenizer
@@ -25,6 +25,8 @@ from __future__ import annotations
 import itertools
 from typing import Hashable, Iterable
 
+import msgspec
+
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.checkpoint import GenerationDefaults
 from deepserve.config import EngineConfig
@@ -33,6 +35,26 @@ from deepserve.engine.sequence import Sequence
 from deepserve.errors import InvalidRequestError, PromptTooLongError
 from deepserve.messages.sampling import SamplingParams
 from deepserve.messages.step import StepBatch
+
+
+def with_request_words(sampling: SamplingParams, tokenizer, num_resumed: int = 0
+                       ) -> SamplingParams:
+    """The parts of a request that need its model's tokenizer: bad_words as
+    token sequences (each word, and with a leading space, as vLLM does), and
+    a grammar checked (it compiles: InvalidRequestError naming the field)
+    and told how many prompt tokens are output already (a resumed attempt's)."""
+    changes = {}
+    if sampling.bad_words and not sampling.bad_words_ids:
+        seqs = {tuple(tokenizer.encode(text, add_special_tokens=False))
+                for word in sampling.bad_words for text in (word, " " + word.lstrip())}
+        changes["bad_words_ids"] = [list(s) for s in sorted(seqs) if s]
+    if sampling.structured is not None:
+        from deepserve.structured.compile import check
+        check(sampling.structured, sampling.structured.field)
+        if num_resumed != sampling.structured.num_replayed:
+            changes["structured"] = msgspec.structs.replace(sampling.structured,
+                                                            num_replayed=num_resumed)
+    return msgspec.structs.replace(sampling, **changes) if changes else sampling
 
 
 def check_request(ids: list[int], sampling: SamplingParams, vocab_size: int,
@@ -88,7 +110,9 @@ class StepCore:
 
     def stop_token_ids(self, sampling: SamplingParams) -> frozenset[int]:
         stops = frozenset(sampling.stop_token_ids)
-        return stops if sampling.ignore_eos else stops | self.eos_token_ids
+        if sampling.ignore_eos and sampling.structured is None:
+            return stops
+        return stops | self.eos_token_ids  # a finished grammar allows only EOS: it ends there
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)

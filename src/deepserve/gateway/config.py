@@ -1,7 +1,8 @@
 """GatewayConfig: what one gateway process needs, frozen after construction.
 
 In a node it is the gateway's part of the node's resolved config (from_node):
-[node] host / port / served_model, every [gateway] key, the run's addresses.
+[node] host / port / served_model, every [gateway] key, the run's addresses,
+and each served model's directory.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class GatewayConfig:
     scalable_models: tuple[str, ...] = ()
     """Models the autoscaler starts on demand: a request for one with no TE
     waits for one to start instead of being refused."""
+    model_dirs: Mapping[str, str] = field(default_factory=dict)
+    """Served model name -> its directory: the gateway's own tokenizer of it
+    (/tokenize, /detokenize) and its config.json (max_model_len while no TE
+    of it runs). A model not named here cannot be tokenized at the gateway."""
     api_keys: Mapping[str, str] = field(default_factory=dict)
     """API key -> tenant name. Empty: no authentication, every caller is the
     tenant "default". The tenant name is the prefix-cache salt."""
@@ -95,6 +100,7 @@ class GatewayConfig:
             if not key or not tenant or not isinstance(key, str) or not isinstance(tenant, str):
                 raise ValueError("api_keys must map non-empty key strings to tenant names")
         object.__setattr__(self, "api_keys", MappingProxyType(dict(self.api_keys)))
+        object.__setattr__(self, "model_dirs", MappingProxyType(dict(self.model_dirs)))
 
     @property
     def served_models(self) -> tuple[str, ...]:
@@ -111,7 +117,7 @@ class GatewayConfig:
         names = list(config.served_models)
         return cls(je_address=run.je, cm_address=run.cm_pub, reply_address=run.gw_reply,
                    host=node.host, port=node.port, served_model=names[0],
-                   models=tuple(names[1:]),
+                   models=tuple(names[1:]), model_dirs=config.served_models,
                    scalable_models=tuple(m.name for m in config.all_models if m.scalable),
                    **msgspec.structs.asdict(config.gateway))
 

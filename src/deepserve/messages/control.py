@@ -41,6 +41,9 @@ class TEInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     incarnation: str = ""
     """The TE process's run id (new on every restart): the CM's re-up fence
     holds back only the incarnation that went down."""
+    max_model_len: int = 0
+    """Tokens of one sequence at most (its resolved engine config): the
+    gateway's /v1/models and /tokenize show it; 0: unknown."""
 
 
 class TEUp(msgspec.Struct, tag="te_up", **_STRUCT):

@@ -24,6 +24,22 @@ _STRUCT = dict(tag_field="kind", omit_defaults=True, kw_only=True)
 
 
 # -- client -> tokenizer ----------------------------------------------------
+class ChatOptions(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """How the chat template renders a request's messages (chat_template.py):
+    tools for templates that render them, the generation prompt or an
+    open-ended final message, and the client's own template variables."""
+
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict | None = None
+
+    def render_options(self) -> dict:
+        return {"add_generation_prompt": self.add_generation_prompt, "tools": self.tools,
+                "continue_final_message": self.continue_final_message,
+                "template_kwargs": self.template_kwargs}
+
+
 class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     """prompt: text, or token ids already; chat: messages to render first.
     salt: the tenant's prefix-cache salt (set by the gateway, never a client);
@@ -49,6 +65,7 @@ class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None
+    chat: ChatOptions | None = None  # how messages are rendered (None: the defaults)
     sampling: SamplingParams
     salt: str | None = None
     reply_to: str | None = None
@@ -131,7 +148,10 @@ ToTokenizer = SubmitRequest | AbortRequest | StepTokens | GetStats | FailRequest
 
 # -- tokenizer / master / launcher -> client ----------------------------------
 class RequestDelta(msgspec.Struct, tag="delta", **_STRUCT):
-    """What one request gained since its last delta."""
+    """What one request gained since its last delta. token_bytes: with
+    logprobs, the exact bytes of every token id they name (sampled and top
+    alternatives; Tokenizer.token_bytes), so the gateway shows token strings
+    and bytes with no tokenizer work of its own per token."""
 
     request_id: str
     text: str
@@ -141,6 +161,7 @@ class RequestDelta(msgspec.Struct, tag="delta", **_STRUCT):
     prompt_token_ids: list[int] | None = None  # on the first delta
     cached_tokens: int = 0
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    token_bytes: dict[int, bytes] | None = None
     attempt: int = 0  # the SubmitRequest's: a late delta of an earlier attempt is dropped
     queued_s: float = 0.0  # on the first delta: the SubmitRequest's queued_s
 

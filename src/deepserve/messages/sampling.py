@@ -35,6 +35,36 @@ vLLM and the OpenAI API). An unset max_tokens has no constant default: it is
 the rest of the context (GenerationDefaults.apply)."""
 DEFAULTABLE = (*BUILTIN_DEFAULTS, "max_tokens")
 """The fields that may be unset on the wire (module doc)."""
+MAX_LOGIT_BIAS = 1024
+"""logit_bias entries of one request at most."""
+MAX_BAD_WORDS = 64
+"""bad_words of one request at most."""
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+"""What a StructuredOutput may be (messages/sampling.py StructuredOutput)."""
+
+
+class StructuredOutput(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """A grammar the output must follow, as the client gave it.
+
+    kind: "json" (spec: a JSON schema, as JSON text), "json_object" (any
+    JSON object; spec unused), "regex" (spec: the pattern), "choice" (spec: a
+    JSON list of strings: exactly one of them), "grammar" (spec: EBNF, GBNF
+    style) or "structural_tag" (spec: xgrammar's structural tag, as JSON).
+    The worker compiles it (cached by (kind, spec)) and masks every token the
+    grammar cannot take next; a grammar that has ended allows only EOS.
+    compact: JSON output without whitespace between tokens.
+    field: the request field it came from (response_format, guided_json, ...),
+        which an error about it names.
+    num_replayed: trailing prompt tokens that are output already (a resumed
+    attempt's): the grammar accepts them before the first sampled token."""
+
+    kind: str
+    spec: str = ""
+    compact: bool = False
+    field: str = "structured_outputs"
+    num_replayed: int = 0
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -62,6 +92,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: None for none; N >= 0 returns the sampled token's logprob and
         the N most likely alternatives at each step. Logprobs are never -inf
         or NaN: a token of (near) zero probability reports -9999.0.
+    min_p: keep the tokens whose probability is at least min_p times the
+        most likely one's (after temperature); 0 keeps all (HF's MinPLogitsWarper).
+    presence_penalty / frequency_penalty: in [-2, 2], OpenAI's rule over the
+        output tokens: a token's logit less presence if it occurred, less
+        frequency times its count.
+    logit_bias: token id -> a bias in [-100, 100] added to its logit.
+    min_tokens: EOS and stop_token_ids are masked until this many tokens
+        are out.
+    bad_words: words never generated (vLLM's rule: the last token of each
+        tokenization of a word is masked where the tokens before it match);
+        bad_words_ids: their token sequences, filled by the TE's tokenizer.
+    include_stop_str_in_output: a stop string found is kept in the text.
+    skip_special_tokens: special tokens are left out of the text (default).
+    structured: a grammar the output must follow (StructuredOutput), or None.
 
     temperature, top_k, top_p, repetition_penalty and max_tokens: None is
     unset, resolved by the TE (module doc; with_defaults).
@@ -77,6 +121,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
+    min_tokens: int = 0
+    bad_words: list[str] = []
+    bad_words_ids: list[list[int]] = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -126,7 +180,38 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise InvalidRequestError(
                 f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+        self._validate_extras(vocab_size)
         return self
+
+    def _validate_extras(self, vocab_size: int | None) -> None:
+        """The fields beyond OpenAI's core set (min_p .. structured)."""
+        _check_number(self.min_p, "min_p", "in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(getattr(self, name), name, "in [-2, 2]", lambda v: -2.0 <= v <= 2.0)
+        if not (_is_int(self.min_tokens) and self.min_tokens >= 0):
+            raise InvalidRequestError(
+                f"min_tokens must be an integer >= 0, got {self.min_tokens!r}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed "
+                                      f"max_tokens ({self.max_tokens})", "min_tokens")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"logit_bias has more than {MAX_LOGIT_BIAS} entries", "logit_bias")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or (vocab_size is not None and not 0 <= token < vocab_size):
+                raise InvalidRequestError(f"logit_bias token {token!r} is not in the "
+                                          "vocabulary", "logit_bias")
+            _check_number(bias, "logit_bias", "in [-100, 100]", lambda v: -100 <= v <= 100)
+        if len(self.bad_words) > MAX_BAD_WORDS or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise InvalidRequestError(f"bad_words must be at most {MAX_BAD_WORDS} non-blank "
+                                      "strings", "bad_words")
+        if vocab_size is not None and any(not 0 <= t < vocab_size
+                                          for ids in self.bad_words_ids for t in ids):
+            raise InvalidRequestError(f"bad_words_ids must be in [0, {vocab_size})", "bad_words")
+        if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(f"structured output kind must be one of "
+                                      f"{', '.join(STRUCTURED_KINDS)}", "structured_outputs")
 
 
 def _is_int(value) -> bool:

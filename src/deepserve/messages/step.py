@@ -42,11 +42,24 @@ class NewSeq(msgspec.Struct, array_like=True, gc=False):
         and the prefill TE's first token) when its sampler reads them
         (repetition_penalty), else empty. The step's own token_ids cannot
         stand in: a prefix-cache hit is never sent to the workers.
+    replay_ids: with a grammar (sampling.structured), the prompt's last
+        num_replayed tokens: a resumed attempt's earlier output, which the
+        grammar accepts, then output_ids, before the first sampled token.
+    output_ids: its output so far (a PD decode task's first token; empty for
+        a new request), which presence/frequency_penalty, min_tokens and
+        bad_words_ids read. A resumed attempt's earlier output is in its
+        prompt, not here (worker/penalties.py).
+    stop_token_ids: when min_tokens > 0, what it masks until then: the
+        sequence's stop ids (EOS unless ignore_eos, and the request's own),
+        as the master assembled them (engine/step_core.py).
     """
 
     seq_id: int
     sampling: SamplingParams
     token_ids: list[int] = []
+    replay_ids: list[int] = []
+    output_ids: list[int] = []
+    stop_token_ids: list[int] = []
 
 
 class StepBatch(msgspec.Struct, array_like=True, gc=False):

@@ -1,8 +1,10 @@
 """ModelRunner: one step's StepBatch in, one StepOutput out.
 
 It owns the model, this device's KV pool and the per-sequence sampling state
-(parameters and random generator), so the master never ships tensors: it
-sends token ids, positions and block ids, and gets token ids back.
+(parameters, random generator, and the token state its logits processors
+read: sampler.SequenceTokens), so the master never ships tensors: it sends
+token ids, positions and block ids, and gets token ids back. A step's logits
+are processed (biases, masks, penalties), then sampled (_sample_rows).
 
 KV pool layout: one tensor (2, L, Hkv, num_blocks, block_size, D); the first
 index is K or V; see model/attention.py for why it is head-major. With tensor
@@ -33,7 +35,8 @@ from deepserve.model import kernels
 from deepserve.model.attention import AttentionMetadata, PrefillSpan
 from deepserve.model.decoder import CausalLM
 from deepserve.model.parallel import TensorParallel
-from deepserve.worker.sampler import SeenTokens, logprobs_of, sample
+from deepserve.structured.matchers import GrammarError
+from deepserve.worker.sampler import SequenceTokens, logprobs_of, sample
 
 _FATAL_WORDS = ("cuda", "cublas", "cudnn", "nccl", "hip", "device-side", "out of memory",
                 "illegal memory", "gloo", "collective")
@@ -74,7 +77,9 @@ class ModelRunner:
         self.kv_pool = kv_pool.zero_()  # (2, L, Hkv_local, NB, bs, D)
         self.kv_caches = [(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(cfg.num_layers)]
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator]] = {}
-        self.seen = SeenTokens(cfg.vocab_size)  # tokens of sequences with a repetition penalty
+        # What the logits processors read of each sequence's tokens (sampler.py).
+        self.tokens = SequenceTokens(cfg.vocab_size)
+        self.seen = self.tokens.seen  # tokens of sequences with a repetition penalty
         self._default_generator = torch.Generator().manual_seed(seed)
         self._last_sampled: dict[int, int] = {}  # seq_id -> token sampled in its last step
         self._failed: dict[int, str] = {}  # seq_id -> why: never sampled again
@@ -99,6 +104,7 @@ class ModelRunner:
 
     on_layer = None  # the worker's per-layer hook (a heartbeat with progress), if any
     layer_loads = None  # the worker's layered KV loads (worker/layer_loads.py), if any
+    grammars = None  # the sequences' grammars (structured/matchers.py GrammarBook), if any
     timeline = Timeline("runner")  # off; the worker sets its own
 
     def execute(self, batch: StepBatch, after_layer=None) -> StepOutput:
@@ -157,7 +163,9 @@ class ModelRunner:
             if self.layer_loads is not None:
                 self.layer_loads.drop(seq_id)
             self._sampling.pop(seq_id, None)
-            self.seen.drop(seq_id)
+            self.tokens.drop(seq_id)
+            if self.grammars is not None:
+                self.grammars.drop(seq_id)
             self._last_sampled.pop(seq_id, None)
             self._failed.pop(seq_id, None)
         for new in batch.new_seqs:
@@ -166,8 +174,13 @@ class ModelRunner:
                 # leaves unset reads as the built-in default.
                 sampling = new.sampling.with_defaults({})
                 self._sampling[new.seq_id] = (sampling, self._generator(sampling))
-                if sampling.has_repetition_penalty:
-                    self.seen.add(new.seq_id, new.token_ids)
+                self.tokens.add(new.seq_id, sampling, new.token_ids, new.output_ids,
+                                new.stop_token_ids)
+                if sampling.structured is not None:
+                    if self.grammars is None:
+                        raise ValueError("this worker serves no structured outputs")
+                    self.grammars.add(new.seq_id, sampling.structured,
+                                      new.replay_ids + new.output_ids)
             except Exception as exc:
                 if not is_request_error(exc):
                     raise
@@ -207,17 +220,30 @@ class ModelRunner:
     def _sample_rows(self, seqs: list[ScheduledSeq], logits: torch.Tensor
                      ) -> list[SampledToken]:
         params, gens = zip(*(self._sampling[s.seq_id] for s in seqs))
-        seq_ids = [s.seq_id for s in seqs]
-        tokens = sample(logits, list(params), list(gens), self.seen.gather(seq_ids))
-        lps = logprobs_of(logits, tokens, [p.logprobs for p in params])
-        self.seen.mark(seq_ids, tokens)  # last: rows that raise are sampled again
+        params, gens, seq_ids = list(params), list(gens), [s.seq_id for s in seqs]
+        processed = self.tokens.process(seq_ids, params, logits)  # biases, masks, penalties
+        tokens = sample(self._masked(seq_ids, processed), params, gens)
+        lps = logprobs_of(logits, tokens, [p.logprobs for p in params])  # the model's own
+        self.tokens.mark(seq_ids, tokens)  # last: rows that raise are sampled again
+        refused = self.grammars.accept(seq_ids, tokens.tolist()) if self.grammars else []
+        for seq_id in refused:
+            self._fail(seq_id, GrammarError("the grammar refused the sampled token"))
         out = []
         for seq, token, lp in zip(seqs, tokens.tolist(), lps):
+            if seq.seq_id in self._failed:
+                continue
             if lp is None:
                 out.append(SampledToken(seq.seq_id, token))
             else:
                 out.append(SampledToken(seq.seq_id, token, lp[0], lp[1]))
         return out
+
+    def _masked(self, seq_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """logits with every grammar row's disallowed tokens at -inf (a copy:
+        logprobs stay the model's own distribution, as vLLM reports them)."""
+        if self.grammars is None or not any(s in self.grammars for s in seq_ids):
+            return logits
+        return self.grammars.mask(seq_ids, logits.float().clone())
 
     def _last_rows(self, seqs: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, int]]:
         rows, row = [], 0

@@ -62,6 +62,7 @@ from deepserve.model import kernels
 from deepserve.model.decoder import CausalLM
 from deepserve.model.loader import load_model
 from deepserve.model.parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
+from deepserve.structured.matchers import GrammarBook
 from deepserve.worker.model_runner import ModelRunner
 from deepserve.worker.spec import WorkerSpec
 
@@ -118,6 +119,8 @@ class _Worker:
         self.kv_segment = create_segment(self.kv_name, nbytes)
         pool = torch.frombuffer(self.kv_segment.buf, dtype=model.config.dtype).view(shape)
         self.attach_runner(ModelRunner(model, cfg.num_kv_blocks, cfg.block_size, cfg.seed, pool))
+        self.runner.grammars = GrammarBook(cfg.model, model.config.vocab_size,
+                                           model.config.eos_token_ids)
         self.ring = self._attach_ring(time.monotonic() + cfg.startup_timeout_s)
         self.kv_sender = KVSender(pool, self.kv_name, self.tp.rank, cfg, self.ctx,
                                   self.life.faults)

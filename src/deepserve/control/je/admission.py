@@ -131,8 +131,11 @@ class PromptTokens:
         if msg.messages is None and msg.prompt_token_ids is not None:
             return list(msg.prompt_token_ids)
         self.check_chars(msg)
+        chat = getattr(msg, "chat", None)
+        options = chat.render_options() if chat is not None else None
         _, ids = self.memo(msg, lambda: self.tokenizer.request_ids(msg.prompt, None,
-                                                                   msg.messages))
+                                                                   msg.messages, options),
+                           scope=options)
         return ids
 
     def memo(self, msg, compute, scope=None) -> tuple[str | None, list[int]]:

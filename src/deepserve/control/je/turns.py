@@ -111,12 +111,15 @@ def prompt_ids(prompts: PromptTokens, msg, turns: TurnBook, key: tuple,
                                   "/v1/completions", "context_id")
     messages = (ctx.messages + msg.messages) if ctx is not None else msg.messages
     prompts.check_chars(msg if ctx is None else _Sized(messages))
-    return prompts.memo(msg, lambda: _continued(prompts.tokenizer, messages, turns, key, ctx),
-                        scope=list(key))
+    options = msg.chat.render_options() if getattr(msg, "chat", None) is not None else {}
+    return prompts.memo(msg, lambda: _continued(prompts.tokenizer, messages, turns, key, ctx,
+                                                options),
+                        scope=[*key, options])
 
 
-def _continued(tokenizer, messages, turns: TurnBook, key: tuple, ctx: Context | None):
-    text, guarded = tokenizer.render(messages)
+def _continued(tokenizer, messages, turns: TurnBook, key: tuple, ctx: Context | None,
+               options: dict):
+    text, guarded = tokenizer.render(messages, **options)
     candidates = [t for t in (turns.longest_prefix(key, text),) if t is not None]
     if ctx is not None and ctx.text is not None:
         candidates.append(Turn(ctx.text, ctx.prompt_token_ids))

@@ -16,7 +16,8 @@ from deepserve.config import EngineConfig
 from deepserve.engine.api.outputs import RequestOutput, TokenLogprob
 from deepserve.engine.output_processor import RequestState
 from deepserve.engine.sequence import Sequence
-from deepserve.engine.step_core import StepCore
+from deepserve.engine.step_core import StepCore, with_request_words
+from deepserve.structured.matchers import GrammarBook
 from deepserve.messages.sampling import SamplingParams
 from deepserve.model import kernels
 from deepserve.model.loader import load_model
@@ -37,6 +38,8 @@ class LLMEngine:
         self.core = StepCore(c, model.config.eos_token_ids, model.config.vocab_size)
         self.kv, self.scheduler = self.core.kv, self.core.scheduler
         self.runner = ModelRunner(model, c.num_kv_blocks, c.block_size, c.seed)
+        self.runner.grammars = GrammarBook(config.model, model.config.vocab_size,
+                                           model.config.eos_token_ids)
         self._states: dict[str, RequestState] = {}  # request id -> its text so far
         self._request_ids = itertools.count()
 
@@ -51,6 +54,7 @@ class LLMEngine:
         prompt_text, ids = self.tokenizer.request_ids(None if is_ids else prompt,
                                                       prompt if is_ids else None)
         sampling = self.core.resolve(sampling, len(ids))  # the model's defaults, once
+        sampling = with_request_words(sampling, self.tokenizer)
         self.core.check(request_id, ids, sampling)
         self._states[request_id] = RequestState(request_id, prompt_text, ids, sampling,
                                                 self.tokenizer)

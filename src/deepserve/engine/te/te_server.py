@@ -144,7 +144,8 @@ class _Host:
                                    incarnation=self.launcher.run_id,
                                    address=s.inbox, num_devices=s.engine.tp,
                                    block_size=self.launcher.config.block_size,
-                                   max_num_seqs=self.launcher.config.max_num_seqs))
+                                   max_num_seqs=self.launcher.config.max_num_seqs,
+                                   max_model_len=self.launcher.config.max_model_len or 0))
         self.last_up = 0.0
         self.num_announced = 0
         self.status = 0

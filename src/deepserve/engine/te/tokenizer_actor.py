@@ -16,6 +16,8 @@ dropped, never fatal; a request whose caller does not take its deltas
 generates for nobody. A request that ends here, any
 way, is told to its job executor (TaskDone to done_to) once. Stop strings are
 found here (on text), so this process also tells the master to stop them.
+A delta with logprobs carries the bytes of every token they name
+(RequestDelta.token_bytes): the gateway shows token strings from them.
 PD messages between TEs go master to master (messages/pd.py), not through here.
 """
 
@@ -31,7 +33,7 @@ from deepserve.actor import ActorLife
 from deepserve.checkpoint import GenerationDefaults
 from deepserve.config import EngineConfig
 from deepserve.engine.output_processor import RequestState
-from deepserve.engine.step_core import check_request
+from deepserve.engine.step_core import check_request, with_request_words
 from deepserve.engine.te.specs import TokenizerSpec
 from deepserve.errors import InvalidRequestError, PromptTooLongError
 from deepserve.ipc.outboxes import Outboxes
@@ -159,10 +161,12 @@ class TokenizerActor:
         if msg.queued_s:
             self.queued_s[msg.request_id] = msg.queued_s
         try:
-            prompt, ids = self.tokenizer.request_ids(msg.prompt, msg.prompt_token_ids,
-                                                     msg.messages)
+            prompt, ids = self.tokenizer.request_ids(
+                msg.prompt, msg.prompt_token_ids, msg.messages,
+                msg.chat.render_options() if msg.chat is not None else None)
             sampling = self.generation.apply(msg.sampling, len(ids), self.config.max_model_len,
                                              msg.resumed_output_ids)
+            sampling = with_request_words(sampling, self.tokenizer, msg.resumed_output_ids)
             check_request(ids, sampling, self.vocab_size, self.config.max_model_len)
         except Exception as e:  # InvalidRequestError, or content no tokenizer can take
             if not isinstance(e, InvalidRequestError):
@@ -195,13 +199,15 @@ class TokenizerActor:
         delta = state.add_tokens(item.token_ids, item.finish_reason)
         if state.finish_reason == "stop" and item.finish_reason is None:
             self.to_master.put(FinishRequest(request_id=item.request_id, reason="stop"))
+        token_bytes = self._token_bytes(item.logprobs)
         t1 = time.monotonic()
         delivered = self._reply(item.request_id, RequestDelta(
             request_id=item.request_id, text=delta, token_ids=item.token_ids,
             finish_reason=state.finish_reason, cached_tokens=item.cached_tokens,
             prompt=state.prompt if is_first else None,
             prompt_token_ids=state.prompt_token_ids if is_first else None,
-            logprobs=item.logprobs, attempt=self.attempts.get(item.request_id, 0),
+            logprobs=item.logprobs, token_bytes=token_bytes,
+            attempt=self.attempts.get(item.request_id, 0),
             queued_s=self.queued_s.pop(item.request_id, 0.0) if is_first else 0.0),
             first=is_first)
         self._detok_s += t1 - t0
@@ -218,3 +224,10 @@ class TokenizerActor:
             self.to_master.put(FinishRequest(request_id=item.request_id, reason="abort"))
             self._forget(item.request_id)
             self.num_undeliverable += 1
+
+    def _token_bytes(self, logprobs) -> dict[int, bytes] | None:
+        """The bytes of every token id the logprobs name (None without logprobs)."""
+        if not logprobs:
+            return None
+        ids = {i for token_id, _, top in logprobs for i in (token_id, *(t for t, _ in top))}
+        return {i: self.tokenizer.token_bytes(i) for i in ids}

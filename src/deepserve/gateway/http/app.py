@@ -1,7 +1,9 @@
 """The gateway's HTTP app (OpenAI API); gateway/http/server.py runs it under uvicorn.
 
     POST /v1/chat/completions, /v1/completions   auth -> validate -> generation.generate
-    GET  /v1/models, /v1/models/{model}           the served models
+    GET  /v1/models, /v1/models/{model}           the served models, with max_model_len
+    POST /tokenize, /detokenize                   a model's token ids (gateway/http/tokenize.py)
+    GET  /version                                 {"version": DeepServe's version}
     POST /v1/contexts, GET|DELETE /v1/contexts/{id}  contexts by id (gateway/http/contexts.py)
     GET  /health                                  200 while the CM lists >= 1 TE, else 503
     GET  /metrics                                 Prometheus text of the gateway's registry
@@ -17,6 +19,7 @@ app's lifespan, on the server's event loop.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -25,7 +28,7 @@ from typing import Awaitable, Callable
 from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.responses import Response
 
-from deepserve.gateway.http import contexts
+from deepserve.gateway.http import contexts, tokenize
 from deepserve.gateway.http.auth import state_of as _state
 from deepserve.gateway.http.auth import tenant_of
 from deepserve.gateway.http.body_limit import BodyLimit
@@ -40,6 +43,16 @@ from deepserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequ
 logger = logging.getLogger(__name__)
 
 router = APIRouter()
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("deepserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "0+unknown"
+
+
+VERSION = _version()
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -70,8 +83,15 @@ async def get_model(model: str, request: Request) -> dict:
 def _model_card(request: Request, model: str) -> dict:
     """Every deployable model, whether or not a TE runs it now (the
     autoscaler starts one on the first request)."""
-    return {"id": model, "object": "model",
-            "created": request.app.state.created, "owned_by": "deepserve"}
+    max_len = tokenize.tokens_of(request).max_model_len(model, _state(request).client.cluster.tes)
+    return {"id": model, "object": "model", "created": request.app.state.created,
+            "owned_by": "deepserve", "max_model_len": max_len}
+
+
+@router.get("/version", dependencies=[Depends(tenant_of)])
+async def version() -> dict:
+    return {"version": VERSION}
+
 
 
 @router.get("/health", response_model=None)
@@ -120,11 +140,13 @@ def create_app(config: GatewayConfig,
                   docs_url=None, redoc_url=None)
     app.state.gateway = GatewayState(config, client, gateway_metrics)
     app.state.created = int(time.time())
+    app.state.tokens = tokenize.ModelTokens(config)
     install_error_handlers(app)
     # added first, so it runs inside RequestCounter (a 413 is counted too)
     app.add_middleware(BodyLimit, max_body_bytes=config.max_body_bytes)
     app.add_middleware(RequestCounter, metrics=gateway_metrics)
     app.include_router(router)
     app.include_router(contexts.router)
+    app.include_router(tokenize.router)
     install_openapi(app, config, auth=tenant_of)
     return app

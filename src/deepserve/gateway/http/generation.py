@@ -31,6 +31,9 @@ from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.ipc.timeline import Timeline, token_key
 from deepserve.gateway.http.responses import ChatRenderer, Choice, CompletionRenderer, Renderer, Usage
 from deepserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from deepserve.gateway.http.tool_use import ToolPlan, check_one_grammar, prepare
+from deepserve.gateway.http.vllm_fields import ignored_header
+from deepserve.messages.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +72,20 @@ async def generate(request: Request, state: GatewayState,
     config = state.config
     if body.model not in config.served_models:
         raise APIError.model_not_found(body.model)
+    headers = ignored_header(body.ignored_fields())
     samplings = body.sampling_per_choice(config.default_max_tokens)
     if isinstance(body, ChatCompletionRequest):
-        inputs = {"messages": body.wire_messages(config.max_prompt_chars)}
+        inputs, samplings, plan = await _chat_inputs(request, body, samplings,
+                                                     config.max_prompt_chars)
         renderer: Renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", body.model,
-                                           bool(body.logprobs), body.include_usage)
+                                           bool(body.logprobs), body.include_usage,
+                                           bool(body.return_tokens_as_token_ids), tools=plan)
     else:
         prompt, prompt_token_ids = body.wire_prompt(config.max_prompt_chars)
         inputs = {"prompt": prompt, "prompt_token_ids": prompt_token_ids}
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", body.model,
-                                      body.logprobs is not None, body.include_usage)
+                                      body.logprobs is not None, body.include_usage,
+                                      bool(body.return_tokens_as_token_ids))
     await until_servable(state.client, body.model)
     stream = state.client.submit(renderer.response_id, samplings, salt=tenant, model=body.model,
                                  context_id=body.context_id,
@@ -93,12 +100,43 @@ async def generate(request: Request, state: GatewayState,
         stream.is_disconnected = None
         return ClosingStreamingResponse(_events(stream, renderer, len(samplings),
                                                 state.timeline),
-                                        on_close=stream.close, headers=SSE_HEADERS,
+                                        on_close=stream.close, headers={**SSE_HEADERS, **headers},
                                         media_type="text/event-stream")
     try:
-        return JSONResponse(await _collect(stream, renderer, len(samplings)))
+        return JSONResponse(await _collect(stream, renderer, len(samplings)), headers=headers)
     finally:
         stream.close()
+
+
+async def _chat_inputs(request: Request, body: ChatCompletionRequest,
+                       samplings: list[SamplingParams], max_chars: int
+                       ) -> tuple[dict, list[SamplingParams], ToolPlan | None]:
+    """(submit's inputs, the samplings with the grammar tool_choice forces,
+    the tool plan) of a chat request (tool_use.py)."""
+    tools, choice, parallel = body.tool_inputs()
+    messages, chat, grammar, plan = prepare(
+        body.wire_messages(max_chars), tools, choice, parallel,
+        await _chat_template(request, body.model), body.template_options())
+    changes = {}
+    if grammar is not None:
+        changes["structured"] = check_one_grammar(grammar, samplings[0].structured)
+    if plan is not None and plan.keeps_special_tokens:
+        changes["skip_special_tokens"] = False
+    if changes:
+        samplings = [msgspec.structs.replace(s, **changes) for s in samplings]
+    return {"messages": messages, "chat": chat}, samplings, plan
+
+
+async def _chat_template(request: Request, model: str) -> str | None:
+    """The model's chat template as the gateway's tokenizer of it reads it;
+    None when the gateway has none (the JE renders whatever it is)."""
+    tokens = getattr(request.app.state, "tokens", None)
+    if tokens is None or model not in tokens.config.model_dirs:
+        return None
+    try:
+        return (await tokens.tokenizer(model)).chat_template
+    except APIError:
+        return None
 
 
 async def _collect(stream: ReplyStream, renderer: Renderer, num_choices: int) -> dict:

@@ -45,6 +45,10 @@ ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
     "/v1/contexts/{context_id}": (404, 413, 500, 503, 504),
     "/v1/models": (413, 500),
     "/v1/models/{model}": (404, 413, 500),
+    # 400 invalid body / too long / an id past the vocabulary, 404 unknown model
+    "/tokenize": (400, 404, 413, 500),
+    "/detokenize": (400, 404, 413, 500),
+    "/version": (413, 500),
     "/health": (413, 500, 503),
     "/metrics": (413, 500),
 }
@@ -149,6 +153,22 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    max_model_len: int | None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class Version(BaseModel):
+    version: str
 
 
 class ModelList(BaseModel):
@@ -178,7 +198,7 @@ class ContextDeleted(BaseModel):
 
 
 _MODELS = (ErrorBody, ChatCompletion, Completion, ModelCard, ModelList, Health, ContextObject,
-           ContextDeleted)
+           ContextDeleted, TokenizeResponse, DetokenizeResponse, Version)
 _REF = "#/components/schemas/{model}"
 _SSE = {"text/event-stream": {"schema": {  # one event (OpenAPI 3.1: `schema` is per event)
     "type": "object", "required": ["data"], "properties": {"data": {
@@ -190,6 +210,9 @@ _OK = {"/v1/chat/completions": ({"application/json": ChatCompletion} | _SSE),
        "/v1/models/{model}": {"application/json": ModelCard},
        "/health": {"application/json": Health},
        "/v1/contexts": {"application/json": ContextObject},
+       "/tokenize": {"application/json": TokenizeResponse},
+       "/detokenize": {"application/json": DetokenizeResponse},
+       "/version": {"application/json": Version},
        "/metrics": {"text/plain": {"schema": {"type": "string"}}}}
 
 
@@ -206,7 +229,8 @@ def build_openapi(app: FastAPI, config: GatewayConfig) -> dict[str, Any]:
         schemas.pop(name, None)
     _, defs = models_json_schema([(m, "serialization") for m in _MODELS], ref_template=_REF)
     schemas.update(defs["$defs"])
-    for name in ("ChatCompletionRequest", "CompletionRequest", "ContextCreateRequest"):
+    for name in ("ChatCompletionRequest", "CompletionRequest", "ContextCreateRequest",
+                 "TokenizeRequest", "DetokenizeRequest"):
         if name in schemas:
             schemas[name]["properties"]["model"] = {"type": "string", "title": "Model",
                                                     "enum": list(config.served_models)}

@@ -1,15 +1,26 @@
 """OpenAI response objects built from RequestDeltas: whole responses and chunks.
 
-A renderer knows one endpoint's shapes (chat or text completion). Tokens are
-shown as "token_id:<id>": token text is not available at the gateway.
-Completion logprobs give every token of a delta the text offset at which that
-delta's text starts (token boundaries inside a delta are not known here).
-A logprob is always a finite JSON number: -inf (a token the sampler masked)
-and NaN are shown as LOGPROB_FLOOR, as OpenAI does.
+A renderer knows one endpoint's shapes (chat or text completion).
+
+Logprobs name tokens by their text: the TE, which detokenizes anyway, sends
+the exact bytes of every token its logprobs name (RequestDelta.token_bytes),
+so no tokenizer runs here per token. A token's string is its bytes decoded
+as UTF-8 with U+FFFD for a partial character (as vLLM decodes one token);
+chat's `bytes` are the token's own bytes, as OpenAI gives them (vLLM gives
+the bytes of that string). A token whose bytes did not come, or every token
+when the request set return_tokens_as_token_ids (vLLM's field), is shown as
+"token_id:<id>". Completion logprobs' text_offset is per token when a
+delta's text is exactly its tokens' bytes decoded (a token that starts
+inside a character gets that character's offset); else (text held back for
+a stop string, a character split across deltas) every token of the delta
+gets the offset at which the delta's text starts. A logprob is always a
+finite JSON number: -inf (a token the sampler masked) and NaN are shown as
+LOGPROB_FLOOR, as OpenAI does.
 """
 
 from __future__ import annotations
 
+import codecs
 import math
 import time
 from dataclasses import dataclass, field
@@ -22,6 +33,33 @@ LOGPROB_FLOOR = -9999.0
 
 def token_str(token_id: int) -> str:
     return f"token_id:{token_id}"
+
+
+def token_text(token_id: int, token_bytes: dict[int, bytes] | None,
+               as_ids: bool = False) -> tuple[str, list[int] | None]:
+    """(how a token is shown, its bytes or None when they are not known)."""
+    raw = token_bytes.get(token_id) if token_bytes else None
+    if raw is None:
+        return token_str(token_id), None
+    return (token_str(token_id) if as_ids else raw.decode("utf-8", "replace")), list(raw)
+
+
+def text_offsets(delta: RequestDelta, start: int) -> list[int]:
+    """The text offset of each token of a delta's logprobs (module doc)."""
+    entries = delta.logprobs or ()
+    pieces = [(delta.token_bytes or {}).get(token_id) for token_id, _, _ in entries]
+    if None in pieces or len(entries) < 2:
+        return [start] * len(entries)
+    try:
+        if b"".join(pieces).decode() != delta.text:
+            return [start] * len(entries)
+    except UnicodeDecodeError:
+        return [start] * len(entries)
+    decoder, offsets, pos = codecs.getincrementaldecoder("utf-8")(), [], start
+    for piece in pieces:
+        offsets.append(pos)
+        pos += len(decoder.decode(piece))
+    return offsets
 
 
 def logprob_value(logprob: float) -> float:
@@ -38,12 +76,13 @@ class Choice:
     finish_reason: str | None = None
     logprobs: list[LogprobEntry] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    token_bytes: dict[int, bytes] = field(default_factory=dict)
     num_chars: int = 0
 
     def add(self, delta: RequestDelta) -> None:
-        for _ in delta.logprobs or ():
-            self.offsets.append(self.num_chars)
+        self.offsets.extend(text_offsets(delta, self.num_chars))
         self.logprobs.extend(delta.logprobs or ())
+        self.token_bytes.update(delta.token_bytes or {})
         self.text.append(delta.text)
         self.num_chars += len(delta.text)
         self.finish_reason = delta.finish_reason or self.finish_reason
@@ -74,12 +113,14 @@ class Renderer:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, response_id: str, model: str, with_logprobs: bool, include_usage: bool):
+    def __init__(self, response_id: str, model: str, with_logprobs: bool, include_usage: bool,
+                 tokens_as_ids: bool = False):
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
         self.with_logprobs = with_logprobs
         self.include_usage = include_usage
+        self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids
         self._num_chars: dict[int, int] = {}
 
     def response(self, choices: list[Choice], usage: Usage) -> dict:
@@ -95,7 +136,8 @@ class Renderer:
         start = self._num_chars.get(index, 0)
         self._num_chars[index] = start + len(delta.text)
         if delta.text or (self.with_logprobs and delta.logprobs):
-            logprobs = self._logprobs(delta.logprobs or [], [start] * len(delta.logprobs or ()))
+            logprobs = self._logprobs(delta.logprobs or [], text_offsets(delta, start),
+                                      delta.token_bytes)
             chunks.append(self._chunk(index, self._text_delta(delta.text), logprobs, None))
         if delta.finish_reason is not None:
             chunks.append(self._chunk(index, self._text_delta(None), None, delta.finish_reason))
@@ -116,8 +158,13 @@ class Renderer:
             chunk["usage"] = None
         return chunk
 
-    def _logprobs(self, entries: list[LogprobEntry], offsets: list[int]):
+    def _logprobs(self, entries: list[LogprobEntry], offsets: list[int],
+                  token_bytes: dict[int, bytes] | None):
         raise NotImplementedError
+
+    def _token(self, token_id: int, token_bytes: dict[int, bytes] | None
+               ) -> tuple[str, list[int] | None]:
+        return token_text(token_id, token_bytes, self.tokens_as_ids)
 
     def _text_delta(self, text: str | None) -> dict:
         raise NotImplementedError
@@ -127,8 +174,39 @@ class Renderer:
 
 
 class ChatRenderer(Renderer):
+    """tools: the request's ToolPlan (tool_use.py), None without tools: the
+    output is read into tool_calls, whole or as streamed deltas."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args, tools=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tools = tools
+        self._streamers: dict[int, object] = {}  # choice index -> its tool-call stream
+
+    def delta_chunks(self, index: int, delta: RequestDelta) -> list[dict]:
+        if self.tools is None:
+            return super().delta_chunks(index, delta)
+        streamer = self._streamers.setdefault(index, self.tools.streamer())
+        events = streamer.feed(delta.text)
+        if delta.finish_reason is not None:
+            events += streamer.finish()
+        payloads = [{"delta": {"content": e}} if isinstance(e, str)
+                    else {"delta": {"tool_calls": [e]}} for e in events if e != ""]
+        logprobs = None
+        if self.with_logprobs and delta.logprobs:
+            start = self._num_chars.get(index, 0)
+            logprobs = self._logprobs(delta.logprobs, text_offsets(delta, start),
+                                      delta.token_bytes)
+            payloads = payloads or [{"delta": {}}]
+        self._num_chars[index] = self._num_chars.get(index, 0) + len(delta.text)
+        chunks = [self._chunk(index, p, logprobs if i == 0 else None, None)
+                  for i, p in enumerate(payloads)]
+        if delta.finish_reason is not None:
+            reason = self.tools.finish_reason(delta.finish_reason, streamer.num_calls)
+            chunks.append(self._chunk(index, {"delta": {}}, None, reason))
+        return chunks
 
     def opening_chunks(self, num_choices: int) -> list[dict]:
         return [self._chunk(i, {"delta": {"role": "assistant", "content": ""}}, None, None)
@@ -138,19 +216,28 @@ class ChatRenderer(Renderer):
         return {"delta": {} if text is None else {"content": text}}
 
     def _final_choice(self, choice: Choice) -> dict:
-        return {"index": choice.index,
-                "message": {"role": "assistant", "content": "".join(choice.text)},
-                "logprobs": self._logprobs(choice.logprobs, choice.offsets),
-                "finish_reason": choice.finish_reason}
+        message = {"role": "assistant", "content": "".join(choice.text)}
+        finish_reason = choice.finish_reason
+        if self.tools is not None:
+            content, calls = self.tools.final(message["content"])
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            finish_reason = self.tools.finish_reason(finish_reason, len(calls))
+        return {"index": choice.index, "message": message,
+                "logprobs": self._logprobs(choice.logprobs, choice.offsets, choice.token_bytes),
+                "finish_reason": finish_reason}
 
-    def _logprobs(self, entries: list[LogprobEntry], offsets: list[int]) -> dict | None:
+    def _logprobs(self, entries: list[LogprobEntry], offsets: list[int],
+                  token_bytes: dict[int, bytes] | None) -> dict | None:
         if not self.with_logprobs:
             return None
         return {"content": [
-            {"token": token_str(token_id), "logprob": logprob_value(logprob), "bytes": None,
-             "top_logprobs": [{"token": token_str(t), "logprob": logprob_value(lp),
-                               "bytes": None} for t, lp in top]}
+            {**self._entry(token_id, logprob, token_bytes),
+             "top_logprobs": [self._entry(t, lp, token_bytes) for t, lp in top]}
             for token_id, logprob, top in entries]}
+
+    def _entry(self, token_id: int, logprob: float, token_bytes: dict[int, bytes] | None) -> dict:
+        text, raw = self._token(token_id, token_bytes)
+        return {"token": text, "logprob": logprob_value(logprob), "bytes": raw}
 
 
 class CompletionRenderer(Renderer):
@@ -162,14 +249,15 @@ class CompletionRenderer(Renderer):
 
     def _final_choice(self, choice: Choice) -> dict:
         return {"index": choice.index, "text": "".join(choice.text),
-                "logprobs": self._logprobs(choice.logprobs, choice.offsets),
+                "logprobs": self._logprobs(choice.logprobs, choice.offsets, choice.token_bytes),
                 "finish_reason": choice.finish_reason}
 
-    def _logprobs(self, entries: list[LogprobEntry], offsets: list[int]) -> dict | None:
+    def _logprobs(self, entries: list[LogprobEntry], offsets: list[int],
+                  token_bytes: dict[int, bytes] | None) -> dict | None:
         if not self.with_logprobs:
             return None
-        return {"tokens": [token_str(token_id) for token_id, _, _ in entries],
+        return {"tokens": [self._token(token_id, token_bytes)[0] for token_id, _, _ in entries],
                 "token_logprobs": [logprob_value(logprob) for _, logprob, _ in entries],
-                "top_logprobs": [{token_str(t): logprob_value(lp) for t, lp in top}
-                                 for _, _, top in entries],
+                "top_logprobs": [{self._token(t, token_bytes)[0]: logprob_value(lp)
+                                  for t, lp in top} for _, _, top in entries],
                 "text_offset": list(offsets)}

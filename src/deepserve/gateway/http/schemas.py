@@ -10,19 +10,29 @@ Sampling fields the client leaves out stay unset in the SamplingParams it
 becomes (temperature, top_p, top_k, repetition_penalty, max_tokens): the TE
 fills them from the model's generation_config.json (messages/sampling.py).
 top_k, repetition_penalty, stop_token_ids and ignore_eos are vLLM's extra
-fields. An unset max_tokens is the rest of the context, unless the operator
-set [gateway] default_max_tokens.
+fields, as are min_p, min_tokens, bad_words, include_stop_str_in_output,
+skip_special_tokens and the structured-output fields (vllm_fields.py: which
+vLLM fields are refused, which unknown ones ignored). An unset max_tokens is
+the rest of the context, unless the operator set [gateway] default_max_tokens.
+The request models keep unknown top-level fields (`model_extra`) so that
+vllm_fields can refuse or name them; nested objects ignore theirs.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from deepserve.chat_template import check_template_kwargs
 from deepserve.gateway.errors import APIError
-from deepserve.messages.sampling import SamplingParams
+from deepserve.gateway.http.tool_use import (MAX_TOOLS, ToolCallsIn, ToolChoice, Tools,
+                                              wire_tool_calls)
+from deepserve.gateway.http.vllm_fields import (ResponseFormat, StructuredOutputs,
+                                                check_refused, structured_output)
+from deepserve.messages.sampling import MAX_BAD_WORDS, MAX_LOGIT_BIAS, SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
@@ -61,6 +71,14 @@ RepetitionPenalty = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 Seed = Int()
 """Any integer; only its value modulo 2**64 counts (wrapped into int64). No
 bounds: tools that read a bound near 2**63 as a float disagree at the edge."""
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+"""presence_penalty / frequency_penalty: OpenAI's range."""
+MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+LogitBias = Annotated[dict[str, Bias], Field(max_length=MAX_LOGIT_BIAS)]
+"""OpenAI's logit_bias: token id (a JSON key, so a string) -> bias."""
+BadWords = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+                     Field(max_length=MAX_BAD_WORDS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_NUM_STOP)]
 
@@ -81,6 +99,21 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: ToolCallsIn | None = None
+    """An assistant message's calls (the history of a tool-using chat)."""
+    tool_call_id: str | None = None
+    """A tool message's answer to that call."""
+
+    def wire(self) -> dict:
+        """The message as chat templates take it (tool_use.py)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = wire_tool_calls(self.tool_calls)
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -93,7 +126,8 @@ class ChatMessage(BaseModel):
 class _GenerationRequest(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = _STRICT
+    model_config = ConfigDict(strict=True, extra="allow")
+    endpoint: ClassVar[str] = "chat"  # vllm_fields.REFUSED's key
     model: str
     max_tokens: TokenCount | None = None
     temperature: Temperature | None = None
@@ -112,6 +146,23 @@ class _GenerationRequest(BaseModel):
     """A context (POST /v1/contexts) whose messages / prompt come first."""
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    min_p: MinP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
+    min_tokens: Int(ge=0, le=2**31 - 1) | None = None
+    bad_words: BadWords | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    return_tokens_as_token_ids: bool | None = None
+    """Logprobs name tokens "token_id:<id>" (vLLM's field; gateway/http/responses.py)."""
+
+    def ignored_fields(self) -> list[str]:
+        """400 for a vLLM field we do not implement (set off its default);
+        the names of unknown fields, which change nothing (vllm_fields)."""
+        return check_refused(self.model_extra or {}, self.endpoint)
 
     @property
     def num_choices(self) -> int:
@@ -131,7 +182,19 @@ class _GenerationRequest(BaseModel):
             max_tokens=max_tokens or default_max_tokens, temperature=self.temperature,
             top_p=self.top_p, top_k=self.top_k, repetition_penalty=self.repetition_penalty,
             stop=stop, seed=seed, logprobs=logprobs, stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=bool(self.ignore_eos)).validate()
+            ignore_eos=bool(self.ignore_eos), **self._set_numbers(),
+            logit_bias=_logit_bias(self.logit_bias), min_tokens=self.min_tokens or 0,
+            bad_words=list(self.bad_words or []),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            skip_special_tokens=self.skip_special_tokens is not False,
+            structured=structured_output(self.response_format, self.structured_outputs,
+                                         self.model_extra or {})).validate()
+
+    def _set_numbers(self) -> dict:
+        """min_p and the penalties the client set to something but their
+        default (0): an unset one stays off the wire."""
+        return {name: value for name in ("min_p", "presence_penalty", "frequency_penalty")
+                if (value := getattr(self, name))}
 
     def sampling_per_choice(self, default_max_tokens: int | None) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i gets seed + i."""
@@ -152,11 +215,33 @@ _TOP_LOGPROBS_NEED_LOGPROBS = {
 
 class ChatCompletionRequest(_GenerationRequest):
     # the schema says it too: top_logprobs needs logprobs: true (else 400)
-    model_config = ConfigDict(**_STRICT, json_schema_extra=_TOP_LOGPROBS_NEED_LOGPROBS)
+    model_config = ConfigDict(strict=True, extra="allow",
+                              json_schema_extra=_TOP_LOGPROBS_NEED_LOGPROBS)
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_NUM_MESSAGES)]
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: Int(ge=0, le=20) | None = None
+    tools: Annotated[Tools, Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None
+    """The template's own variables (e.g. enable_thinking); chat_template.py."""
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+
+    def tool_inputs(self) -> tuple[list[dict] | None, object, bool]:
+        """(tools as dicts, tool_choice as sent, parallel_tool_calls)."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        choice = (self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel)
+                  else self.tool_choice)
+        return tools, choice, self.parallel_tool_calls is not False
+
+    def template_options(self) -> dict:
+        """ChatOptions' fields besides tools."""
+        return {"add_generation_prompt": self.add_generation_prompt is not False
+                and not self.continue_final_message,
+                "continue_final_message": bool(self.continue_final_message),
+                "template_kwargs": check_template_kwargs(self.chat_template_kwargs) or None}
 
     def sampling(self, default_max_tokens: int | None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -167,8 +252,10 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def wire_messages(self, max_chars: int) -> list[dict]:
         """messages as the TE's chat template takes them; 400 when too long."""
-        wire = [{"role": m.role, "content": m.text()} for m in self.messages]
-        num_chars = sum(len(m["content"]) for m in wire)
+        wire = [m.wire() for m in self.messages]
+        num_chars = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", "")))
+                        for m in wire)
+        num_chars += len(json.dumps(self.tool_inputs()[0] or ""))
         if num_chars > max_chars:
             raise APIError.prompt_too_long(
                 f"messages have {num_chars} characters; at most {max_chars} are accepted",
@@ -184,6 +271,7 @@ Prompt = (PromptText | Annotated[list[PromptText], Field(min_length=1, max_lengt
 
 
 class CompletionRequest(_GenerationRequest):
+    endpoint: ClassVar[str] = "completion"
     prompt: Prompt
     logprobs: Int(ge=0, le=20) | None = None
 
@@ -203,6 +291,22 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(prompt, str):
             return prompt, None
         return None, list(prompt)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's string keys -> token ids; 400 for a key that is no integer
+    (the TE checks each id against its vocabulary)."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError.bad_request(f"logit_bias key {key!r} is not a token id",
+                                       "logit_bias") from None
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise APIError.bad_request(f"logit_bias token {token} is out of range", "logit_bias")
+        out[token] = float(value)
+    return out
 
 
 def _wrap_int64(value: int) -> int:

@@ -66,7 +66,7 @@ from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import bind_or_connect
 from deepserve.messages.control import FromClusterManager, TEReport
 from deepserve.messages.contexts import TurnDone
-from deepserve.messages.engine import (RETRYABLE_ERRORS, AbortRequest, RequestDelta,
+from deepserve.messages.engine import (RETRYABLE_ERRORS, AbortRequest, ChatOptions, RequestDelta,
                                        RequestFailed, SubmitRequest, ToClient)
 from deepserve.messages.sampling import SamplingParams
 
@@ -146,9 +146,10 @@ class JobClient:
     # -- requests --------------------------------------------------------------
     def submit(self, request_id: str, samplings: Sequence[SamplingParams], *,
                prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-               messages: list[dict] | None = None, salt: str | None = None,
-               model: str | None = None, context_id: str | None = None,
-               is_disconnected: IsDisconnected | None = None) -> ReplyStream:
+               messages: list[dict] | None = None, chat: ChatOptions | None = None,
+               salt: str | None = None, model: str | None = None,
+               context_id: str | None = None, is_disconnected: IsDisconnected | None = None
+               ) -> ReplyStream:
         """Send one SubmitRequest per sampling (ids `{request_id}-{i}`); 503 with
         no TE, 429 past max_open_requests (but for a tenant under its share of
         it: open_share.py), 400 for text that cannot be sent.
@@ -161,7 +162,7 @@ class JobClient:
         ids = [f"{request_id}-{i}" for i in range(len(samplings))]
         submits = [SubmitRequest(
             request_id=rid, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
-            sampling=sampling, salt=salt, reply_to=self.config.reply_address, model=model,
+            chat=chat, sampling=sampling, salt=salt, reply_to=self.config.reply_address, model=model,
             context_id=context_id, tenant=salt)
             for rid, sampling in zip(ids, samplings)]
         payloads = [self._encode(submit) for submit in submits]
