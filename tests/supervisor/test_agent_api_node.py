@@ -2,12 +2,17 @@
 with the openai client: every spelling of a grammar is honored, streamed or
 not, with n > 1; a grammar that does not compile is a 400 naming its field
 before anything is generated; a vLLM field we do not implement is a 400 and
-a field nobody knows is named in a header."""
+a field nobody knows is named in a header. Tools: named and required
+choices, streamed, and a history on a template without tools; instructor
+in JSON_SCHEMA and TOOLS modes. Log-likelihoods: echo with logprobs and
+prompt_logprobs equal transformers' on the same weights (fp32), directly and
+through lm-evaluation-harness's local-completions, with a list of prompts."""
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import openai
 import pytest
@@ -28,9 +33,16 @@ ASK = [{"role": "user", "content": "Describe a person named Ann, aged 31, as JSO
 
 
 @pytest.fixture(scope="module")
-def node():
-    model = import_gguf(builtin_gguf(), ROOT / "models" / "gguf")
-    options = {"max_num_batched_tokens": 512, "num_kv_blocks": 128, "max_model_len": 1024}
+def model_dir() -> Path:
+    return import_gguf(builtin_gguf(), ROOT / "models" / "gguf")
+
+
+@pytest.fixture(scope="module")
+def node(model_dir):
+    model = model_dir
+    # float32: log-likelihoods are compared with transformers' fp32 ones
+    options = {"max_num_batched_tokens": 512, "num_kv_blocks": 128, "max_model_len": 1024,
+               "dtype": "float32"}
     node = Node(NodeConfig.build(model=str(model), served_model="smol", port=free_port(),
                                  startup_timeout_s=180, te_timeout_s=10,
                                  tes=[TESpec("te0", "colocated", options)]))
@@ -181,3 +193,70 @@ def test_instructor(client, mode):
         model="smol", response_model=Person, temperature=0, max_tokens=60, max_retries=0,
         messages=[{"role": "user", "content": "Ann is 31 years old. Extract her."}])
     assert isinstance(person, Person) and isinstance(person.age, int) and person.name
+
+
+def _hf_loglikelihoods(model_dir: Path, texts: list[tuple[str, str]]) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    for context, continuation in texts:
+        ctx = tok(context)["input_ids"]
+        whole = tok(context + continuation)["input_ids"]
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([whole])).logits[0].float(), dim=-1)
+        out.append(sum(float(logp[i - 1, whole[i]]) for i in range(len(ctx), len(whole))))
+    return out
+
+
+PAIRS = [("The capital of France is", " Paris"), ("One, two, three,", " four five")]
+
+
+def test_echo_logprobs_of_a_list_of_prompts_equal_transformers(client, model_dir):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = [tok(c + x)["input_ids"] for c, x in PAIRS]
+    resp = client.completions.create(model="smol", prompt=prompts, max_tokens=1, temperature=0,
+                                     logprobs=1, echo=True)
+    assert [c.index for c in resp.choices] == [0, 1]
+    for (context, _), ids, choice, want in zip(PAIRS, prompts, resp.choices,
+                                              _hf_loglikelihoods(model_dir, PAIRS)):
+        lps = choice.logprobs.token_logprobs
+        assert lps[0] is None and len(lps) == len(ids) + 1
+        assert choice.text.startswith(tok.decode(ids))
+        ctxlen = len(tok(context)["input_ids"])
+        assert abs(sum(lps[ctxlen:-1]) - want) < 1e-3
+    assert resp.usage.prompt_tokens == sum(len(i) for i in prompts)
+
+
+def test_prompt_logprobs_field(client):
+    resp = client.completions.create(model="smol", prompt="Hello there, friend", max_tokens=1,
+                                     temperature=0, extra_body={"prompt_logprobs": 2})
+    body = resp.model_extra["choices"][0]["prompt_logprobs"] if resp.model_extra else \
+        resp.choices[0].model_extra["prompt_logprobs"]
+    assert body[0] is None and all(len(entry) >= 2 for entry in body[1:])
+
+
+def test_lm_eval_local_completions_loglikelihood(node, model_dir, tmp_path):
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"context": c, "continuation": x}) + "\n"
+                            for c, x in PAIRS))
+    (tmp_path / "tiny_ll.yaml").write_text(
+        "task: tiny_ll\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: loglikelihood\n"
+        'doc_to_text: "{{context}}"\ndoc_to_target: "{{continuation}}"\n'
+        "metric_list:\n  - metric: perplexity\n    aggregation: perplexity\n"
+        "    higher_is_better: false\n")
+    results = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["tiny_ll"], log_samples=True,
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args={"base_url": f"{node.url}/v1/completions", "model": "smol",
+                    "tokenizer": str(model_dir), "tokenizer_backend": "huggingface",
+                    "num_concurrent": 1, "max_retries": 1, "batch_size": 2})
+    samples = sorted(results["samples"]["tiny_ll"], key=lambda s: s["doc_id"])
+    got = [float(s["resps"][0][0][0]) for s in samples]
+    for value, want in zip(got, _hf_loglikelihoods(model_dir, PAIRS), strict=True):
+        assert abs(value - want) < 1e-3

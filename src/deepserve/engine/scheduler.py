@@ -301,6 +301,8 @@ class Scheduler:
             seq.num_pending_tokens -= 1
             if seq.sampling.logprobs is not None:
                 seq.logprobs.append(token)
+            if token.prompt is not None:
+                seq.prompt_logprobs = token.prompt
             self.check_stop(seq, token.token_id)
             advanced.append(seq)
         self._commit(out)

@@ -44,6 +44,7 @@ class Sequence:
         self.tenant: str | None = None  # who pays (the scheduler's light-tenant steps)
         self.finish_reason: str | None = None
         self.logprobs: list = []
+        self.prompt_logprobs: list | None = None  # SampledToken.prompt, when asked for
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,11 @@ Sampling fields a request leaves unset take the model's generation defaults
 in-process. add() resolves whatever is still unset (nothing, on those paths),
 so every Sequence carries concrete values, and a prefill order carries the
 decode TE's own: the prefill TE samples the first token with them.
+
+A request that asks for prompt_logprobs gets a prefix-cache salt of its own
+(no prefix is shared with it, in any tier: every prompt position must be
+computed to have its logprob), and a decode TE prefills it itself rather
+than from a prefill TE (the logprobs are made where the client's stream is).
 """
 
 from __future__ import annotations
@@ -122,7 +127,10 @@ class StepCore:
         """A tracked sequence for the request, queued unless schedule=False
         (a decode task waits for its KV from a prefill TE first)."""
         sampling = self.resolve(sampling, len(ids))
-        seq = Sequence(self.new_seq_id(), ids, sampling, self.stop_token_ids(sampling), salt)
+        seq_id = self.new_seq_id()
+        if sampling.prompt_logprobs is not None:  # every position computed: no shared prefix
+            salt = f"{salt or ''}\x00prompt-logprobs-{seq_id}"
+        seq = Sequence(seq_id, ids, sampling, self.stop_token_ids(sampling), salt)
         self.track(request_id, seq)
         if schedule:
             self.scheduler.add(seq)

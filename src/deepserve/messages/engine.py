@@ -131,6 +131,8 @@ class NewTokens(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     cached_tokens: int = 0
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    """On the first message of a request that asked: SampledToken.prompt."""
 
 
 class StepTokens(msgspec.Struct, tag="tokens", **_STRUCT):
@@ -161,6 +163,8 @@ class RequestDelta(msgspec.Struct, tag="delta", **_STRUCT):
     prompt_token_ids: list[int] | None = None  # on the first delta
     cached_tokens: int = 0
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    """On the first delta of a request that asked: each prompt token's after the first."""
     token_bytes: dict[int, bytes] | None = None
     attempt: int = 0  # the SubmitRequest's: a late delta of an earlier attempt is dropped
     queued_s: float = 0.0  # on the first delta: the SubmitRequest's queued_s

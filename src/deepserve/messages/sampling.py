@@ -103,6 +103,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     bad_words: words never generated (vLLM's rule: the last token of each
         tokenization of a word is masked where the tokens before it match);
         bad_words_ids: their token sequences, filled by the TE's tokenizer.
+    prompt_logprobs: None for none; N >= 0 returns the logprob of every
+        prompt token (after the first) under the model, with the N most
+        likely alternatives (what evaluation harnesses read). Such a request
+        shares no cached prefix: every prompt position is computed.
     include_stop_str_in_output: a stop string found is kept in the text.
     skip_special_tokens: special tokens are left out of the text (default).
     structured: a grammar the output must follow (StructuredOutput), or None.
@@ -128,6 +132,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     min_tokens: int = 0
     bad_words: list[str] = []
     bad_words_ids: list[list[int]] = []
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None
@@ -172,9 +177,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise InvalidRequestError(
                 f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}", "seed")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequestError(
-                f"logprobs must be between 0 and 20, got {self.logprobs}", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= 20):
+                raise InvalidRequestError(f"{name} must be between 0 and 20, got {value}", name)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings", "stop")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):

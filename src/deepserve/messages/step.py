@@ -73,12 +73,16 @@ class StepBatch(msgspec.Struct, array_like=True, gc=False):
 
 class SampledToken(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """logprob: of token_id under the model's distribution; top: the N most
-    likely (token_id, logprob) pairs, when the request asked for logprobs."""
+    likely (token_id, logprob) pairs, when the request asked for logprobs.
+    prompt: on the first token of a request that asked for prompt_logprobs,
+    (token_id, logprob, top) of each prompt token after the first, as the
+    model predicted it from the tokens before (worker/prompt_logprobs.py)."""
 
     seq_id: int
     token_id: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+    prompt: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 class SeqFailed(msgspec.Struct, array_like=True, gc=False):

@@ -21,9 +21,11 @@ Per step: `mask` fills one bitmask row per grammar row of the batch (one
 batched xgrammar call, on its threads) and applies them to the logits at
 once; `accept` advances every matcher by its sampled token (one batched
 call). A matcher that has terminated (its grammar ended: the token was EOS)
-masks nothing more: a step already in flight for it is discarded by the
-master, which stopped the sequence at that EOS. A token the grammar refuses
-(never one sampled under the mask) raises GrammarError for that sequence.
+allows only EOS from then on: a step already in flight for it (which the
+master discards: it stopped the sequence at that EOS), or a resumed attempt
+whose replayed output ended the grammar, ends there. A token the grammar
+refuses (never one sampled under the mask) is reported by `accept`: that
+sequence fails (GrammarError), not the batch.
 """
 
 from __future__ import annotations
@@ -91,6 +93,12 @@ class GrammarBook:
             return logits
         rows = [(i, self._entries[s].ready(s)) for i, s in enumerate(seq_ids)
                 if s in self._entries]
+        ended = [i for i, m in rows if m.is_terminated()]
+        if ended:  # only EOS: the end, whatever step (in flight, resumed) asks again
+            eos = torch.tensor(self.eos_token_ids, dtype=torch.long)
+            kept = logits[ended][:, eos]
+            logits[ended] = float("-inf")
+            logits[torch.tensor(ended).unsqueeze(1), eos] = kept
         rows = [(i, m) for i, m in rows if not m.is_terminated()]
         if not rows:
             return logits

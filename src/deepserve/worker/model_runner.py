@@ -36,7 +36,8 @@ from deepserve.model.attention import AttentionMetadata, PrefillSpan
 from deepserve.model.decoder import CausalLM
 from deepserve.model.parallel import TensorParallel
 from deepserve.structured.matchers import GrammarError
-from deepserve.worker.sampler import SequenceTokens, logprobs_of, sample
+from deepserve.worker.prompt_logprobs import PromptLogprobs
+from deepserve.worker.sampler import LOGPROB_FLOOR, SequenceTokens, logprobs_of, sample
 
 _FATAL_WORDS = ("cuda", "cublas", "cudnn", "nccl", "hip", "device-side", "out of memory",
                 "illegal memory", "gloo", "collective")
@@ -80,6 +81,7 @@ class ModelRunner:
         # What the logits processors read of each sequence's tokens (sampler.py).
         self.tokens = SequenceTokens(cfg.vocab_size)
         self.seen = self.tokens.seen  # tokens of sequences with a repetition penalty
+        self.prompt_lps = PromptLogprobs(LOGPROB_FLOOR)  # of the sequences that ask
         self._default_generator = torch.Generator().manual_seed(seed)
         self._last_sampled: dict[int, int] = {}  # seq_id -> token sampled in its last step
         self._failed: dict[int, str] = {}  # seq_id -> why: never sampled again
@@ -126,6 +128,8 @@ class ModelRunner:
             self._failed[x.seq_id] = x.message
         t2 = time.monotonic()
         sampled: list[SampledToken] = []
+        prompt = self.prompt_lps.step(batch.seqs, hidden, self.model.compute_logits) \
+            if self.prompt_lps else {}
         rows = self._last_rows(batch.seqs)  # (seq, its last row) of every sampling seq
         live = [(s, row) for s, row in rows if s.seq_id not in self._failed]
         if live:
@@ -134,6 +138,7 @@ class ModelRunner:
             sampled = self._sample([s for s, _ in live], logits)
         for token in sampled:
             self._last_sampled[token.seq_id] = token.token_id
+            token.prompt = prompt.get(token.seq_id)
         for s, _ in rows:  # a failed seq's placeholder in a step in flight reads 0
             if s.seq_id in self._failed:
                 self._last_sampled[s.seq_id] = 0
@@ -163,6 +168,7 @@ class ModelRunner:
             if self.layer_loads is not None:
                 self.layer_loads.drop(seq_id)
             self._sampling.pop(seq_id, None)
+            self.prompt_lps.drop(seq_id)
             self.tokens.drop(seq_id)
             if self.grammars is not None:
                 self.grammars.drop(seq_id)
@@ -176,6 +182,8 @@ class ModelRunner:
                 self._sampling[new.seq_id] = (sampling, self._generator(sampling))
                 self.tokens.add(new.seq_id, sampling, new.token_ids, new.output_ids,
                                 new.stop_token_ids)
+                if sampling.prompt_logprobs is not None:
+                    self.prompt_lps.add(new.seq_id, sampling.prompt_logprobs)
                 if sampling.structured is not None:
                     if self.grammars is None:
                         raise ValueError("this worker serves no structured outputs")

@@ -103,6 +103,8 @@ class LLMEngine:
         logprobs = None
         if seq.sampling.logprobs is not None:
             logprobs = [TokenLogprob(t.token_id, t.logprob, t.top or []) for t in seq.logprobs]
+        prompt = None if seq.prompt_logprobs is None else [
+            TokenLogprob(t, lp, top) for t, lp, top in seq.prompt_logprobs]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
                              seq.output_token_ids, state.text, state.finish_reason,
-                             seq.num_cached_tokens or 0, logprobs, delta)
+                             seq.num_cached_tokens or 0, logprobs, delta, prompt)

@@ -27,6 +27,8 @@ class RequestOutput:
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
     delta: str = ""  # text added by the last step (streaming)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With SamplingParams.prompt_logprobs: each prompt token's after the first."""
 
     @property
     def finished(self) -> bool:

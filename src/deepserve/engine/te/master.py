@@ -235,7 +235,7 @@ class Master:
             log.warning("request id %r is live here already: the older one ends",
                         msg.request_id)
             self.finish(msg.request_id, "abort")
-        is_decode_task = msg.prefill_from is not None
+        is_decode_task = msg.prefill_from is not None and msg.sampling.prompt_logprobs is None
         seq = self.core.add(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.salt,
                             schedule=False)  # the tier link admits it (or the PD policy)
         seq.tenant = msg.tenant

@@ -86,12 +86,14 @@ class NoReportLink:
 
 
 def new_tokens(request_id: str, seq: Sequence) -> NewTokens:
-    """The sequence's newest known token (and its logprobs) for its request."""
+    """The sequence's newest known token (and its logprobs; with its first
+    token, its prompt's) for its request."""
     num_known = seq.num_tokens - seq.num_pending_tokens
     token = seq.token_ids[num_known - 1]
     logprobs = None
     if seq.sampling.logprobs is not None:
         last = seq.logprobs[-1]
         logprobs = [(last.token_id, last.logprob, last.top or [])]
+    prompt_logprobs = seq.prompt_logprobs if seq.num_output_tokens == 1 else None
     return NewTokens(request_id, [token], seq.finish_reason, seq.num_cached_tokens or 0,
-                     logprobs)
+                     logprobs, prompt_logprobs)

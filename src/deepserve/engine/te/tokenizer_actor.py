@@ -199,15 +199,15 @@ class TokenizerActor:
         delta = state.add_tokens(item.token_ids, item.finish_reason)
         if state.finish_reason == "stop" and item.finish_reason is None:
             self.to_master.put(FinishRequest(request_id=item.request_id, reason="stop"))
-        token_bytes = self._token_bytes(item.logprobs)
+        token_bytes = self._token_bytes([*(item.logprobs or ()), *(item.prompt_logprobs or ())])
         t1 = time.monotonic()
         delivered = self._reply(item.request_id, RequestDelta(
             request_id=item.request_id, text=delta, token_ids=item.token_ids,
             finish_reason=state.finish_reason, cached_tokens=item.cached_tokens,
             prompt=state.prompt if is_first else None,
             prompt_token_ids=state.prompt_token_ids if is_first else None,
-            logprobs=item.logprobs, token_bytes=token_bytes,
-            attempt=self.attempts.get(item.request_id, 0),
+            logprobs=item.logprobs, prompt_logprobs=item.prompt_logprobs,
+            token_bytes=token_bytes, attempt=self.attempts.get(item.request_id, 0),
             queued_s=self.queued_s.pop(item.request_id, 0.0) if is_first else 0.0),
             first=is_first)
         self._detok_s += t1 - t0

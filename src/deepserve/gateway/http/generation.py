@@ -30,6 +30,7 @@ from deepserve.gateway.link.reply_stream import ReplyStream
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.ipc.timeline import Timeline, token_key
 from deepserve.gateway.http.responses import ChatRenderer, Choice, CompletionRenderer, Renderer, Usage
+from deepserve.gateway.http.prompt_list import PromptStreams
 from deepserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from deepserve.gateway.http.tool_use import ToolPlan, check_one_grammar, prepare
 from deepserve.gateway.http.vllm_fields import ignored_header
@@ -77,35 +78,59 @@ async def generate(request: Request, state: GatewayState,
     if isinstance(body, ChatCompletionRequest):
         inputs, samplings, plan = await _chat_inputs(request, body, samplings,
                                                      config.max_prompt_chars)
-        renderer: Renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", body.model,
-                                           bool(body.logprobs), body.include_usage,
-                                           bool(body.return_tokens_as_token_ids), tools=plan)
+        prompts = [inputs]
+        renderer: Renderer = ChatRenderer(
+            f"chatcmpl-{uuid.uuid4().hex}", body.model, bool(body.logprobs),
+            body.include_usage, bool(body.return_tokens_as_token_ids), tools=plan,
+            with_prompt_logprobs=body.prompt_logprobs is not None)
     else:
-        prompt, prompt_token_ids = body.wire_prompt(config.max_prompt_chars)
-        inputs = {"prompt": prompt, "prompt_token_ids": prompt_token_ids}
-        renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", body.model,
-                                      body.logprobs is not None, body.include_usage,
-                                      bool(body.return_tokens_as_token_ids))
+        prompts = [{"prompt": text, "prompt_token_ids": ids}
+                   for text, ids in body.wire_prompts(config.max_prompt_chars)]
+        echo = [await _echo_text(request, body.model, p["prompt"], p["prompt_token_ids"])
+                for p in prompts] if body.echo else None
+        renderer = CompletionRenderer(
+            f"cmpl-{uuid.uuid4().hex}", body.model, body.logprobs is not None,
+            body.include_usage, bool(body.return_tokens_as_token_ids), echo=echo,
+            choices_per_prompt=len(samplings),
+            with_prompt_logprobs=body.prompt_logprobs is not None)
     await until_servable(state.client, body.model)
-    stream = state.client.submit(renderer.response_id, samplings, salt=tenant, model=body.model,
-                                 context_id=body.context_id,
-                                 is_disconnected=request.is_disconnected, **inputs)
+    stream = _submit(state.client, request, renderer.response_id, samplings, prompts,
+                     salt=tenant, model=body.model, context_id=body.context_id)
     try:
         await stream.wait_started()
     except BaseException:
         stream.close()
         raise
+    num_choices = len(samplings) * len(prompts)
     if body.stream:
         # From here Starlette's own disconnect listener owns `receive`.
         stream.is_disconnected = None
-        return ClosingStreamingResponse(_events(stream, renderer, len(samplings),
+        return ClosingStreamingResponse(_events(stream, renderer, num_choices, len(samplings),
                                                 state.timeline),
                                         on_close=stream.close, headers={**SSE_HEADERS, **headers},
                                         media_type="text/event-stream")
     try:
-        return JSONResponse(await _collect(stream, renderer, len(samplings)), headers=headers)
+        return JSONResponse(await _collect(stream, renderer, num_choices, len(samplings)),
+                            headers=headers)
     finally:
         stream.close()
+
+
+def _submit(client: JobClient, request: Request, response_id: str,
+            samplings: list[SamplingParams], prompts: list[dict], **common
+            ) -> ReplyStream | PromptStreams:
+    """One stream of n sub-requests per prompt; several read as one."""
+    streams: list[ReplyStream] = []
+    try:
+        for p, inputs in enumerate(prompts):
+            rid = response_id if len(prompts) == 1 else f"{response_id}-p{p}"
+            streams.append(client.submit(rid, samplings, is_disconnected=request.is_disconnected,
+                                         **common, **inputs))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams[0] if len(streams) == 1 else PromptStreams(streams, len(samplings))
 
 
 async def _chat_inputs(request: Request, body: ChatCompletionRequest,
@@ -127,6 +152,19 @@ async def _chat_inputs(request: Request, body: ChatCompletionRequest,
     return {"messages": messages, "chat": chat}, samplings, plan
 
 
+async def _echo_text(request: Request, model: str, prompt: str | None,
+                     prompt_token_ids: list[int] | None) -> str:
+    """The prompt as echo puts it before the output: its text, or its ids
+    decoded by the gateway's tokenizer of the model (special tokens kept)."""
+    if prompt is not None:
+        return prompt
+    tokens = getattr(request.app.state, "tokens", None)
+    if tokens is None or model not in tokens.config.model_dirs:
+        raise APIError.bad_request("echo of a token-id prompt needs the model's tokenizer at "
+                                   "the gateway", "echo")
+    return (await tokens.tokenizer(model)).decode(prompt_token_ids, skip_special_tokens=False)
+
+
 async def _chat_template(request: Request, model: str) -> str | None:
     """The model's chat template as the gateway's tokenizer of it reads it;
     None when the gateway has none (the JE renders whatever it is)."""
@@ -139,21 +177,22 @@ async def _chat_template(request: Request, model: str) -> str | None:
         return None
 
 
-async def _collect(stream: ReplyStream, renderer: Renderer, num_choices: int) -> dict:
+async def _collect(stream: ReplyStream, renderer: Renderer, num_choices: int,
+                   per_prompt: int) -> dict:
     choices = [Choice(i) for i in range(num_choices)]
-    usage = Usage(num_choices)
+    usage = Usage(num_choices, per_prompt)
     async for index, delta in stream:
         choices[index].add(delta)
         usage.add(index, delta)
     return renderer.response(choices, usage)
 
 
-async def _events(stream: ReplyStream, renderer: Renderer, num_choices: int,
+async def _events(stream: ReplyStream, renderer: Renderer, num_choices: int, per_prompt: int,
                   timeline: Timeline) -> AsyncIterator[bytes]:
     """Server-sent events; an error after the 200 becomes an error event.
     With the timeline on, each delta's span runs from the writer having it
     to its event written (the server asks for the next one once it is)."""
-    usage = Usage(num_choices)
+    usage = Usage(num_choices, per_prompt)
     try:
         for chunk in renderer.opening_chunks(num_choices):
             yield _sse(chunk)

@@ -62,9 +62,34 @@ def text_offsets(delta: RequestDelta, start: int) -> list[int]:
     return offsets
 
 
-def logprob_value(logprob: float) -> float:
-    """A logprob JSON can carry: -inf, NaN and anything below the floor -> the floor."""
+def logprob_value(logprob: float | None) -> float | None:
+    """A logprob JSON can carry: -inf, NaN and anything below the floor -> the
+    floor; None (the first prompt token's) stays null."""
+    if logprob is None:
+        return None
     return logprob if math.isfinite(logprob) and logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def prompt_entries(delta: RequestDelta) -> list:
+    """(id, logprob, top) of every prompt token: the first has none (None)."""
+    return [(delta.prompt_token_ids[0], None, None), *delta.prompt_logprobs]
+
+
+def prompt_logprobs_body(entries: list, token_bytes: dict[int, bytes]) -> list:
+    """vLLM's prompt_logprobs: None, then per token {id: {logprob, rank,
+    decoded_token}} for the token and its alternatives; rank is its place
+    among the alternatives (1 = most likely), null when not among them."""
+    body: list = []
+    for token_id, logprob, top in entries:
+        if logprob is None:
+            body.append(None)
+            continue
+        ranks = {t: i + 1 for i, (t, _) in enumerate(top)}
+        pairs = [(token_id, logprob), *((t, lp) for t, lp in top if t != token_id)]
+        body.append({str(t): {"logprob": logprob_value(lp), "rank": ranks.get(t),
+                              "decoded_token": token_text(t, token_bytes)[0]}
+                     for t, lp in pairs})
+    return body
 
 
 @dataclass
@@ -78,8 +103,12 @@ class Choice:
     offsets: list[int] = field(default_factory=list)
     token_bytes: dict[int, bytes] = field(default_factory=dict)
     num_chars: int = 0
+    prompt_entries: list = field(default_factory=list)
+    """With prompt logprobs: each prompt token's entry, the first one's None."""
 
     def add(self, delta: RequestDelta) -> None:
+        if delta.prompt_logprobs is not None and delta.prompt_token_ids:
+            self.prompt_entries = prompt_entries(delta)
         self.offsets.extend(text_offsets(delta, self.num_chars))
         self.logprobs.extend(delta.logprobs or ())
         self.token_bytes.update(delta.token_bytes or {})
@@ -89,9 +118,11 @@ class Choice:
 
 
 class Usage:
-    """Token counts of the sub-requests of one request; the prompt counts once."""
+    """Token counts of the sub-requests of one request; each prompt counts
+    once (choices_per_prompt choices share one: a list of prompts has several)."""
 
-    def __init__(self, num_choices: int):
+    def __init__(self, num_choices: int, choices_per_prompt: int | None = None):
+        self.per_prompt = choices_per_prompt or num_choices
         self.prompt_tokens = [0] * num_choices
         self.cached_tokens = [0] * num_choices
         self.completion_tokens = [0] * num_choices
@@ -104,9 +135,11 @@ class Usage:
 
     def body(self) -> dict:
         completion = sum(self.completion_tokens)
-        return {"prompt_tokens": self.prompt_tokens[0], "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens[0] + completion,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens[0]}}
+        prompt = sum(self.prompt_tokens[::self.per_prompt])
+        cached = sum(self.cached_tokens[::self.per_prompt])
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class Renderer:
@@ -180,10 +213,17 @@ class ChatRenderer(Renderer):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, *args, tools=None, **kwargs):
+    def __init__(self, *args, tools=None, with_prompt_logprobs: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self.tools = tools
+        self.tools, self.with_prompt_logprobs = tools, with_prompt_logprobs
         self._streamers: dict[int, object] = {}  # choice index -> its tool-call stream
+
+    def response(self, choices: list[Choice], usage: Usage) -> dict:
+        body = super().response(choices, usage)
+        if self.with_prompt_logprobs and choices:  # vLLM: one list, for the one prompt
+            body["prompt_logprobs"] = prompt_logprobs_body(choices[0].prompt_entries,
+                                                           choices[0].token_bytes)
+        return body
 
     def delta_chunks(self, index: int, delta: RequestDelta) -> list[dict]:
         if self.tools is None:
@@ -241,16 +281,52 @@ class ChatRenderer(Renderer):
 
 
 class CompletionRenderer(Renderer):
+    """echo: the prompt's text, put before the output (and, with logprobs,
+    the prompt's tokens before the output's); None: no echo.
+    with_prompt_logprobs: each choice carries vLLM's prompt_logprobs."""
+
     object_name = "text_completion"
     chunk_object_name = "text_completion"
+
+    def __init__(self, *args, echo: list[str] | None = None, choices_per_prompt: int = 1,
+                 with_prompt_logprobs: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.echo, self.with_prompt_logprobs = echo, with_prompt_logprobs
+        self.per_prompt = choices_per_prompt
+
+    def _echo_of(self, index: int) -> str | None:
+        return None if self.echo is None else self.echo[index // self.per_prompt]
+
+    def delta_chunks(self, index: int, delta: RequestDelta) -> list[dict]:
+        chunks = []
+        echo = self._echo_of(index)
+        if echo is not None and delta.prompt_token_ids is not None:
+            entries = prompt_entries(delta) if delta.prompt_logprobs is not None else []
+            logprobs = self._logprobs(entries, prompt_offsets(entries, delta.token_bytes),
+                                      delta.token_bytes) if entries else None
+            chunks.append(self._chunk(index, {"text": echo}, logprobs, None))
+            self._num_chars[index] = len(echo)
+        return chunks + super().delta_chunks(index, delta)
 
     def _text_delta(self, text: str | None) -> dict:
         return {"text": text or ""}
 
     def _final_choice(self, choice: Choice) -> dict:
-        return {"index": choice.index, "text": "".join(choice.text),
-                "logprobs": self._logprobs(choice.logprobs, choice.offsets, choice.token_bytes),
+        entries, offsets, text = choice.logprobs, choice.offsets, "".join(choice.text)
+        echo = self._echo_of(choice.index)
+        if echo is not None:
+            shift = len(echo)
+            entries = [*choice.prompt_entries, *entries]
+            offsets = [*prompt_offsets(choice.prompt_entries, choice.token_bytes),
+                       *(o + shift for o in offsets)]
+            text = echo + text
+        body = {"index": choice.index, "text": text,
+                "logprobs": self._logprobs(entries, offsets, choice.token_bytes),
                 "finish_reason": choice.finish_reason}
+        if self.with_prompt_logprobs:
+            body["prompt_logprobs"] = prompt_logprobs_body(choice.prompt_entries,
+                                                           choice.token_bytes)
+        return body
 
     def _logprobs(self, entries: list[LogprobEntry], offsets: list[int],
                   token_bytes: dict[int, bytes] | None) -> dict | None:
@@ -258,6 +334,17 @@ class CompletionRenderer(Renderer):
             return None
         return {"tokens": [self._token(token_id, token_bytes)[0] for token_id, _, _ in entries],
                 "token_logprobs": [logprob_value(logprob) for _, logprob, _ in entries],
-                "top_logprobs": [{self._token(t, token_bytes)[0]: logprob_value(lp)
+                "top_logprobs": [None if top is None else
+                                 {self._token(t, token_bytes)[0]: logprob_value(lp)
                                   for t, lp in top} for _, _, top in entries],
                 "text_offset": list(offsets)}
+
+
+def prompt_offsets(entries: list, token_bytes: dict[int, bytes] | None) -> list[int]:
+    """Each prompt token's offset in the echoed text: the lengths of the
+    tokens' strings before it."""
+    offsets, pos = [], 0
+    for token_id, _, _ in entries:
+        offsets.append(pos)
+        pos += len(token_text(token_id, token_bytes)[0])
+    return offsets

@@ -28,6 +28,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from deepserve.chat_template import check_template_kwargs
 from deepserve.gateway.errors import APIError
+from deepserve.gateway.http.prompt_list import MAX_PROMPTS
 from deepserve.gateway.http.tool_use import (MAX_TOOLS, ToolCallsIn, ToolChoice, Tools,
                                               wire_tool_calls)
 from deepserve.gateway.http.vllm_fields import (ResponseFormat, StructuredOutputs,
@@ -156,6 +157,8 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    prompt_logprobs: Int(ge=0, le=20) | None = None
+    """Each prompt token's logprob and this many alternatives (vLLM's field)."""
     return_tokens_as_token_ids: bool | None = None
     """Logprobs name tokens "token_id:<id>" (vLLM's field; gateway/http/responses.py)."""
 
@@ -187,8 +190,13 @@ class _GenerationRequest(BaseModel):
             bad_words=list(self.bad_words or []),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
+            prompt_logprobs=self.wanted_prompt_logprobs,
             structured=structured_output(self.response_format, self.structured_outputs,
                                          self.model_extra or {})).validate()
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def _set_numbers(self) -> dict:
         """min_p and the penalties the client set to something but their
@@ -265,32 +273,41 @@ class ChatCompletionRequest(_GenerationRequest):
 
 TokenIds = Annotated[list[Int(ge=0, le=MAX_TOKEN_ID)], Field(min_length=1)]
 PromptText = Annotated[str, Field(min_length=1)]
-# One prompt per request: a list of prompts must hold exactly one.
-Prompt = (PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=1)] | TokenIds
-          | Annotated[list[TokenIds], Field(min_length=1, max_length=1)])
+# A prompt, or a list of up to MAX_PROMPTS of them (prompt_list.py).
+Prompt = (PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)]
+          | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
 
 
 class CompletionRequest(_GenerationRequest):
     endpoint: ClassVar[str] = "completion"
     prompt: Prompt
     logprobs: Int(ge=0, le=20) | None = None
+    echo: bool | None = None
+    """The prompt comes first in the text (and, with logprobs, in the
+    logprobs: its tokens' logprobs, the first one null)."""
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """echo with logprobs needs the prompt's, with as many alternatives."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def sampling(self, default_max_tokens: int | None) -> SamplingParams:
         return self._sampling(self.max_tokens, self.logprobs, default_max_tokens)
 
-    def wire_prompt(self, max_chars: int) -> tuple[str | None, list[int] | None]:
-        """(prompt text, prompt token ids), exactly one set; 400 when too long.
-        (Emptiness, several prompts and id ranges are the model's own checks.)"""
+    def wire_prompts(self, max_chars: int) -> list[tuple[str | None, list[int] | None]]:
+        """Per prompt: (prompt text, prompt token ids), exactly one set; 400
+        when one is too long, or all of them together are.
+        (Emptiness and id ranges are the model's own checks.)"""
         prompt = self.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if len(prompt) > max_chars:
+        many = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) \
+            else [prompt]
+        if sum(len(p) for p in many) > max_chars:
             raise APIError.prompt_too_long(
-                f"prompt has {len(prompt)} characters or tokens; at most {max_chars} are "
-                "accepted", "prompt")
-        if isinstance(prompt, str):
-            return prompt, None
-        return None, list(prompt)
+                f"prompt has {sum(len(p) for p in many)} characters or tokens; at most "
+                f"{max_chars} are accepted", "prompt")
+        return [(p, None) if isinstance(p, str) else (None, list(p)) for p in many]
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

@@ -36,18 +36,18 @@ _REFUSED_BOTH: dict[str, Any] = {
     "add_special_tokens": "<endpoint>", "allowed_token_ids": _NONE, "cache_salt": _NONE,
     "ec_transfer_params": _NONE, "kv_transfer_params": _NONE, "length_penalty": 1.0,
     "logprob_token_ids": _NONE, "mm_payload": "tensors", "priority": 0,
-    "prompt_logprobs": _NONE, "repetition_detection": _NONE, "request_id": _NONE,
+    "repetition_detection": _NONE, "request_id": _NONE,
     "return_mm_kwargs": _NONE, "return_token_ids": _NONE, "return_token_offsets": False,
     "routed_experts_prompt_start": 0,
     "session_id": _NONE, "spaces_between_special_tokens": True, "stream_interval": _NONE,
     "thinking_token_budget": _NONE, "truncate_prompt_tokens": _NONE,
     "truncation_side": _NONE, "use_beam_search": False, "vllm_xargs": _NONE,
-    "watermarking": _NONE, "echo": False}
+    "watermarking": _NONE}
 REFUSED = {
     "chat": {**_REFUSED_BOTH, "add_special_tokens": False, "chat_template": _NONE,
              "documents": _NONE, "include_reasoning": True, "media_io_kwargs": _NONE,
              "mm_processor_kwargs": _NONE, "reasoning_effort": _NONE,
-             "return_prompt_text": _NONE},
+             "return_prompt_text": _NONE, "echo": False},
     "completion": {**_REFUSED_BOTH, "add_special_tokens": True, "prompt_embeds": _NONE,
                    "suffix": _NONE},
 }
