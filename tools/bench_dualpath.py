@@ -134,7 +134,7 @@ async def run_agent(client, url: str, turns, max_tokens: int, delay: float,
         cacheable.append(max(0, len(ids) - 1) // block_size * block_size)
         ids = ids + append
         body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-                "logprobs": 0}
+                "logprobs": 0, "return_tokens_as_token_ids": True}
         r = None
         try:
             r = (await client.post(f"{url}/v1/completions", json=body, timeout=600)).json()

@@ -17,8 +17,9 @@ One check is swapped for a variant: positive_data_acceptance becomes
 positive_data_acceptance_within_context (registered by _register_checks in
 the schemathesis process this script starts), which also lets a schema-valid request past the
 model's context window be answered 400 context_length_exceeded, as OpenAI
-does: a limit in tokens no JSON schema can state. Every other 400 to valid
-data still fails it.
+does (a limit in tokens no JSON schema can state), and a grammar or tool
+choice that cannot be served be answered 400 invalid_spec. Every other 400
+to valid data still fails it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from typing import Iterator
 
 import httpx
 
+from deepserve.gateway.http.schemas import TOKEN_KEY_PATTERN
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "tiny"
 FUZZ_KEY, FUZZ_TENANT = "fuzz-key", "fuzz"
@@ -47,6 +50,10 @@ _SCHEMATHESIS = ("import sys; sys.path.insert(0, sys.argv.pop(1)); import fuzz_a
                  "fuzz_api._register_checks(); from schemathesis.cli import schemathesis; "
                  "sys.exit(schemathesis())")
 """The schemathesis CLI, with this file's check registered first."""
+STATELESS_CODES = {"context_length_exceeded", "invalid_spec"}
+"""400 codes of limits no JSON schema can state: a prompt past the model's
+context (in tokens), a grammar that does not compile or a tool_choice that
+names a tool the request does not give (errors.SpecError)."""
 ACCEPTED = {401, 403, 404, 409, 429}
 """Beside 2xx / 3xx (and 5xx, which not_a_server_error judges): what
 positive_data_acceptance takes as an answer to valid data by default."""
@@ -62,8 +69,8 @@ def _register_checks() -> None:
         if meta is None or not meta.generation.mode.is_positive or status < 400 \
                 or status >= 500 or status in ACCEPTED:
             return None
-        if status == 400 and _error_code(response) == "context_length_exceeded":
-            return None  # valid JSON, but past the model's context window
+        if status == 400 and _error_code(response) in STATELESS_CODES:
+            return None  # valid JSON, but past the model's context window, or a spec
         raise AssertionError(f"Valid data should have been accepted; got {status}: "
                              f"{response.text[:300]}")
 
@@ -107,11 +114,15 @@ def fetch_schema(url: str, api_key: str | None, vocab_size: int | None) -> dict:
 
 
 def _narrow_token_ids(node, max_id: int) -> None:
-    """Every integer schema bounded by the token id maximum gets max_id instead."""
+    """Every integer schema bounded by the token id maximum gets max_id
+    instead, and logit_bias keys are ids below it."""
     if isinstance(node, dict):
         if node.get("type") == "integer" and node.get("maximum") == 2**31 - 1 \
                 and node.get("minimum") == 0:
             node["maximum"] = max_id
+        keys = node.get("patternProperties", {})
+        if TOKEN_KEY_PATTERN in keys:  # logit_bias: ids with fewer digits than max_id
+            keys[f"^[0-9]{{1,{max(1, len(str(max_id)) - 1)}}}$"] = keys.pop(TOKEN_KEY_PATTERN)
         for value in node.values():
             _narrow_token_ids(value, max_id)
     elif isinstance(node, list):

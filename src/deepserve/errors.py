@@ -28,6 +28,15 @@ class InvalidRequestError(DeepServeError, ValueError):
         self.param = param
 
 
+class SpecError(InvalidRequestError):
+    """A grammar, schema or tool choice that is well-formed JSON but cannot
+    be served: it does not compile, is past a bound, or names a tool the
+    request does not give. No JSON schema of the request can say so, so it
+    has a code of its own (HTTP 400, code "invalid_spec")."""
+
+    code = "invalid_spec"
+
+
 class PromptTooLongError(InvalidRequestError):
     """The prompt does not fit the model's context (`max_model_len`)."""
 

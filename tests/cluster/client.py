@@ -10,7 +10,7 @@ process lives in the root namespace, which reaches no host's address).
         prints {"event": "streaming"} once every stream has its first token,
         then one JSON line: [{"ids": [...], "finish_reason": ..., "error": ...}]
 
-Token ids come from `logprobs` ("token_id:<id>", gateway/http/responses.py), so a
+Token ids come from `logprobs` ("token_id:<id>": return_tokens_as_token_ids), so a
 test compares them with a local greedy run and sees a repeated token.
 """
 
@@ -43,7 +43,7 @@ def wait(url: str, num_tes: int, timeout_s: float) -> None:
 def _stream(url: str, key: str, model: str, max_tokens: int, prompt: str, out: dict,
             first: threading.Event) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "logprobs": 1, "stream": True}
+            "logprobs": 1, "return_tokens_as_token_ids": True, "stream": True}
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S,
                           headers={"Authorization": f"Bearer {key}"}) as r:

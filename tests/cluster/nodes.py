@@ -123,7 +123,8 @@ class Cluster:
     def complete(self, body: dict, timeout: float = 120.0) -> dict:
         """POST /v1/completions from h0 (model "tiny", greedy, token ids in logprobs);
         its 200 body, with "ids" added: the completion's token ids."""
-        body = {"model": "tiny", "temperature": 0, "logprobs": 0, **body}
+        body = {"model": "tiny", "temperature": 0, "logprobs": 0,
+                "return_tokens_as_token_ids": True, **body}
         proc = self.hosts.python(0, "tests.cluster.client", "post", URL, "/v1/completions",
                                  KEY, json.dumps(body), stdout=subprocess.PIPE, text=True)
         out, _ = proc.communicate(timeout=timeout)

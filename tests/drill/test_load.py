@@ -143,6 +143,7 @@ def test_accounting_of_every_way_a_stream_ends():
 
     assert bodies[-1] == {"model": MODEL, "prompt": bodies[-1]["prompt"], "max_tokens": 6,
                           "temperature": 0.0, "logprobs": 1, "stream": True,
+                          "return_tokens_as_token_ids": True,
                           "stream_options": {"include_usage": True}}
     # the hung ones are given up at request_timeout_s + margin, and run returns
     assert 1.4 < took < 4.0

@@ -40,8 +40,8 @@ BAD = {
            "logprobs": ["yes", 1, 2, []],
            "top_logprobs": [-1, 21, "1", 1.5]},
     COMPLETIONS: {**_COMMON_BAD,
-                  "prompt": ["", [], [""], ["a", "b"], [-1], [2**40], [1.5], [True], [[1], [2]],
-                             [[]], None, 5, {"a": 1}, HUGE, "\ud800"],
+                  "prompt": ["", [], [""], ["a", ""], ["a"] * 65, [-1], [2**40], [1.5], [True],
+                             [[1], []], [[]], None, 5, {"a": 1}, HUGE, "\ud800"],
                   "logprobs": [-1, 21, "1", 1.5, True]},
 }
 json_values = st.recursive(

@@ -229,3 +229,16 @@ def test_with_a_standby_head_requests_follow_the_je_to_the_other_head(make_stack
     assert results["during"].status_code == 200, results["during"].text
     during = [s for s in backend.submits if s.prompt == "sent with no JE anywhere"]
     assert len(during) == 1 and during[0].attempt == 0 and "." not in during[0].request_id
+
+
+def test_a_resumed_attempt_shrinks_min_tokens_and_asks_no_prompt_logprobs_again():
+    from tests.gateway.conftest import running_stack
+    with running_stack() as stack, stack.http(timeout=10.0) as http:
+        _stream_text(http, "[lose3]z", 5, 10, min_tokens=8, prompt_logprobs=1)
+        lost = [s for s in stack.backend.submits if s.prompt == "[lose3]z"][-1]
+        [resumed] = [s for s in stack.backend.submits
+                     if s.request_id == lost.request_id and s.attempt == 1]
+    assert (lost.sampling.min_tokens, lost.sampling.prompt_logprobs) == (8, 1)
+    assert resumed.resumed_output_ids == 3
+    assert (resumed.sampling.min_tokens, resumed.sampling.prompt_logprobs) == (5, None)
+    assert resumed.sampling.max_tokens == 7

@@ -4,8 +4,9 @@ text_offset, and "token_id:<id>" where the bytes are missing or asked for."""
 
 from __future__ import annotations
 
-from deepserve.gateway.http.responses import (ChatRenderer, Choice, CompletionRenderer, Usage,
-                                              text_offsets, token_text)
+from deepserve.gateway.http.chat_response import ChatRenderer
+from deepserve.gateway.http.responses import (Choice, CompletionRenderer, Usage, text_offsets,
+                                              token_text)
 from deepserve.messages.engine import RequestDelta
 
 E_ACUTE = "é".encode()  # b"\xc3\xa9": two tokens below, one character

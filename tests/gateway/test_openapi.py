@@ -160,8 +160,9 @@ def test_integral_floats_are_integers_and_any_integer_is_a_seed(stack):
 def test_logprobs_are_always_finite_json_numbers(renderer_type):
     import json
 
-    from deepserve.gateway.http.responses import (LOGPROB_FLOOR, ChatRenderer, Choice,
-                                             CompletionRenderer, Usage)
+    from deepserve.gateway.http.chat_response import ChatRenderer
+    from deepserve.gateway.http.responses import (LOGPROB_FLOOR, Choice, CompletionRenderer,
+                                                  Usage)
     from deepserve.messages.engine import RequestDelta
     inf, nan = float("inf"), float("nan")
     delta = RequestDelta(request_id="r", text="a", token_ids=[1], finish_reason="length",

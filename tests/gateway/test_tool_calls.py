@@ -121,3 +121,23 @@ def test_bad_tools_are_400s_naming_the_field(stack, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         stack.openai().chat.completions.create(model=MODEL, messages=_ask("x"), extra_body=extra)
     assert info.value.body["param"] == param
+
+
+def test_integers_past_64_bits_in_tools_and_history_are_carried(stack):
+    """JSON has no integer bound; the wire has: such values travel as floats
+    (or their digits, past float's range), never a 400 or a dead request."""
+    before = len(stack.backend.submits)
+    big = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "maximum": 10**30}}}}}
+    stack.openai().chat.completions.create(
+        model=MODEL, tools=[big], max_tokens=2, messages=[
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "c", "type": "function",
+                "function": {"name": "f", "arguments": json.dumps({"n": 10**400})}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"}],
+        extra_body={"chat_template_kwargs": {"huge": -(10**20)}})
+    submit = stack.backend.submits[before]
+    assert submit.chat.tools[0]["function"]["parameters"]["properties"]["n"]["maximum"] == 1e30
+    assert submit.messages[1]["tool_calls"][0]["function"]["arguments"] == {"n": str(10**400)}
+    assert submit.chat.template_kwargs == {"huge": -1e20}

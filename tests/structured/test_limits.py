@@ -10,8 +10,9 @@ import pytest
 
 from deepserve.errors import InvalidRequestError
 from deepserve.messages.sampling import StructuredOutput
-from deepserve.structured.limits import (MAX_CHOICE_CHARS, MAX_CHOICES, MAX_SCHEMA_DEPTH,
-                                         MAX_SPEC_CHARS, check_limits, nesting)
+from deepserve.structured.limits import (MAX_CHOICE_CHARS, MAX_CHOICES, MAX_REPEATS,
+                                         MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS, check_limits,
+                                         nesting)
 
 
 def _refused(structured: StructuredOutput, param: str = "structured_outputs") -> str:
@@ -68,3 +69,21 @@ def test_choice_bounds():
 ])
 def test_malformed_specs(structured):
     _refused(structured)
+
+
+@pytest.mark.parametrize("make", [
+    lambda n: StructuredOutput(kind="regex", spec=f"[a-z]{{1,{n}}}"),
+    lambda n: StructuredOutput(kind="regex", spec=f"a{{{n // 2}}}b{{0,{n - n // 2}}}"),
+    lambda n: StructuredOutput(kind="grammar", spec=f"root ::= [a-z]{{{n},}}"),
+    lambda n: StructuredOutput(kind="json", spec=json.dumps(
+        {"type": "string", "pattern": f"x{{1,{n}}}"})),
+])
+def test_counted_repetitions_boundary(make):
+    """A hostile regex of many big counted repetitions would compile for
+    hours: their summed bounds are capped."""
+    check_limits(make(MAX_REPEATS))
+    assert "repeats" in _refused(make(MAX_REPEATS + 1))
+
+
+def test_a_huge_repetition_count_is_refused_without_parsing_it():
+    _refused(StructuredOutput(kind="regex", spec="a{" + "9" * 5000 + "}"))

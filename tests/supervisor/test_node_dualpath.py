@@ -86,7 +86,7 @@ async def run_session(client: httpx.AsyncClient, url: str, turns: list[list[int]
     for append in turns:
         ids = ids + append
         body = {"model": "tiny", "prompt": ids, "max_tokens": OUT, "temperature": 0,
-                "logprobs": 0}
+                "logprobs": 0, "return_tokens_as_token_ids": True}
         r = (await client.post(f"{url}/v1/completions", json=body, timeout=120)).json()
         out = [int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
         prompts.append(list(ids))

@@ -61,7 +61,8 @@ def test_streamed_completion_without_max_tokens_fills_the_context(node):
 
 def test_stop_token_ids_end_a_request_at_that_token_even_with_ignore_eos(node):
     client = _client(node)
-    free = client.completions.create(model="gen", prompt="def f(x):", max_tokens=8, logprobs=0)
+    free = client.completions.create(model="gen", prompt="def f(x):", max_tokens=8, logprobs=0,
+                                     extra_body={"return_tokens_as_token_ids": True})
     ids = [int(t.split(":")[1]) for t in free.choices[0].logprobs.tokens]  # "token_id:N"
     assert len(ids) == 8 and free.choices[0].finish_reason == "length"
     stop_at = ids.index(ids[3]) + 1  # the first place that token comes out

@@ -60,7 +60,8 @@ def _ids(node, model, prompt) -> list[int]:
     """Greedy token ids through the gateway (logprobs name them), non-streamed."""
     import urllib.request
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                       "ignore_eos": True, "logprobs": 1}).encode()
+                       "ignore_eos": True, "logprobs": 1,
+                       "return_tokens_as_token_ids": True}).encode()
     request = urllib.request.Request(f"{node.url}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as r:

@@ -43,7 +43,8 @@ def test_long_prompts_go_disaggregated_with_colocated_tokens(pd_node, tiny_model
     for prompt in (LONG, SHORT, LONG + "x"):
         want = llm.generate([prompt], params)[0].token_ids
         stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=10,
-                                           temperature=0, logprobs=1, stream=True)
+                                           temperature=0, logprobs=1, stream=True,
+                                           extra_body={"return_tokens_as_token_ids": True})
         ids = [int(t.split(":")[1]) for chunk in stream for c in chunk.choices
                if c.logprobs for t in c.logprobs.tokens]
         assert ids == want, prompt[:20]

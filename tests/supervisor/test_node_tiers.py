@@ -76,7 +76,8 @@ def client(node, key="key-a") -> OpenAI:
 
 def complete(node, seed: int):
     out = client(node).completions.create(model="tiny", prompt=ids(seed), max_tokens=8,
-                                          temperature=0, logprobs=0)
+                                          temperature=0, logprobs=0,
+                                          extra_body={"return_tokens_as_token_ids": True})
     tokens = [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens]
     return tokens, out.usage.prompt_tokens_details.cached_tokens
 

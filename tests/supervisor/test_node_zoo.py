@@ -70,7 +70,8 @@ def hf_greedy(hf, prompt: list[int]) -> list[int]:
 def complete(node, prompt: list[int]) -> tuple[list[int], int]:
     out = client(node).completions.create(model="zoo", prompt=prompt, max_tokens=NEW_TOKENS,
                                           temperature=0, logprobs=0, extra_body={
-                                              "ignore_eos": True})
+                                              "ignore_eos": True,
+                                              "return_tokens_as_token_ids": True})
     tokens = [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens]
     return tokens, out.usage.prompt_tokens_details.cached_tokens
 

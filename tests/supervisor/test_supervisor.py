@@ -91,7 +91,8 @@ def _serving_te(node) -> str:
 def _stream_ids(node, fault) -> tuple[list[int], float, str]:
     """Stream one greedy completion; after its 5th token, fault(te) the TE serving it."""
     stream = _client(node).completions.create(model="tiny", prompt=PROMPT, max_tokens=40,
-                                              temperature=0, logprobs=1, stream=True)
+                                              temperature=0, logprobs=1, stream=True,
+                                              extra_body={"return_tokens_as_token_ids": True})
     ids, fault_at, te = [], None, None
     for chunk in stream:
         for c in chunk.choices:

@@ -147,9 +147,11 @@ class Workload:
                       "temperature": 0.0,
                       "stream": spec.stream}
         if spec.kind == CHAT:
-            body.update(messages=list(CHATS[spec.prompt]), logprobs=True)
+            body.update(messages=list(CHATS[spec.prompt]), logprobs=True,
+                        return_tokens_as_token_ids=True)
         else:
-            body.update(prompt=self.prompts[spec.prompt], logprobs=1)
+            body.update(prompt=self.prompts[spec.prompt], logprobs=1,
+                        return_tokens_as_token_ids=True)
         if spec.stream:
             body["stream_options"] = {"include_usage": True}
         if spec.n > 1:

@@ -77,7 +77,8 @@ class LoadDriver:
     def body(self, prompt: str) -> dict:
         """The request body every drill request sends (the gateway has no ignore_eos)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens,
-                "temperature": 0.0, "logprobs": 1, "stream": True,
+                "temperature": 0.0, "logprobs": 1, "return_tokens_as_token_ids": True,
+                "stream": True,
                 "stream_options": {"include_usage": True}}
         if self.seed is not None:
             body["seed"] = self.seed

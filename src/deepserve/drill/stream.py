@@ -7,7 +7,8 @@
                                           └─ finish_reason, usage, text
 
 Token ids come from the logprob token strings, which the gateway renders as
-"token_id:<id>" (gateway/http/responses.py): `logprobs.tokens` of a completion,
+"token_id:<id>" when a request sets vLLM's return_tokens_as_token_ids, as
+every drill request does (gateway/http/responses.py): `logprobs.tokens` of a completion,
 `logprobs.content[].token` of a chat completion. So a stream can be compared
 token by token with its prompt's greedy reference (drill/report.py). With
 n > 1 each choice's ids are kept apart (choice_ids, by choice index);

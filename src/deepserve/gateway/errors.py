@@ -39,6 +39,7 @@ _RETRY = "No engine could complete the request; retry it."
 _FAILURES = {
     "invalid_request": (400, "invalid_request_error", None, None),
     "prompt_too_long": (400, "invalid_request_error", "context_length_exceeded", None),
+    "invalid_spec": (400, "invalid_request_error", "invalid_spec", None),
     "engine_dead": (503, "service_unavailable", "engine_dead", _RETRY),
     "te_lost": (503, "service_unavailable", "engine_dead", _RETRY),
     "kv_transfer_failed": (503, "service_unavailable", "kv_transfer_failed", _RETRY),
@@ -139,7 +140,8 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, PromptTooLongError):
         return APIError.prompt_too_long(str(exc), exc.param)
     if isinstance(exc, InvalidRequestError):
-        return APIError.bad_request(str(exc), exc.param)
+        code = exc.code if exc.code != InvalidRequestError.code else None
+        return APIError.bad_request(str(exc), exc.param, code)
     if isinstance(exc, EngineDeadError):
         logger.warning("engine dead: %s", exc)
         return APIError.unavailable(_RETRY, "engine_dead")

@@ -99,7 +99,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         frequency times its count.
     logit_bias: token id -> a bias in [-100, 100] added to its logit.
     min_tokens: EOS and stop_token_ids are masked until this many tokens
-        are out.
+        are out (one past max_tokens: none before max_tokens, which still ends
+        the request).
     bad_words: words never generated (vLLM's rule: the last token of each
         tokenization of a word is masked where the tokens before it match);
         bad_words_ids: their token sequences, filled by the TE's tokenizer.
@@ -197,9 +198,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if not (_is_int(self.min_tokens) and self.min_tokens >= 0):
             raise InvalidRequestError(
                 f"min_tokens must be an integer >= 0, got {self.min_tokens!r}", "min_tokens")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed "
-                                      f"max_tokens ({self.max_tokens})", "min_tokens")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequestError(
                 f"logit_bias has more than {MAX_LOGIT_BIAS} entries", "logit_bias")

@@ -31,7 +31,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from deepserve.errors import InvalidRequestError
+from deepserve.errors import SpecError
 from deepserve.messages.sampling import StructuredOutput
 from deepserve.structured.limits import PARAM, check_limits
 
@@ -40,14 +40,14 @@ MAX_WHITESPACE = 8
 
 
 def check(structured: StructuredOutput, param: str = PARAM) -> None:
-    """InvalidRequestError(param) unless it is within bounds and compiles."""
+    """SpecError(param) unless it is within bounds and compiles."""
     check_limits(structured, param)
     try:
         grammar_of(structured)
-    except InvalidRequestError:
+    except SpecError:
         raise
     except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own
-        raise InvalidRequestError(f"the {structured.kind} spec does not compile: "
+        raise SpecError(f"the {structured.kind} spec does not compile: "
                                   f"{_first_line(e)}", param) from e
 
 
@@ -68,7 +68,7 @@ def grammar_of(structured: StructuredOutput):
         return xgr.Grammar.from_ebnf(spec)
     if kind == "structural_tag":
         return _structural_tag(json.loads(spec))
-    raise InvalidRequestError(f"unknown structured output kind {kind!r}", PARAM)
+    raise SpecError(f"unknown structured output kind {kind!r}", PARAM)
 
 
 def _json_options(structured: StructuredOutput) -> dict:

@@ -16,7 +16,7 @@ references still point.
 
 The tools themselves are checked here too (tool_grammar always checks them):
 a name must be 1-64 of [A-Za-z0-9_.-] and unique, parameters a JSON schema
-object. InvalidRequestError names "tools" or "tool_choice".
+object. SpecError (HTTP 400 invalid_spec) names "tools" or "tool_choice".
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import json
 
-from deepserve.errors import InvalidRequestError
+from deepserve.errors import SpecError
 from deepserve.messages.sampling import StructuredOutput
 from deepserve.tool_calls.parsers import NAME_PATTERN, ToolCall, arguments_text
 
@@ -41,28 +41,28 @@ def tool_grammar(tools: list[dict] | None, tool_choice, parallel_tool_calls: boo
         return None
     if tool_choice == "required":
         if not functions:
-            raise InvalidRequestError('tool_choice "required" needs at least one tool',
+            raise SpecError('tool_choice "required" needs at least one tool',
                                       "tool_choice")
         return _json(_required_schema(functions, parallel_tool_calls))
     name = named_choice(tool_choice)
     if name not in functions:
-        raise InvalidRequestError(f"tool_choice names function {name!r}, which is not "
-                                  "in tools", "tool_choice")
+        raise SpecError(f"tool_choice names function {name!r}, which is not in tools",
+                        "tool_choice")
     return _json(functions[name] or EMPTY_PARAMETERS)
 
 
 def check_tools(tools: list[dict] | None) -> dict[str, dict | None]:
     """name -> parameters schema (None when not given) of each tool, in
-    order; InvalidRequestError("tools") for a malformed list."""
+    order; SpecError("tools") for a malformed list."""
     if tools is None:
         return {}
     if not isinstance(tools, list):
-        raise InvalidRequestError("tools must be a list", "tools")
+        raise SpecError("tools must be a list", "tools")
     functions: dict[str, dict | None] = {}
     for i, tool in enumerate(tools):
         name, parameters = _function_of(tool, i)
         if name in functions:
-            raise InvalidRequestError(f"tools names function {name!r} twice", "tools")
+            raise SpecError(f"tools names function {name!r} twice", "tools")
         functions[name] = parameters
     return functions
 
@@ -73,14 +73,14 @@ def named_choice(tool_choice) -> str:
         function = tool_choice.get("function")
         if isinstance(function, dict) and isinstance(function.get("name"), str):
             return function["name"]
-    raise InvalidRequestError('tool_choice must be "none", "auto", "required" or '
+    raise SpecError('tool_choice must be "none", "auto", "required" or '
                               '{"type": "function", "function": {"name": ...}}', "tool_choice")
 
 
 def check_name(name, param: str = "tools") -> str:
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS \
             or not NAME_PATTERN.fullmatch(name):
-        raise InvalidRequestError(f"function name {name!r} must be 1 to {MAX_NAME_CHARS} "
+        raise SpecError(f"function name {name!r} must be 1 to {MAX_NAME_CHARS} "
                                   "characters of a-z, A-Z, 0-9, '_', '.' and '-'", param)
     return name
 
@@ -88,12 +88,12 @@ def check_name(name, param: str = "tools") -> str:
 def _function_of(tool, i: int) -> tuple[str, dict | None]:
     if not isinstance(tool, dict) or tool.get("type") != "function" \
             or not isinstance(tool.get("function"), dict):
-        raise InvalidRequestError(f'tools[{i}] must be {{"type": "function", '
+        raise SpecError(f'tools[{i}] must be {{"type": "function", '
                                   '"function": {...}}', "tools")
     function = tool["function"]
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
-        raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema "
+        raise SpecError(f"tools[{i}].function.parameters must be a JSON schema "
                                   "object", "tools")
     return check_name(function.get("name")), parameters
 
@@ -114,10 +114,10 @@ def _item_schema(name: str, parameters: dict | None, defs: dict[str, dict]) -> d
     parameters = copy.deepcopy(parameters) if parameters else dict(EMPTY_PARAMETERS)
     own = parameters.pop("$defs", {})
     if not isinstance(own, dict):
-        raise InvalidRequestError(f"$defs of function {name!r} must be an object", "tools")
+        raise SpecError(f"$defs of function {name!r} must be an object", "tools")
     for key, schema in own.items():
         if defs.setdefault(key, schema) != schema:
-            raise InvalidRequestError(f"$defs {key!r} differs between functions", "tools")
+            raise SpecError(f"$defs {key!r} differs between functions", "tools")
     return {"type": "object",
             "properties": {"name": {"type": "string", "enum": [name]},
                            "parameters": parameters},

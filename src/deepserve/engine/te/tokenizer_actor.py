@@ -172,7 +172,7 @@ class TokenizerActor:
             if not isinstance(e, InvalidRequestError):
                 log.warning("request %r refused: %s: %s", msg.request_id, type(e).__name__, e)
                 e = InvalidRequestError(f"the request cannot be tokenized: {e}")
-            error = "prompt_too_long" if isinstance(e, PromptTooLongError) else "invalid_request"
+            error = "prompt_too_long" if isinstance(e, PromptTooLongError) else e.code
             self._reply(msg.request_id, RequestFailed(request_id=msg.request_id, error=error,
                                                       message=str(e), param=e.param))
             self._forget(msg.request_id)

@@ -29,8 +29,10 @@ from deepserve.gateway.link.job_client import JobClient
 from deepserve.gateway.link.reply_stream import ReplyStream
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.ipc.timeline import Timeline, token_key
-from deepserve.gateway.http.responses import ChatRenderer, Choice, CompletionRenderer, Renderer, Usage
+from deepserve.gateway.http.chat_response import ChatRenderer
+from deepserve.gateway.http.responses import Choice, CompletionRenderer, Renderer, Usage
 from deepserve.gateway.http.prompt_list import PromptStreams
+from deepserve.gateway.http.reasoning import has_reasoning
 from deepserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from deepserve.gateway.http.tool_use import ToolPlan, check_one_grammar, prepare
 from deepserve.gateway.http.vllm_fields import ignored_header
@@ -76,13 +78,15 @@ async def generate(request: Request, state: GatewayState,
     headers = ignored_header(body.ignored_fields())
     samplings = body.sampling_per_choice(config.default_max_tokens)
     if isinstance(body, ChatCompletionRequest):
-        inputs, samplings, plan = await _chat_inputs(request, body, samplings,
-                                                     config.max_prompt_chars)
+        template = await _chat_template(request, body.model)
+        inputs, samplings, plan = _chat_inputs(body, samplings, config.max_prompt_chars,
+                                               template)
         prompts = [inputs]
         renderer: Renderer = ChatRenderer(
             f"chatcmpl-{uuid.uuid4().hex}", body.model, bool(body.logprobs),
             body.include_usage, bool(body.return_tokens_as_token_ids), tools=plan,
-            with_prompt_logprobs=body.prompt_logprobs is not None)
+            with_prompt_logprobs=body.prompt_logprobs is not None,
+            reasoning=has_reasoning(template), include_reasoning=body.include_reasoning)
     else:
         prompts = [{"prompt": text, "prompt_token_ids": ids}
                    for text, ids in body.wire_prompts(config.max_prompt_chars)]
@@ -133,15 +137,14 @@ def _submit(client: JobClient, request: Request, response_id: str,
     return streams[0] if len(streams) == 1 else PromptStreams(streams, len(samplings))
 
 
-async def _chat_inputs(request: Request, body: ChatCompletionRequest,
-                       samplings: list[SamplingParams], max_chars: int
-                       ) -> tuple[dict, list[SamplingParams], ToolPlan | None]:
+def _chat_inputs(body: ChatCompletionRequest, samplings: list[SamplingParams],
+                 max_chars: int, template: str | None
+                 ) -> tuple[dict, list[SamplingParams], ToolPlan | None]:
     """(submit's inputs, the samplings with the grammar tool_choice forces,
     the tool plan) of a chat request (tool_use.py)."""
     tools, choice, parallel = body.tool_inputs()
-    messages, chat, grammar, plan = prepare(
-        body.wire_messages(max_chars), tools, choice, parallel,
-        await _chat_template(request, body.model), body.template_options())
+    messages, chat, grammar, plan = prepare(body.wire_messages(max_chars), tools, choice,
+                                            parallel, template, body.template_options())
     changes = {}
     if grammar is not None:
         changes["structured"] = check_one_grammar(grammar, samplings[0].structured)

@@ -76,7 +76,11 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 """presence_penalty / frequency_penalty: OpenAI's range."""
 MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
-LogitBias = Annotated[dict[str, Bias], Field(max_length=MAX_LOGIT_BIAS)]
+TOKEN_KEY_PATTERN = r"^[0-9]{1,9}$"
+"""A logit_bias key: a token id (below 10**9, so below MAX_TOKEN_ID)."""
+TokenKey = Annotated[str, Field(pattern=TOKEN_KEY_PATTERN)]
+LogitBias = Annotated[dict[TokenKey, Bias], Field(
+    max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})]
 """OpenAI's logit_bias: token id (a JSON key, so a string) -> bias."""
 BadWords = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
                      Field(max_length=MAX_BAD_WORDS)]
@@ -236,6 +240,8 @@ class ChatCompletionRequest(_GenerationRequest):
     """The template's own variables (e.g. enable_thinking); chat_template.py."""
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    include_reasoning: bool = True
+    """reasoning_content in the answer, for a model that thinks (reasoning.py)."""
 
     def tool_inputs(self) -> tuple[list[dict] | None, object, bool]:
         """(tools as dicts, tool_choice as sent, parallel_tool_calls)."""

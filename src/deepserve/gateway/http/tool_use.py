@@ -28,7 +28,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from deepserve.errors import InvalidRequestError
+from deepserve.errors import SpecError
 from deepserve.messages.engine import ChatOptions
 from deepserve.messages.sampling import StructuredOutput
 from deepserve.tool_calls.choice import (call_from_named, calls_from_required, named_choice,
@@ -154,8 +154,9 @@ def prepare(messages: list[dict], tools: list[dict] | None, tool_choice, paralle
             ) -> tuple[list[dict], ChatOptions | None, StructuredOutput | None,
                        ToolPlan | None]:
     """(messages to render, how to render them, the grammar tool_choice
-    forces, the plan) of one chat request; InvalidRequestError naming the
+    forces, the plan) of one chat request; SpecError naming the
     field for bad tools or a bad choice."""
+    messages, tools, options = wire_safe(messages), wire_safe(tools), wire_safe(options)
     grammar = tool_grammar(tools, tool_choice, parallel)
     plan = ToolPlan.of(tools, tool_choice, chat_template)
     rendered_tools = tools if plan is not None else None
@@ -167,9 +168,34 @@ def prepare(messages: list[dict], tools: list[dict] | None, tool_choice, paralle
     return messages, (None if chat == ChatOptions() else chat), grammar, plan
 
 
+INT_RANGE = (-(2**63), 2**64 - 1)
+"""What msgpack carries as an integer (the JE and TEs' wire)."""
+
+
+def wire_safe(value):
+    """A JSON value the wire can carry: an integer past 64 bits (JSON has no
+    bound; a tool's schema or a template variable may hold one) becomes the
+    float JSON readers in most languages make of it (its digits as text past
+    float's range)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if INT_RANGE[0] <= value <= INT_RANGE[1]:
+            return value
+        try:
+            return float(value)
+        except OverflowError:  # past float's range too: its digits, as text
+            return str(value)
+    if isinstance(value, dict):
+        return {k: wire_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [wire_safe(v) for v in value]
+    return value
+
+
 def check_one_grammar(grammar: StructuredOutput | None, other: StructuredOutput | None
                       ) -> StructuredOutput | None:
     if grammar is not None and other is not None:
-        raise InvalidRequestError("tool_choice required or a named function cannot be combined "
+        raise SpecError("tool_choice required or a named function cannot be combined "
                                   "with a structured output", "tool_choice")
     return grammar or other

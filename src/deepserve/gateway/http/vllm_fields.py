@@ -26,7 +26,7 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from deepserve.errors import InvalidRequestError
+from deepserve.errors import InvalidRequestError, SpecError
 from deepserve.messages.sampling import StructuredOutput
 from deepserve.structured.limits import check_limits
 
@@ -45,7 +45,7 @@ _REFUSED_BOTH: dict[str, Any] = {
     "watermarking": _NONE}
 REFUSED = {
     "chat": {**_REFUSED_BOTH, "add_special_tokens": False, "chat_template": _NONE,
-             "documents": _NONE, "include_reasoning": True, "media_io_kwargs": _NONE,
+             "documents": _NONE, "media_io_kwargs": _NONE,
              "mm_processor_kwargs": _NONE, "reasoning_effort": _NONE,
              "return_prompt_text": _NONE, "echo": False},
     "completion": {**_REFUSED_BOTH, "add_special_tokens": True, "prompt_embeds": _NONE,
@@ -130,7 +130,7 @@ def structured_output(response_format: ResponseFormat | None,
                       structured: StructuredOutputs | None,
                       extra: dict[str, Any]) -> StructuredOutput | None:
     """The one grammar a request asks for, checked against the limits; None
-    when it asks for none. 400 (InvalidRequestError) for two, or a bad one."""
+    when it asks for none. 400 invalid_spec (SpecError) for two, or a bad one."""
     found: list[tuple[str, StructuredOutput]] = []
     if response_format is not None and response_format.type != "text":
         found.append(("response_format", _from_response_format(response_format)))
@@ -140,7 +140,7 @@ def structured_output(response_format: ResponseFormat | None,
         if extra.get(name) is not None:
             found.append((name, _from_guided(name, kind, extra[name])))
     if len(found) > 1:
-        raise InvalidRequestError("give at most one of " + ", ".join(n for n, _ in found),
+        raise SpecError("give at most one of " + ", ".join(n for n, _ in found),
                                   found[1][0])
     if not found:
         return None
@@ -156,7 +156,7 @@ def _from_response_format(rf: ResponseFormat) -> StructuredOutput:
                 if rf.structures is not None else {"type": "structural_tag", "format": rf.format})
         return StructuredOutput(kind="structural_tag", spec=json.dumps(spec))
     if rf.json_schema is None or rf.json_schema.schema_ is None:
-        raise InvalidRequestError("response_format json_schema needs json_schema.schema",
+        raise SpecError("response_format json_schema needs json_schema.schema",
                                   "response_format")
     return StructuredOutput(kind="json", spec=json.dumps(rf.json_schema.schema_))
 
@@ -168,7 +168,7 @@ def _from_structured_outputs(so: StructuredOutputs) -> StructuredOutput:
     if so.json_object:
         given.append(("json_object", True))
     if len(given) != 1:
-        raise InvalidRequestError("structured_outputs needs exactly one of json, regex, "
+        raise SpecError("structured_outputs needs exactly one of json, regex, "
                                   "choice, grammar, json_object, structural_tag",
                                   "structured_outputs")
     kind, value = given[0]
@@ -184,5 +184,5 @@ def _from_guided(name: str, kind: str, value) -> StructuredOutput:
     elif kind == "choice" and isinstance(value, list):
         value = json.dumps(value)
     if not isinstance(value, str):
-        raise InvalidRequestError(f"{name} has the wrong type", name)
+        raise SpecError(f"{name} has the wrong type", name)
     return StructuredOutput(kind=kind, spec=value)

@@ -335,7 +335,7 @@ class JobClient:
             if msg.attempt != route.attempt:
                 return  # a late delta of a lost attempt: its tokens are being redone
             if route.attempt and route.prompt_token_ids is not None:  # delivered already
-                msg.prompt = msg.prompt_token_ids = None
+                msg.prompt = msg.prompt_token_ids = msg.prompt_logprobs = None
             elif msg.prompt_token_ids is not None:
                 route.prompt_token_ids = msg.prompt_token_ids
             route.token_ids.extend(msg.token_ids)

@@ -15,7 +15,10 @@ the context shrinks by itself), `resumed_output_ids` = those tokens and
 passed on to the caller. The TE detokenizes from those ids and streams only
 the text past that point, so the caller's text has no gap and no repeat even
 when the lost TE held characters back (a stop-string prefix, an incomplete
-UTF-8 sequence) at the moment it died.
+UTF-8 sequence) at the moment it died. min_tokens shrinks by the tokens
+streamed too, and prompt_logprobs are not asked again (they came with the
+first delta; the new prompt would add the output's). A grammar continues:
+the TE tells the workers to replay the resumed tokens into it.
 """
 
 from __future__ import annotations
@@ -69,7 +72,9 @@ def next_attempt(route: Route) -> SubmitRequest | None:
     return msgspec.structs.replace(
         first, request_id=route.wire_id, prompt=None, messages=None, attempt=route.attempt,
         context_id=None,  # the prompt ids below begin with the context's
-        sampling=msgspec.structs.replace(first.sampling, max_tokens=max_tokens),
+        sampling=msgspec.structs.replace(  # the prompt's logprobs came with the first delta
+            first.sampling, max_tokens=max_tokens, prompt_logprobs=None,
+            min_tokens=max(0, first.sampling.min_tokens - len(route.token_ids))),
         prompt_token_ids=route.prompt_token_ids + route.token_ids,
         resumed_output_ids=len(route.token_ids), resumed_text_chars=route.num_text_chars)
 
