@@ -42,3 +42,18 @@ def test_bad_specs_are_refused_with_the_reason(structured, words):
         check(structured, "response_format")
     assert info.value.param == "response_format"
     assert words in str(info.value) and ".cc:" not in str(info.value)
+
+
+def test_while_beating_beats_until_the_work_ends_and_passes_its_error():
+    import time
+
+    from deepserve.structured.compile import BEAT_S, while_beating
+    beats: list[float] = []
+    assert while_beating(lambda: time.sleep(4 * BEAT_S) or "done",
+                         lambda: beats.append(time.monotonic())) == "done"
+    assert len(beats) >= 3  # the caller kept beating while the work ran
+
+    def fails():
+        raise ValueError("bad vocabulary")
+    with pytest.raises(ValueError, match="bad vocabulary"):
+        while_beating(fails, lambda: None)

@@ -90,7 +90,8 @@ def _wait_for(inbox: PullSocket, ok, timeout: float = 5.0) -> list:
 
 def _beat(holds_work: bool, steps: int, layers: int = 0):
     return lambda m: (isinstance(m, Heartbeat) and m.holds_work is holds_work
-                      and m.progress == {"steps": steps, "layers": layers, "layer_waits": 0})
+                      and m.progress == {"steps": steps, "layers": layers, "layer_waits": 0,
+                                         "grammar_waits": 0})
 
 
 def test_holds_work_is_real_and_a_stalled_step_keeps_beating(supervisor):

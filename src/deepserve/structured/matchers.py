@@ -12,10 +12,11 @@ Compiling runs on a thread from the moment the sequence arrives: it overlaps
 the sequence's prefill forward, and sampling waits for it only if it is not
 done by then (1-20 ms for everyday schemas). Compiled grammars are cached by
 spec (compile.GrammarCompiler). The first grammar a worker sees also loads
-xgrammar and reads the vocabulary (about 2 s, once); that runs in the step
-itself, not on the thread: on a 2-core machine a thread that runs Python
-beside torch's two threads slowed every forward ~10x while it lasted (seen:
-the first grammar request took 10 s that way, 3 s this way).
+xgrammar and reads the vocabulary (about 2 s, once); the step waits for it,
+beating the worker's heartbeat (compile.while_beating), rather than running
+forwards beside it: on a 2-core machine a thread that runs Python beside
+torch's two threads slowed every forward ~10x while it lasted (seen: the
+first grammar request took 10 s that way, 3 s this way).
 
 Per step: `mask` fills one bitmask row per grammar row of the batch (one
 batched xgrammar call, on its threads) and applies them to the logits at
@@ -97,6 +98,7 @@ class GrammarBook:
         if ended:  # only EOS: the end, whatever step (in flight, resumed) asks again
             eos = torch.tensor(self.eos_token_ids, dtype=torch.long)
             kept = logits[ended][:, eos]
+            kept = torch.where(torch.isfinite(kept), kept, 0.0)  # its end beats min_tokens
             logits[ended] = float("-inf")
             logits[torch.tensor(ended).unsqueeze(1), eos] = kept
         rows = [(i, m) for i, m in rows if not m.is_terminated()]
@@ -128,10 +130,13 @@ class GrammarBook:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
+    beat = None  # the worker's heartbeat while the grammar engine starts, if any
+
     def _start(self) -> None:
+        from deepserve.structured.compile import GrammarCompiler, while_beating
+        self._compiler = while_beating(lambda: GrammarCompiler(
+            self.model_dir, self.vocab_size, self.eos_token_ids), self.beat)
         import xgrammar as xgr
-        from deepserve.structured.compile import GrammarCompiler
-        self._compiler = GrammarCompiler(self.model_dir, self.vocab_size, self.eos_token_ids)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
 

@@ -104,6 +104,7 @@ class _Worker:
         self.decoder = msgspec.msgpack.Decoder(StepBatch)
         self.num_steps = 0  # steps completed: the progress counter
         self.num_layers = 0  # layers computed, a step's own progress (see _layer_done)
+        self.num_grammar_waits = 0  # beats while the grammar engine started (progress)
         self.in_step = False  # a batch taken off the ring, its StepDone not yet put
         self.weights, self.load_s = "disk", 0.0  # where the weights came from, how long
         self.timeline = Timeline(f"{spec.te_id}/worker{spec.rank}", spec.config.timeline_dir)
@@ -121,6 +122,7 @@ class _Worker:
         self.attach_runner(ModelRunner(model, cfg.num_kv_blocks, cfg.block_size, cfg.seed, pool))
         self.runner.grammars = GrammarBook(cfg.model, model.config.vocab_size,
                                            model.config.eos_token_ids)
+        self.runner.grammars.beat = self._grammar_wait
         self.ring = self._attach_ring(time.monotonic() + cfg.startup_timeout_s)
         self.kv_sender = KVSender(pool, self.kv_name, self.tp.rank, cfg, self.ctx,
                                   self.life.faults)
@@ -173,12 +175,18 @@ class _Worker:
     # -- the loop (ActorLife.run beats between steps) ---------------------------
     def progress(self) -> dict[str, int]:
         waits = self.cache_exec.layers.num_waits if self.cache_exec is not None else 0
-        return {"steps": self.num_steps, "layers": self.num_layers, "layer_waits": waits}
+        return {"steps": self.num_steps, "layers": self.num_layers, "layer_waits": waits,
+                "grammar_waits": self.num_grammar_waits}
 
     def attach_runner(self, runner) -> None:
         self.runner = runner
         runner.on_layer = self._layer_done
         runner.timeline = self.timeline
+
+    def _grammar_wait(self) -> None:
+        """While the grammar engine starts (structured/compile.while_beating)."""
+        self.num_grammar_waits += 1
+        self.life.beat(self.progress(), self.in_step)
 
     def _layer_done(self, i: int) -> None:
         """Inside a step, after each layer: a beat when one is due (the sender

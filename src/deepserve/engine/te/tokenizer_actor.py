@@ -39,6 +39,7 @@ from deepserve.errors import InvalidRequestError, PromptTooLongError
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.ipc.timeline import Timeline, token_key
+from deepserve.structured.compile import ensure_loaded
 from deepserve.messages.engine import (AbortRequest, AddRequest, FinishRequest, GetStats,
                                        NewTokens, RequestDelta, RequestFailed, StepTokens,
                                        SubmitRequest, TaskDone, ToTokenizer)
@@ -55,6 +56,7 @@ def tokenizer_main(spec: TokenizerSpec, death_pipe: Connection, ready_pipe: Conn
     actor = None
     try:
         actor = TokenizerActor(spec, ctx)
+        actor.beat = lambda: life.beat({"messages": actor.num_handled})
         ready_pipe.send(("ready", None))
         life.ready()
         # A pipeline stage: judged by liveness, never hung (holds no work of its own).
@@ -86,6 +88,7 @@ class TokenizerActor:
         self.queued_s: dict[str, float] = {}  # request id -> its wait in the JE (first delta)
         self.states: dict[str, RequestState] = {}
         self.num_handled = 0
+        self.beat = None  # the process's heartbeat while xgrammar loads, if any
         self.num_undeliverable = 0  # requests aborted because their caller took no reply
         self.timeline = Timeline(f"{spec.te_id}/tokenizer", spec.config.timeline_dir)
         self._detok_s = self._reply_s = 0.0  # this StepTokens' parts (timeline on)
@@ -166,6 +169,8 @@ class TokenizerActor:
                 msg.chat.render_options() if msg.chat is not None else None)
             sampling = self.generation.apply(msg.sampling, len(ids), self.config.max_model_len,
                                              msg.resumed_output_ids)
+            if sampling.structured is not None:  # the first one loads xgrammar, beating
+                ensure_loaded(self.beat)
             sampling = with_request_words(sampling, self.tokenizer, msg.resumed_output_ids)
             check_request(ids, sampling, self.vocab_size, self.config.max_model_len)
         except Exception as e:  # InvalidRequestError, or content no tokenizer can take
