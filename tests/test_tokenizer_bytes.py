@@ -16,8 +16,6 @@ from tokenizers import decoders, models, normalizers
 
 from deepserve.tokenizer import Tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOL = ROOT / "models" / "smollm2-135m-instruct"
 
 
 def _random_sequences(rng: random.Random, vocab_size: int, n: int):
@@ -26,9 +24,9 @@ def _random_sequences(rng: random.Random, vocab_size: int, n: int):
 
 
 @pytest.fixture(scope="module")
-def smol():
+def smol(smollm2_dir):
     from transformers import AutoTokenizer
-    return Tokenizer(SMOL), AutoTokenizer.from_pretrained(str(SMOL))
+    return Tokenizer(smollm2_dir), AutoTokenizer.from_pretrained(str(smollm2_dir))
 
 
 def test_byte_level_bytes_are_the_vocabulary_through_gpt2s_table(smol):

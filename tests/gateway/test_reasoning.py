@@ -44,18 +44,18 @@ def test_detection():
 
 
 @pytest.fixture(scope="module")
-def thinking_stack(tmp_path_factory):
+def thinking_stack(tmp_path_factory, smollm2_dir):
     """The gateway reads a chat template that thinks (a copy of SmolLM2's
     tokenizer with a <think> template); the fake backend scripts the output."""
     import json
     import shutil
 
     from tests.gateway.conftest import MODEL, running_stack
-    from tests.gateway.test_tokenize import SMOL
+    smol = smollm2_dir
     model = tmp_path_factory.mktemp("thinking")
     for name in ("tokenizer.json", "config.json"):
-        shutil.copy(SMOL / name, model / name)
-    config = json.loads((SMOL / "tokenizer_config.json").read_text())
+        shutil.copy(smol / name, model / name)
+    config = json.loads((smol / "tokenizer_config.json").read_text())
     config["chat_template"] = ("{% for m in messages %}{{ m.content }}{% endfor %}"
                                "{% if enable_thinking is false %}<think></think>{% endif %}")
     (model / "tokenizer_config.json").write_text(json.dumps(config))

@@ -14,21 +14,20 @@ from deepserve.gateway.http.tokenize import _special_ends
 from deepserve.tokenizer import Tokenizer
 from tests.gateway.conftest import MODEL, running_stack
 
-SMOL = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m-instruct"
 SMOL_MAX_LEN = 8192  # its config.json's max_position_embeddings
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "héllo <|im_start|>assistant 日本 🙂"}]
 
 
 @pytest.fixture(scope="module")
-def tok_stack():
-    with running_stack(model_dirs={MODEL: str(SMOL)}, max_prompt_chars=1000) as stack:
+def tok_stack(smollm2_dir):
+    with running_stack(model_dirs={MODEL: str(smollm2_dir)}, max_prompt_chars=1000) as stack:
         yield stack
 
 
 @pytest.fixture(scope="module")
-def smol() -> Tokenizer:
-    return Tokenizer(SMOL)
+def smol(smollm2_dir) -> Tokenizer:
+    return Tokenizer(smollm2_dir)
 
 
 def _post(stack, path: str, body: dict, **headers):
@@ -103,8 +102,8 @@ def test_version(stack):
             "version": importlib.metadata.version("deepserve")}
 
 
-def test_max_model_len_is_the_tes_else_the_models_config(make_stack):
-    stack = make_stack(model_dirs={MODEL: str(SMOL)})
+def test_max_model_len_is_the_tes_else_the_models_config(make_stack, smollm2_dir):
+    stack = make_stack(model_dirs={MODEL: str(smollm2_dir)})
     with stack.http() as http:
         assert http.get(f"/v1/models/{MODEL}").json()["max_model_len"] == SMOL_MAX_LEN
         stack.backend.max_model_len = 512  # what its TEs announce, from the next TE list
@@ -115,8 +114,8 @@ def test_max_model_len_is_the_tes_else_the_models_config(make_stack):
         assert _post(stack, "/tokenize", {"prompt": "hi"}).json()["max_model_len"] == 512
 
 
-def test_needs_a_key_like_the_other_endpoints(make_stack):
-    stack = make_stack(api_keys={"k1": "tenant-a"}, model_dirs={MODEL: str(SMOL)})
+def test_needs_a_key_like_the_other_endpoints(make_stack, smollm2_dir):
+    stack = make_stack(api_keys={"k1": "tenant-a"}, model_dirs={MODEL: str(smollm2_dir)})
     for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
         assert _post(stack, path, body).status_code == 401
         assert _post(stack, path, body, Authorization="Bearer k1").status_code == 200
