@@ -19,10 +19,8 @@ import pytest
 from openai import OpenAI
 
 from deepserve.ipc.sockets import free_port
-from deepserve.model.gguf import builtin_gguf, import_gguf
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import NodeConfig, TESpec
-from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # starts a process tree
 
@@ -33,8 +31,8 @@ ASK = [{"role": "user", "content": "Describe a person named Ann, aged 31, as JSO
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return import_gguf(builtin_gguf(), ROOT / "models" / "gguf")
+def model_dir(smollm2_dir) -> Path:
+    return smollm2_dir
 
 
 @pytest.fixture(scope="module")
