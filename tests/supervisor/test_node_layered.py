@@ -26,7 +26,9 @@ TE = {"num_kv_blocks": 64, "max_num_batched_tokens": 512, "kv_load_layers": 1}
 
 @pytest.fixture(scope="module")
 def node(tiny_model, tmp_path_factory):
-    node = tier_node(tiny_model, tmp_path_factory.mktemp("kvdisk"), TE)
+    # no scrub: the corrupt layer must be found by the forward's read, not before it
+    node = tier_node(tiny_model, tmp_path_factory.mktemp("kvdisk"), TE,
+                     disk_scrub_bytes_per_s=0)
     yield node
     node.stop()
     assert _shm(node) == set()

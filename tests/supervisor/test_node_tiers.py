@@ -38,14 +38,15 @@ def ids(seed: int) -> list[int]:
     return [(seed * 131 + i * 37) % 1900 + 50 for i in range(PROMPT_IDS)]
 
 
-def tier_node(tiny_model, disk: Path, te: dict):
+def tier_node(tiny_model, disk: Path, te: dict, **node):
     """A started node: one colocated TE (options te), an 80-block host tier,
-    a 400-block disk tier in disk (node.disk), drills on; the caller stops it."""
+    a 400-block disk tier in disk (node.disk), drills on, [node] keys `node`;
+    the caller stops it."""
     config = NodeConfig.build(
         model=str(tiny_model), served_model="tiny", port=free_port(), te_timeout_s=5,
         api_keys={"key-a": "tenant-a", "key-b": "tenant-b"}, startup_timeout_s=120,
         host_cache_bytes=80 * BLOCK_BYTES, disk_cache_dir=str(disk),
-        disk_cache_bytes=400 * BLOCK_BYTES, cache_cost_model=False,
+        disk_cache_bytes=400 * BLOCK_BYTES, cache_cost_model=False, **node,
         supervisor=SupervisorConfig(drill=True), tes=[TESpec("te0", "colocated", te)])
     node = Node(config)
     node.start()

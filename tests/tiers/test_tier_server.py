@@ -18,7 +18,8 @@ NBYTES = block_file.block_nbytes(GEOM)
 
 @pytest.fixture
 def rig(tier_service, short_dir):
-    service = tier_service(host_bytes=8 * NBYTES, disk_bytes=32 * NBYTES + 64 * 32)
+    service = tier_service(host_bytes=8 * NBYTES, disk_bytes=32 * NBYTES + 64 * 32,
+                           scrub_bytes_per_s=4 << 20)
     ctx = zmq.Context()
     reply = ipc_address(short_dir, "me")
     out = PushSocket(ctx, service.address, bind=False)

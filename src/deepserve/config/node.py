@@ -72,6 +72,9 @@ class NodeSection(Section):
     """Bytes of block files the disk tier keeps (LRU), split evenly among the models."""
     disk_fsync: Literal["never", "always"] = "never"
     """fsync block files before they are renamed into place (tiers/block_file.py)."""
+    disk_scrub_bytes_per_s: Annotated[int, Meta(ge=0)] = 4 << 20
+    """Bytes of block files per second the tier service re-reads to find damaged ones
+    before a TE does (tiers/disk_upkeep.py); 0: no scrub (a read still finds them)."""
     context_cache_bytes: Annotated[int, Meta(ge=0)] = 0
     """Bytes of KV blocks that contexts (POST /v1/contexts) may pin, split among the
     models; 0: half of the lowest tier (disk if on, else host)."""

@@ -4,14 +4,14 @@ disk tier that was turned off, and scrub the one that is on.
     disk thread, every TICK_S between writes ──DiskUpkeep.tick()──> findings
         tier off:  every PROBE_S a block-sized file written and removed
                    ──it went through──> DiskBack: the service turns the tier on again
-        tier on:   block files read and checked, SCRUB_BYTES_PER_S at most
+        tier on:   block files read and checked, scrub_bytes_per_s at most
                    ──header or checksum wrong──> Corrupt(key, hash): dropped, deleted
 
 A full disk turns the tier off at the first failed write (tier_server.py);
 without the probe it stayed off until the service restarted, although the
 disk had room again minutes later. The scrub finds a damaged file before a
 TE reads it (a TE that reads one first reports it too: a miss, never a wrong
-block); at the default rate a 4 GiB tier is read once in about 17 minutes.
+block); at the default rate ([node] disk_scrub_bytes_per_s) a 4 GiB tier is read once in about 17 minutes.
 
 Thread-safe by construction: the thread reads files and the `pools` it is
 handed (key -> (geometry, directory), a copy made on the service's thread),
@@ -36,8 +36,6 @@ TICK_S = 0.25
 """The disk thread waits this long for a write before it does upkeep."""
 PROBE_S = 5.0
 """Seconds between probes of a disk tier that is off."""
-SCRUB_BYTES_PER_S = 4 << 20
-"""Bytes of block files read per second by the scrub."""
 PROBE_NAME = ".probe"
 
 
@@ -58,7 +56,7 @@ Pools = Callable[[], dict[str, tuple[BlockGeometry, str]]]
 
 class DiskUpkeep:
     def __init__(self, root: str, pools: Pools, disk_full: Callable[[], bool],
-                 scrub_bytes_per_s: float = SCRUB_BYTES_PER_S, probe_s: float = PROBE_S,
+                 scrub_bytes_per_s: float, probe_s: float = PROBE_S,
                  clock: Callable[[], float] = time.monotonic):
         self.root, self.pools, self.disk_full = root, pools, disk_full
         self.scrub_bytes_per_s, self.probe_s, self.clock = scrub_bytes_per_s, probe_s, clock

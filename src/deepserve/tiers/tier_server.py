@@ -91,7 +91,8 @@ class TierServer:
         self.num_corrupt = self.num_handled = 0
         self._disk_pools: dict[str, tuple[BlockGeometry, str]] = {}  # for the disk thread
         self.upkeep = DiskUpkeep(s.disk_dir, lambda: self._disk_pools,
-                                 lambda: self._drill_disk_full)
+                                 lambda: self._drill_disk_full,
+                                 scrub_bytes_per_s=s.scrub_bytes_per_s)
         self._writes: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._drill_disk_full = False  # the writer reads it; step() sets it

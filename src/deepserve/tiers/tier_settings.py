@@ -21,6 +21,8 @@ class TierSettings(msgspec.Struct, frozen=True, kw_only=True):
     pin_bytes: int = 0
     """Per model key (0: half of its lowest persistent tier)."""
     fsync: str = "never"
+    scrub_bytes_per_s: int = 0
+    """Block files re-read per second ([node] disk_scrub_bytes_per_s; 0: no scrub)."""
     lease_s: float = 30.0
     peer: str = ""
     """This service's tcp address for other hosts' (the remote tier); "": one host."""
@@ -36,4 +38,5 @@ def load_settings(args) -> TierSettings:
                         host_bytes=node.host_cache_bytes // n, disk_dir=node.disk_cache_dir,
                         disk_bytes=node.disk_cache_bytes // n,
                         pin_bytes=node.context_cache_bytes // n, fsync=node.disk_fsync,
+                        scrub_bytes_per_s=node.disk_scrub_bytes_per_s,
                         peer=run.kv_peer, cm_pub=run.cm_pub if run.kv_peer else "")
