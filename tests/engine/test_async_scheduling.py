@@ -12,6 +12,7 @@ import pytest
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.scheduler import Scheduler
 from deepserve.engine.sequence import PLACEHOLDER, Sequence
+from deepserve.engine.te.te_report import new_tokens
 from deepserve.messages.sampling import SamplingParams
 from deepserve.messages.step import SampledToken
 
@@ -71,3 +72,31 @@ def test_async_equals_sync(num_blocks, budget):
     assert (num_preemptions > 0) == (num_blocks < 64)
     assert {reason for _, reason in sync.values()} == {"stop", "length"}
     assert all(PLACEHOLDER not in tokens for tokens, _ in sync.values())
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_prompt_logprobs_are_reported_with_the_first_token_when_a_step_is_ahead(depth):
+    """The first token's report carries the prompt's logprobs, once. With a step
+    ahead (depth 2) the next step's placeholder is already appended when the
+    first token comes back: counting it as an output lost them on every node
+    that schedules ahead (the default), and the client got prompt_logprobs []."""
+    sched = Scheduler(KVCacheManager(32, 4), 64, 8, 128)
+    prompt = [11, 12, 13, 14, 15]
+    seq = Sequence(0, prompt, SamplingParams(max_tokens=4, prompt_logprobs=1), frozenset())
+    sched.add(seq)
+    entries = [(t, -1.0, []) for t in prompt[1:]]
+    reports, pending_at_first, in_flight = [], None, deque()
+    while sched.has_unfinished or in_flight:
+        out = sched.schedule() if len(in_flight) < depth else None
+        if out is not None and not out.is_empty:
+            first = not in_flight and seq.num_computed_tokens == 0
+            sched.on_dispatched(out)
+            in_flight.append((out, [SampledToken(0, 20 + len(reports), prompt=entries
+                                                 if first else None)]))
+            continue
+        for s in sched.on_sampled(*in_flight.popleft()):
+            if not reports:
+                pending_at_first = s.num_pending_tokens
+            reports.append(new_tokens("r", s))
+    assert pending_at_first == depth - 1  # the condition: a placeholder already appended
+    assert [r.prompt_logprobs for r in reports] == [entries, None, None, None]

@@ -222,18 +222,24 @@ def test_echo_logprobs_of_a_list_of_prompts_equal_transformers(client, model_dir
                                               _hf_loglikelihoods(model_dir, PAIRS)):
         lps = choice.logprobs.token_logprobs
         assert lps[0] is None and len(lps) == len(ids) + 1
+        # the first prompt token is shown as text too, though it has no logprob
+        assert choice.logprobs.tokens[:len(ids)] == [tok.decode([i]) for i in ids]
         assert choice.text.startswith(tok.decode(ids))
         ctxlen = len(tok(context)["input_ids"])
         assert abs(sum(lps[ctxlen:-1]) - want) < 1e-3
     assert resp.usage.prompt_tokens == sum(len(i) for i in prompts)
 
 
-def test_prompt_logprobs_field(client):
-    resp = client.completions.create(model="smol", prompt="Hello there, friend", max_tokens=1,
+def test_prompt_logprobs_field(client, model_dir):
+    """max_tokens past 1: the TE schedules a step ahead of the first token
+    (a reply of one token never did, and hid a bug that lost them)."""
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(str(model_dir))("Hello there, friend")["input_ids"]
+    resp = client.completions.create(model="smol", prompt="Hello there, friend", max_tokens=4,
                                      temperature=0, extra_body={"prompt_logprobs": 2})
-    body = resp.model_extra["choices"][0]["prompt_logprobs"] if resp.model_extra else \
-        resp.choices[0].model_extra["prompt_logprobs"]
-    assert body[0] is None and all(len(entry) >= 2 for entry in body[1:])
+    body = resp.choices[0].model_extra["prompt_logprobs"]
+    assert len(body) == len(ids) and body[0] is None
+    assert all(str(i) in entry and len(entry) >= 2 for i, entry in zip(ids[1:], body[1:]))
 
 
 def test_lm_eval_local_completions_loglikelihood(node, model_dir, tmp_path):

@@ -94,6 +94,8 @@ def new_tokens(request_id: str, seq: Sequence) -> NewTokens:
     if seq.sampling.logprobs is not None:
         last = seq.logprobs[-1]
         logprobs = [(last.token_id, last.logprob, last.top or [])]
-    prompt_logprobs = seq.prompt_logprobs if seq.num_output_tokens == 1 else None
+    # known tokens, not num_output_tokens: with async scheduling the next step's
+    # placeholder is already appended when the first token is reported
+    prompt_logprobs = seq.prompt_logprobs if num_known - seq.num_prompt_tokens == 1 else None
     return NewTokens(request_id, [token], seq.finish_reason, seq.num_cached_tokens or 0,
                      logprobs, prompt_logprobs)

@@ -204,7 +204,8 @@ class TokenizerActor:
         delta = state.add_tokens(item.token_ids, item.finish_reason)
         if state.finish_reason == "stop" and item.finish_reason is None:
             self.to_master.put(FinishRequest(request_id=item.request_id, reason="stop"))
-        token_bytes = self._token_bytes(item.logprobs, item.prompt_logprobs)
+        token_bytes = self._token_bytes(item.logprobs, item.prompt_logprobs,
+                                        state.prompt_token_ids[:1] if is_first else ())
         t1 = time.monotonic()
         delivered = self._reply(item.request_id, RequestDelta(
             request_id=item.request_id, text=delta, token_ids=item.token_ids,
@@ -230,11 +231,14 @@ class TokenizerActor:
             self._forget(item.request_id)
             self.num_undeliverable += 1
 
-    def _token_bytes(self, logprobs, prompt_logprobs) -> dict[int, bytes] | None:
-        """The bytes of every token id the logprobs (and prompt logprobs) name;
-        None without either (most tokens: nothing built)."""
+    def _token_bytes(self, logprobs, prompt_logprobs, first: tuple | list
+                     ) -> dict[int, bytes] | None:
+        """The bytes of every token id the logprobs (and prompt logprobs) name,
+        with the prompt's first token (`first`: echo shows it, with no logprob);
+        None without logprobs (most tokens: nothing built)."""
         if not logprobs and not prompt_logprobs:
             return None
         ids = {i for token_id, _, top in (*(logprobs or ()), *(prompt_logprobs or ()))
                for i in (token_id, *(t for t, _ in top))}
+        ids.update(first if prompt_logprobs else ())
         return {i: self.tokenizer.token_bytes(i) for i in ids}
