@@ -120,6 +120,8 @@ CASES = [
     ("node", "disk_cache_bytes", 4096, "kv-cache", lambda s, t: s.disk_bytes == 4096),
     ("node", "disk_fsync", "always", "kv-cache", lambda s, t: s.fsync == "always"),
     ("node", "context_cache_bytes", 1000, "kv-cache", lambda s, t: s.pin_bytes == 1000),
+    ("node", "disk_scrub_bytes_per_s", 1000, "kv-cache", lambda s, t: s.scrub_bytes_per_s == 1000),
+    ("node", "tool_call_pin_s", 7.5, "job-executor", lambda s, t: s.turn_pin_s == 7.5),
     ("node", "cache_cost_model", False, "te", lambda s, t: s.cache_cost_model is False),
     ("node", "gguf_cache_dir", "var/gg", "node",
      lambda s, t: s.node.gguf_cache_dir == at(t, "var/gg")),
@@ -218,6 +220,7 @@ WITH = {("cluster", "port"): {"host": "10.0.0.2"}, ("cluster", "head"): {"host":
         ("cluster", "standby"): {"host": "10.0.0.2", "head": "10.0.0.1:7400"},
         ("cluster", "failover_s"): {"host": "10.0.0.2", "head": "10.0.0.1:7400"},
         ("cluster", "state_dir"): {"host": "10.0.0.2"},
+        ("node", "tool_call_pin_s"): {**BASE["node"], "host_cache_bytes": 1 << 20},  # none: 0
         ("te", "dualpath_hop"): {"kv_stream_bytes": 1 << 20},
         ("model", "dualpath_hop"): {"kv_stream_bytes": 1 << 20}}
 """Keys a case needs next to its own (a joining node needs its host)."""

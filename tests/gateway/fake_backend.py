@@ -39,12 +39,13 @@ import zmq
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.control import TEInfo, TEList, TEReport
 from deepserve.messages.engine import AbortRequest, RequestDelta, RequestFailed, SubmitRequest
-from deepserve.messages.contexts import CreateContext, DeleteContext, GetContext, TurnDone
+from deepserve.messages.contexts import (CreateContext, DeleteContext, GetContext, PinTurn,
+                                         TurnDone)
 from deepserve.messages.scaling import RequestLatencies
 
 _CONTEXT_CALLS = (CreateContext, GetContext, DeleteContext)
-_JE_INBOX = (SubmitRequest | AbortRequest | RequestLatencies | TurnDone | CreateContext
-             | GetContext | DeleteContext)
+_JE_INBOX = (SubmitRequest | AbortRequest | RequestLatencies | TurnDone | PinTurn
+             | CreateContext | GetContext | DeleteContext)
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
          "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
@@ -110,6 +111,8 @@ class FakeBackend:
     aborts: list[str] = field(default_factory=list)
     latencies: list[RequestLatencies] = field(default_factory=list)
     turns_done: list[TurnDone] = field(default_factory=list)
+    turns_pinned: list[str] = field(default_factory=list)
+    """Sub-requests the gateway said ended in tool calls (PinTurn)."""
     context_calls: list = field(default_factory=list)
     """What the gateway said of finished chat requests (token-id continuity)."""
     """The gateway's SLO samples (TTFT / TPOT per model), as the JE gets them."""
@@ -214,6 +217,9 @@ class FakeBackend:
     def _handle(self, ctx: zmq.Context, msg) -> None:
         if isinstance(msg, TurnDone):
             self.turns_done.append(msg)
+            return
+        if isinstance(msg, PinTurn):
+            self.turns_pinned.append(msg.request_id)
             return
         if isinstance(msg, _CONTEXT_CALLS):
             self.context_calls.append(msg)  # never answered: a JE that dies with them

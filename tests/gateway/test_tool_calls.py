@@ -42,6 +42,7 @@ def test_auto_reads_hermes_calls(stack):
 
 
 def test_auto_streams_calls_as_openai_does(stack):
+    before = len(stack.backend.submits)
     chunks = list(stack.openai().chat.completions.create(
         model=MODEL, messages=_ask(CALLS), tools=[WEATHER, TIME], stream=True))
     content, calls, finish = "", {}, None
@@ -57,13 +58,19 @@ def test_auto_streams_calls_as_openai_does(stack):
     assert finish == "tool_calls" and content == "Let me check."
     assert [(c["name"], json.loads(c["args"])) for c in calls.values()] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
+    rid = stack.backend.submits[before].request_id  # streamed: the JE is told too
+    assert stack.backend.wait_for(lambda: stack.backend.turns_pinned.count(rid) == 1)
 
 
 def test_plain_text_with_tools_is_content(stack):
+    before = len(stack.backend.submits)
     resp = stack.openai().chat.completions.create(model=MODEL, messages=_ask("Sunny."),
                                                   tools=[WEATHER])
     assert resp.choices[0].message.content == "Sunny."
     assert not resp.choices[0].message.tool_calls and resp.choices[0].finish_reason == "stop"
+    rid = stack.backend.submits[before].request_id  # no call: no pin
+    assert stack.backend.wait_for(lambda: rid in {t.request_id for t in stack.backend.turns_done})
+    assert rid not in stack.backend.turns_pinned
 
 
 def test_named_choice_sends_the_parameters_schema_and_reads_the_arguments(stack):
@@ -91,6 +98,10 @@ def test_required_choice_reads_the_array(stack):
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_time",
                                                                          {"zone": "UTC"})
     assert resp.choices[0].finish_reason == "tool_calls"
+    # ended in a call: the JE is told, after the turn's TurnDone (turn_pins.py)
+    rid = stack.backend.submits[before].request_id
+    assert stack.backend.wait_for(lambda: rid in stack.backend.turns_pinned)
+    assert rid in {t.request_id for t in stack.backend.turns_done}
 
 
 def test_history_calls_and_results_reach_the_job_executor(stack):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import openai
@@ -21,6 +22,7 @@ from openai import OpenAI
 from deepserve.ipc.sockets import free_port
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import NodeConfig, TESpec
+from tests.supervisor.test_node import _metrics
 
 pytestmark = pytest.mark.slow  # starts a process tree
 
@@ -41,8 +43,10 @@ def node(model_dir):
     # float32: log-likelihoods are compared with transformers' fp32 ones
     options = {"max_num_batched_tokens": 512, "num_kv_blocks": 128, "max_model_len": 1024,
                "dtype": "float32"}
+    # a host tier (64 MiB, about 90 fp32 blocks) for turn pins; every hit fetched from it
     node = Node(NodeConfig.build(model=str(model), served_model="smol", port=free_port(),
                                  startup_timeout_s=180, te_timeout_s=10,
+                                 host_cache_bytes=64 << 20, cache_cost_model=False,
                                  tes=[TESpec("te0", "colocated", options)]))
     node.start()
     yield node
@@ -161,6 +165,44 @@ def test_required_tool_choice_streams_calls(client):
     assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
     args = "".join(d.function.arguments or "" for d in deltas)
     assert isinstance(json.loads(args)["city"], str)
+
+
+def _wait_metric(node, name: str, ok, timeout_s: float = 15.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = _metrics(node).get((name, ()), 0.0)
+        if ok(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.3)
+
+
+def test_a_turn_that_ends_in_tool_calls_keeps_its_kv_in_host_memory(node, client, model_dir):
+    """The reply ends in a tool call: its turn is pinned in the host tier. Other
+    prompts then push it out of the device pool and flood the host tier (the
+    pressure: the next turn's lookup reaches the host tier, counted there), and
+    the turn with the tool's result still finds its whole prompt cached."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    hits = _wait_metric(node, "deepserve_turn_pin_hit_blocks_total", lambda v: True, 0)
+    first = client.chat.completions.create(
+        model="smol", messages=ASK_WEATHER, tools=[WEATHER], temperature=0, max_tokens=60,
+        tool_choice="required", parallel_tool_calls=False)
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert _wait_metric(node, "deepserve_turn_pins", lambda v: v >= 1) >= 1  # pinned
+    for i in range(4):  # about 3,600 tokens: past the device pool and the host tier
+        words = " ".join(f"item{i}x{j}" for j in range(400))
+        prompt = tok.decode(tok(words)["input_ids"][:900])
+        client.completions.create(model="smol", prompt=prompt, max_tokens=1)
+    call = first.choices[0].message.tool_calls[0]
+    second = client.chat.completions.create(
+        model="smol", tools=[WEATHER], temperature=0, max_tokens=4, messages=[
+            *ASK_WEATHER,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 23 degrees"}])
+    now = _wait_metric(node, "deepserve_turn_pin_hit_blocks_total", lambda v: v > hits)
+    assert now - hits >= first.usage.prompt_tokens // 16 - 1  # from the host tier
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= (first.usage.prompt_tokens // 16 - 1) * 16, (cached, first.usage)
 
 
 def test_tool_history_renders_on_a_template_without_tools(client):

@@ -211,3 +211,41 @@ def test_disable_disk_forgets_disk_entries():
     assert idx.disable_disk() == [7]
     assert idx.lookup([7], 0.0) == (0, []) and idx.commit(0, []) == []
     idx.check_integrity()
+
+
+def _fill_disk(idx, to_disk):
+    for slot, h in to_disk:
+        idx.disk_written(slot, h, B, ok=True)
+
+
+def test_a_turn_pin_holds_host_slots_under_pressure_then_leaves_them_cached():
+    """A context's pin lets a host copy go once the block is on disk; a turn
+    pin (on_host) keeps it in host memory, and when it ends the blocks stay
+    cached in the LRU: nothing is freed or deleted."""
+    idx = TierIndex(num_slots=4, block_bytes=B, disk_budget=8 * B)
+    _fill_disk(idx, write(idx, [1, 2], context_id="turn-a", expires_at=50.0, on_host=True)[1])
+    for h in range(10, 16):  # other requests' blocks flood the host tier
+        _fill_disk(idx, write(idx, [h])[1])
+    assert {1, 2} <= set(idx.slot_of)  # held in host memory, though on disk too
+    _, hits = idx.lookup([1, 2], 0.0)
+    assert hits == [idx.slot_of[1], idx.slot_of[2]] and idx.host_pins.num_hits == 2
+    idx.release(max(idx.leases))
+    idx.lookup([1, 2], 0.0, count=False)  # a pin's own prefill: not a hit on a pinned turn
+    assert idx.host_pins.num_hits == 2
+    idx.release(max(idx.leases))
+    assert idx.expire(now=1.0, wall_now=60.0) == []  # ended: no file deleted
+    assert not idx.host_pins.pins and {1, 2} <= set(idx.slot_of) and {1, 2} <= set(idx.disk)
+    _fill_disk(idx, write(idx, [20, 21, 22, 23])[1])  # now evictable as any block
+    assert not {1, 2} & set(idx.slot_of) and idx.host_pins.num_hits == 2
+    idx.check_integrity()
+
+
+def test_turn_pins_take_at_most_half_the_host_slots():
+    idx = TierIndex(num_slots=4, block_bytes=B)
+    assert idx.reserve([1, 2], 0.0, context_id="turn-a", expires_at=9.0, on_host=True)[2] is None
+    lease, slots, err = idx.reserve([3], 0.0, context_id="turn-b", expires_at=9.0, on_host=True)
+    assert err == "over_budget" and idx.host_pins.num_refused == 1  # the boundary: 2 of 4
+    assert idx.reserve([1], 0.0, context_id="turn-c", expires_at=9.0, on_host=True)[2] is None
+    idx.unpin("turn-a")  # ContextUnpin of a turn pin: 1 stays held by turn-c, 2 is free
+    assert idx.host_pins.holds(1) and not idx.host_pins.holds(2)
+    idx.check_integrity()

@@ -78,6 +78,11 @@ class NodeSection(Section):
     context_cache_bytes: Annotated[int, Meta(ge=0)] = 0
     """Bytes of KV blocks that contexts (POST /v1/contexts) may pin, split among the
     models; 0: half of the lowest tier (disk if on, else host)."""
+    tool_call_pin_s: Annotated[float, Meta(ge=0, le=3600)] = 30.0
+    """Seconds a chat turn whose reply ended in tool calls keeps its KV (prompt and
+    reply) in the host tier, whatever else comes, for the turn that brings the tools'
+    results (control/je/turn_pins.py); 0: not kept apart. Needs host_cache_bytes and
+    [router] token_continuity (the turn's ids are the ones it keeps)."""
     cache_cost_model: bool = True
     """Fetch cached blocks from host / disk only when that beats recomputing them
     (measured bandwidths and prefill speed); false: fetch every hit."""

@@ -97,6 +97,12 @@ class GatewayMetrics:
                               registry=r)
         self.pinned_bytes = Gauge("deepserve_contexts_pinned_bytes", "Bytes of KV blocks the "
                                   "live contexts pin in the host / disk tiers", registry=r)
+        self.turn_pins = Gauge("deepserve_turn_pins", "Chat turns that ended in tool calls "
+                               "whose KV the host tier holds now", registry=r)
+        self.turn_pin_hits = Counter("deepserve_turn_pin_hit_blocks_total", "KV blocks found "
+                                     "in the host tier while a turn pin held them", registry=r)
+        self.turn_pins_refused = Counter("deepserve_turn_pins_refused_total", "Turn pins "
+                                         "past the host tier's budget for them", registry=r)
         self.te_cost_model = Gauge(
             "deepserve_te_cost_model", "A TE's fetch-or-recompute cost model (tiers/cost_model.py): "
             "prefill_tokens_per_s, {host,disk}_bandwidth (bytes/s), {host,disk}_latency_ms",
@@ -141,6 +147,7 @@ class GatewayMetrics:
         self._reads_seen: dict[tuple[str, str], int] = {}
         self._decisions_seen: dict[tuple[str, str], int] = {}
         self._lookups_seen: dict[tuple[str, str], int] = {}
+        self._tiers_seen: dict[str, int] = {}  # the tier service's cumulative counts
 
     def count_request(self, path: str, status: int) -> None:
         endpoint = path if path in ENDPOINTS else "other"
@@ -212,6 +219,11 @@ class GatewayMetrics:
         self.cache_bytes.labels(tier="disk").set(tiers.disk_bytes if tiers else 0)
         self.contexts.set(tiers.num_contexts if tiers else 0)
         self.pinned_bytes.set(tiers.pinned_bytes if tiers else 0)
+        self.turn_pins.set(tiers.num_turn_pins if tiers else 0)
+        if tiers is not None:
+            self.turn_pin_hits.inc(_new(self._tiers_seen, "hits", tiers.turn_pin_hits))
+            self.turn_pins_refused.inc(_new(self._tiers_seen, "refused",
+                                            tiers.turn_pins_refused))
 
     def observe_scale_event(self, event: ScaleEvent) -> None:
         self.scale_events.labels(model=event.model, direction=event.direction,

@@ -44,10 +44,13 @@ class BlockGeometry(msgspec.Struct, array_like=True, frozen=True):
 
 class ContextPin(msgspec.Struct, array_like=True, frozen=True):
     """On the request that creates a context (JE -> TE): when it ends, pin
-    every full block of its prompt in the tiers until expires_at (time.time())."""
+    every full block of its prompt in the tiers until expires_at (time.time()).
+    on_host: a turn that ended in tool calls (control/je/turn_pins.py): its
+    blocks are held in host memory, then left cached (tiers/host_pins.py)."""
 
     context_id: str
     expires_at: float
+    on_host: bool = False
 
 
 class TierLookup(msgspec.Struct, tag="tier_lookup", **_STRUCT):
@@ -61,6 +64,9 @@ class TierLookup(msgspec.Struct, tag="tier_lookup", **_STRUCT):
     prefill_tokens_per_s: float = 0.0
     """The TE's measured prefill speed: a tier service fetches what other hosts'
     hold only when the link beats recomputing at this speed (0: unknown, fetch)."""
+    is_turn_pin: bool = False
+    """The lookup of a turn pin's own prefill (ContextPin.on_host): what it finds
+    held is not a hit on a pinned turn (tiers/host_pins.py counts those)."""
 
 
 class TierHits(msgspec.Struct, tag="tier_hits", **_STRUCT):
@@ -97,6 +103,8 @@ class TierReserve(msgspec.Struct, tag="tier_reserve", **_STRUCT):
     """For a staging whose blocks stay held until its prefill TE loads them
     (DualPath's decode path): slots only for as many leading blocks as the
     tier can hold (tiers/tier_index.py); the rest NO_SLOT."""
+    on_host: bool = False
+    """The context_id pin holds the blocks in host slots (ContextPin.on_host)."""
 
 
 class TierReserved(msgspec.Struct, tag="tier_reserved", **_STRUCT):
@@ -171,6 +179,12 @@ class TierReport(msgspec.Struct, tag="tier_report", **_STRUCT):
     "": one host). The CM relays the report, so every tier service learns its peers."""
     num_remote_hits: int = 0
     """Blocks this service fetched from other hosts' tiers (so far)."""
+    num_turn_pins: int = 0
+    """Turns that ended in tool calls held in host memory now (tiers/host_pins.py)."""
+    turn_pin_hits: int = 0
+    """Blocks lookups found held by those pins (so far)."""
+    turn_pins_refused: int = 0
+    """Such pins past their budget (so far)."""
 
 
 # -- tier service <-> tier service on another host (tiers/remote_tier.py) ------------

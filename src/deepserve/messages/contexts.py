@@ -5,6 +5,9 @@
     TE ──RequestDelta (finished) / RequestFailed──> JE ──ContextInfo / RequestFailed──> gateway
     JE ──ContextUnpin──> kv-cache (deleted or expired: free its blocks on every tier)
     gateway ──TurnDone(request id, output ids)──> JE   (token-id continuity, control/je/turns.py)
+    gateway ──PinTurn(request id)──> JE: that turn ended in tool calls; the JE has a TE
+        prefill its ids again (a cache hit) with ContextPin(on_host), held in host
+        memory for [node] tool_call_pin_s (control/je/turn_pins.py)
 
 A context belongs to the tenant (salt) that created it: for any other
 tenant its id does not exist (context_not_found).
@@ -59,3 +62,10 @@ class TurnDone(msgspec.Struct, tag="turn_done", **_STRUCT):
 
     request_id: str
     output_ids: list[int]
+
+
+class PinTurn(msgspec.Struct, tag="pin_turn", **_STRUCT):
+    """Gateway -> JE, after that sub-request's TurnDone: its reply ended in tool
+    calls, so its caller comes back with the tools' results (keep its KV near)."""
+
+    request_id: str

@@ -10,7 +10,7 @@ Disk entries: hash -> file bytes, LRU, within `disk_budget` bytes; the
 server writes a file for every committed slot not on disk yet (the slot is
 read-pinned meanwhile) and deletes the files `disk_written` evicts.
 
-Pins, three kinds, none of which evicts:
+Pins, four kinds, none of which evicts:
   readers   a lookup lease (a TE is copying the block up) or a disk write
             in progress: the slot / file must stay as it is;
   contexts  a context id pins its blocks until it expires or is unpinned:
@@ -19,7 +19,10 @@ Pins, three kinds, none of which evicts:
             blocks of one model key fit within `pin_budget` bytes, else the
             reserve that asks for more fails ("over_budget");
   leases    expire `lease_s` after they were given (a TE that died
-            releases nothing), their pins with them.
+            releases nothing), their pins with them;
+  host      a turn that ended in tool calls holds its blocks in host slots
+            until it expires, on disk or not, then leaves them in the LRU
+            (host_pins.py: at most half the slots).
 
 A held commit (DualPath's decode-path staging: the blocks stay read-pinned
 until the prefill TE loaded them) is held only while at most half the slots
@@ -40,6 +43,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from deepserve.messages.cache import NO_SLOT, ON_DISK
+from deepserve.tiers.host_pins import HostPins
 
 FREE, WRITING, VALID = 0, 1, 2
 _lease_ids = itertools.count(1)
@@ -78,6 +82,7 @@ class TierIndex:
         self.contexts: dict[str, tuple[list[int], float]] = {}  # id -> (hashes, expires_at)
         self.doomed: set[int] = set()  # unpinned while busy (read, or on its way to disk)
         self.reaped: list[int] = []  # files release() freed: the server deletes them
+        self.host_pins = HostPins(num_slots // 2)
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -96,13 +101,17 @@ class TierIndex:
         return self.disk_enabled and h in self.disk
 
     # -- lookups -------------------------------------------------------------------
-    def lookup(self, hashes: list[int], now: float) -> tuple[int, list[int]]:
-        """(lease id, slot or ON_DISK per leading hash held); 0: nothing held."""
+    def lookup(self, hashes: list[int], now: float, count: bool = True
+               ) -> tuple[int, list[int]]:
+        """(lease id, slot or ON_DISK per leading hash held); 0: nothing held.
+        count: its hits on host pins are counted (not a pin's own lookup)."""
         out: list[int] = []
         lease = Lease(now + self.lease_s)
         for h in hashes:
             slot = self.slot_of.get(h)
             if slot is not None and self.state[slot] == VALID:
+                if count:
+                    self.host_pins.hit(h)
                 self.readers[slot] += 1
                 self.lru.move_to_end(h)
                 lease.slots.append(slot)
@@ -132,13 +141,14 @@ class TierIndex:
 
     # -- writes --------------------------------------------------------------------
     def reserve(self, hashes: list[int], now: float, context_id: str | None = None,
-                expires_at: float = 0.0, hold: bool = False
+                expires_at: float = 0.0, hold: bool = False, on_host: bool = False
                 ) -> tuple[int, list[int], str | None]:
         """(lease id, slot to write or NO_SLOT per hash, error). A context's
-        hashes are pinned whether or not they need writing. hold: for a
-        staging that will hold its blocks: no more new slots than the held
-        half has room for (module doc)."""
-        if context_id is not None and not self.pin(context_id, hashes, expires_at):
+        hashes are pinned whether or not they need writing (on_host: a host
+        pin). hold: for a staging that will hold its blocks: no more new
+        slots than the held half has room for (module doc)."""
+        pin = self.host_pins.pin if on_host else self.pin
+        if context_id is not None and not pin(context_id, hashes, expires_at):
             return 0, [], "over_budget"
         lease = Lease(now + self.lease_s, hold=hold)
         room = self._hold_room() if hold else len(hashes)
@@ -257,7 +267,8 @@ class TierIndex:
 
     def unpin(self, context_id: str) -> list[int]:
         """Free every block only this context pinned, on every tier; the disk
-        files to delete."""
+        files to delete. A host pin of that id ends (its blocks stay cached)."""
+        self.host_pins.unpin(context_id)
         entry = self.contexts.pop(context_id, None)
         if entry is None:
             return []
@@ -297,6 +308,7 @@ class TierIndex:
         for lease_id in [i for i, lease in self.leases.items() if lease.expires_at <= now]:
             self.release(lease_id)
         files, self.reaped = self.reaped, []
+        self.host_pins.expire(wall_now)
         for context_id in [c for c, (_, at) in self.contexts.items() if at <= wall_now]:
             files += self.unpin(context_id)
         return files
@@ -322,7 +334,8 @@ class TierIndex:
         for _ in range(len(self.lru)):  # oldest first; unevictable ones move back
             h = next(iter(self.lru))
             slot = self.slot_of[h]
-            if self.readers[slot] == 0 and (h not in self.pins or self.is_on_disk(h)):
+            if self.readers[slot] == 0 and not self.host_pins.holds(h) \
+                    and (h not in self.pins or self.is_on_disk(h)):
                 del self.lru[h]
                 self._free_slot(slot)
                 return self.free.popleft()
@@ -374,3 +387,4 @@ class TierIndex:
         for h, holders in self.pins.items():
             assert holders and all(h in self.contexts[c][0] for c in holders)
         assert not self.doomed & set(self.pins), "a pinned block is doomed"
+        self.host_pins.check_integrity()

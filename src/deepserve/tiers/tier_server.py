@@ -139,7 +139,8 @@ class TierServer:
                                                        error="unavailable"))
                 return
             lease, slots, error = pool.index.reserve(msg.hashes, now, msg.context_id,
-                                                     msg.expires_at, hold=msg.hold)
+                                                     msg.expires_at, hold=msg.hold,
+                                                     on_host=msg.on_host)
             self._reply(msg.reply_to, TierReserved(reserve_id=msg.reserve_id, lease_id=lease,
                                                    slots=slots, segment=pool.segment,
                                                    error=error))
@@ -171,7 +172,8 @@ class TierServer:
         run stops short waits for what other hosts hold when that is worth it
         (remote_tier.py), and is answered by _apply_fetch."""
         pool = self._pool(msg.model_key, msg.geometry)
-        lease, slots = pool.index.lookup(msg.hashes, now) if pool else (0, [])
+        lease, slots = pool.index.lookup(msg.hashes, now, count=not msg.is_turn_pin) \
+            if pool else (0, [])
         missing = len(msg.hashes) - len(slots)
         if remote is not None and pool is not None and remote.worth_fetching(
                 msg, missing, pool.index.block_bytes):
@@ -351,7 +353,10 @@ class TierServer:
             num_contexts=sum(len(p.index.contexts) for p in pools),
             pinned_bytes=sum(p.index.pinned_bytes for p in pools),
             disk_enabled=self.disk_enabled, num_corrupt=self.num_corrupt,
-            peer=self.s.peer, num_remote_hits=self.remote.num_fetched if self.remote else 0)
+            peer=self.s.peer, num_remote_hits=self.remote.num_fetched if self.remote else 0,
+            num_turn_pins=sum(len(p.index.host_pins.pins) for p in pools),
+            turn_pin_hits=sum(p.index.host_pins.num_hits for p in pools),
+            turn_pins_refused=sum(p.index.host_pins.num_refused for p in pools))
 
     def close(self) -> None:
         self._writes.put(None)

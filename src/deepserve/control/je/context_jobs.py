@@ -7,6 +7,7 @@
     GetContext / DeleteContext ──> ContextInfo, or context_not_found (another
         tenant's id included); a deletion unpins the context in the tier service
     step ──expire──> ContextUnpin of each context past its expires_at
+    PinTurn ──turn_pins (turn_pins.py)──> a turn that ended in tool calls held in host memory
 
 It does its work through three callables the job executor gives it
 (dispatch, reply, unpin), so it never touches the executor's state.
@@ -19,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from deepserve.control.je.contexts import MAX_TTL_S, MIN_TTL_S, Context, ContextBook
+from deepserve.control.je.turn_pins import TurnPins
 from deepserve.errors import InvalidRequestError
 from deepserve.messages.cache import ContextPin
 from deepserve.messages.contexts import ContextInfo, CreateContext, DeleteContext, GetContext
@@ -43,12 +45,14 @@ class _Creating:
 
 class ContextJobs:
     def __init__(self, book: ContextBook, models, inbox: str, dispatch, reply, unpin,
-                 clock=time.monotonic):
+                 clock=time.monotonic, turn_pin_s: float = 0.0):
         """models: the ModelBook; dispatch(SubmitRequest, ids): route and send a
-        task; reply(address, msg); unpin(context id): tell the tier service."""
+        task; reply(address, msg); unpin(context id): tell the tier service;
+        turn_pin_s: how long a turn that ended in tool calls is held (0: not)."""
         self.book, self.models, self.inbox = book, models, inbox
         self.dispatch, self.reply, self.unpin, self.clock = dispatch, reply, unpin, clock
         self.creating: dict[str, _Creating] = {}  # context id ->
+        self.turn_pins = TurnPins(turn_pin_s, inbox, dispatch)
 
     def create(self, msg: CreateContext) -> None:
         try:
@@ -89,6 +93,8 @@ class ContextJobs:
         """A reply to one of our creation tasks (True), else not ours (False).
         One to a creation an earlier job executor began (it died meanwhile) is
         nobody's: whatever the TE pinned for it is unpinned."""
+        if self.turn_pins.on_reply(msg):
+            return True
         job = self.creating.get(msg.request_id)
         if job is None:
             orphan = msg.request_id.startswith("ctx-") and msg.request_id not in \

@@ -39,6 +39,8 @@ class JESettings(msgspec.Struct, frozen=True, kw_only=True):
     (shared with standby heads), else in the run directory."""
     continuity: bool = True
     """[router] token_continuity."""
+    turn_pin_s: float = 0.0
+    """[node] tool_call_pin_s where the node has a host tier, else 0 (turn_pins.py)."""
     tenants: TenantsSection = TenantsSection()
     """[tenants]: weights and limits per tenant (control/je/fair_share.py)."""
 
@@ -51,4 +53,6 @@ def load_settings(args: ChildArgs) -> JESettings:
                       max_attempts=config.node.max_attempts, router=config.router,
                       kv_cache=run.kv_cache,
                       contexts_path=f"{config.cluster.state_dir or run.run_dir}/contexts.json",
-                      continuity=config.router.token_continuity, tenants=config.tenants)
+                      continuity=config.router.token_continuity, tenants=config.tenants,
+                      turn_pin_s=config.node.tool_call_pin_s if config.node.host_cache_bytes
+                      else 0.0)

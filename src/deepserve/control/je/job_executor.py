@@ -72,14 +72,15 @@ from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, SubSocket, endpoints
 from deepserve.messages.control import FromClusterManager, TEList, TEReport
 from deepserve.messages.cache import ContextUnpin
-from deepserve.messages.contexts import CreateContext, DeleteContext, GetContext, TurnDone
+from deepserve.messages.contexts import (CreateContext, DeleteContext, GetContext, PinTurn,
+                                         TurnDone)
 from deepserve.messages.engine import (AbortRequest, RequestDelta, RequestFailed, SubmitRequest,
                                        TaskDone)
 from deepserve.messages.scaling import RequestLatencies
 
 log = logging.getLogger(__name__)
 _IN = (SubmitRequest | AbortRequest | RequestLatencies | CreateContext | GetContext
-       | DeleteContext | TurnDone | RequestDelta | RequestFailed | TaskDone)
+       | DeleteContext | TurnDone | PinTurn | RequestDelta | RequestFailed | TaskDone)
 
 
 class JobExecutor:
@@ -121,7 +122,7 @@ class JobExecutor:
         self.contexts = ContextJobs(ContextBook(s.contexts_path or None), self.book,
                                     self.inbox_address,
                                     lambda m, ids: self._dispatch(m, ids, time.monotonic() + PARK_S),
-                                    self._reply, self._unpin)
+                                    self._reply, self._unpin, turn_pin_s=s.turn_pin_s)
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.socket, zmq.POLLIN)
         self.poller.register(self.cm.socket, zmq.POLLIN)
@@ -171,7 +172,8 @@ class JobExecutor:
                 self.suspects.forget(msg.request_id)  # it completed: not poison
         else:
             {CreateContext: self.contexts.create, GetContext: self.contexts.get,
-             DeleteContext: self.contexts.delete}[type(msg)](msg)
+             DeleteContext: self.contexts.delete, PinTurn: lambda m: self.contexts.turn_pins.pin(
+                 self.turns.ended(m.request_id))}[type(msg)](msg)
 
     def _unpin(self, context_id: str) -> None:
         if self.kv_cache:

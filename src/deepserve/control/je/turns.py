@@ -3,6 +3,7 @@
     chat request ──render──> text ──longest earlier turn (or context) it starts with──>
         ids = that turn's exact ids (prompt + reply) + the rest, tokenized alone
     gateway TurnDone(request, output ids) ──> TurnBook: text + reply -> ids, per tenant
+    gateway PinTurn(request) ──ended(request)──> (key, turn) for turn_pins.py
 
 Re-tokenizing an agent's turn n+1 does not give back the ids turn n was
 served with (the reply's ids were sampled, not tokenized; BPE merges across
@@ -10,8 +11,9 @@ the boundary), so without this its KV misses from the first reply token on.
 A turn is kept per (tenant, model) only: one tenant's text never selects
 another's ids (and the KV it hits is salted by tenant anyway). Memory is
 bounded: MAX_TURNS per tenant and MAX_TENANTS tenants (LRU), MAX_PENDING
-prompts awaiting their TurnDone (oldest dropped). With no earlier turn the
-ids are exactly those of the plain tokenization.
+prompts awaiting their TurnDone (oldest dropped), MAX_ENDED ended turns
+awaiting a PinTurn. With no earlier turn the ids are exactly those of the
+plain tokenization.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from deepserve.control.je.admission import PromptTokens
 from deepserve.control.je.contexts import Context
 from deepserve.errors import ContextNotFoundError, InvalidRequestError
 
-MAX_TURNS, MAX_TENANTS, MAX_PENDING = 32, 1024, 4096
+MAX_TURNS, MAX_TENANTS, MAX_PENDING, MAX_ENDED = 32, 1024, 4096, 1024
 PENDING_TTL_S = 3600.0
 
 
@@ -40,6 +42,7 @@ class TurnBook:
         self.enabled, self.clock = enabled, clock
         self._turns: OrderedDict[tuple, OrderedDict[str, Turn]] = OrderedDict()
         self._pending: OrderedDict[str, tuple] = OrderedDict()  # id -> (key, text, ids, decode, t)
+        self._ended: OrderedDict[str, tuple[tuple, Turn]] = OrderedDict()  # id -> (key, turn)
         self.num_hits = 0
 
     def note_prompt(self, request_id: str, key: tuple, text: str, ids: list[int],
@@ -66,7 +69,14 @@ class TurnBook:
             turns.popitem(last=False)
         while len(self._turns) > MAX_TENANTS:
             self._turns.popitem(last=False)
+        self._ended[request_id] = (key, turn)
+        while len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
         return turn
+
+    def ended(self, request_id: str) -> tuple[tuple, Turn] | None:
+        """((salt, model), turn) of a request whose TurnDone came lately; once."""
+        return self._ended.pop(request_id, None)
 
     def longest_prefix(self, key: tuple, text: str) -> Turn | None:
         best = None

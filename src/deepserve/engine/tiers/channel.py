@@ -106,6 +106,7 @@ def lookup_below(kv: KVCacheManager, channel: TierChannel, seq: Sequence, whole:
     for i in range(len(nodes), limit):
         h = chain_hash(h, ids[i * bs:(i + 1) * bs])
         hashes.append(h)
+    pin = seq.pin_context
     return TierLookup(lookup_id=channel.next_id(), model_key=channel.key,
-                      geometry=channel.geometry, hashes=hashes,
-                      reply_to=channel.address), len(nodes)
+                      geometry=channel.geometry, hashes=hashes, reply_to=channel.address,
+                      is_turn_pin=pin is not None and pin.on_host), len(nodes)

@@ -57,7 +57,7 @@ class TierWrites:
             reserve_id=rid, model_key=ch.key, geometry=ch.geometry,
             hashes=[n.block_hash for n in nodes], reply_to=ch.address,
             context_id=pin.context_id if pin else None,
-            expires_at=pin.expires_at if pin else 0.0))
+            expires_at=pin.expires_at if pin else 0.0, on_host=bool(pin and pin.on_host)))
         return effects
 
     def on_reserved(self, msg: TierReserved, now: float) -> TierEffects:

@@ -4,6 +4,8 @@ holds besides text: its tool calls (tool_use.py) and its reasoning
 
 from __future__ import annotations
 
+from typing import Callable
+
 from deepserve.gateway.http.reasoning import ReasoningStream, split
 from deepserve.gateway.http.responses import (Choice, LogprobEntry, Renderer, Usage,
                                               logprob_value, prompt_logprobs_body,
@@ -15,14 +17,18 @@ class ChatRenderer(Renderer):
     """tools: the request's ToolPlan (tool_use.py), None without tools: the
     output is read into tool_calls, whole or as streamed deltas. reasoning:
     the model thinks in <think> tags (reasoning.py): that part is
-    reasoning_content (left out with include_reasoning false)."""
+    reasoning_content (left out with include_reasoning false).
+    on_tool_calls(index): that choice ended in whole tool calls (its caller
+    comes back with their results: control/je/turn_pins.py)."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, *args, tools=None, with_prompt_logprobs: bool = False,
-                 reasoning: bool = False, include_reasoning: bool = True, **kwargs):
+                 reasoning: bool = False, include_reasoning: bool = True,
+                 on_tool_calls: Callable[[int], None] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.on_tool_calls = on_tool_calls
         self.tools, self.with_prompt_logprobs = tools, with_prompt_logprobs
         self.reasoning, self.include_reasoning = reasoning, include_reasoning
         self._streamers: dict[int, object] = {}  # choice index -> its tool-call stream
@@ -51,7 +57,7 @@ class ChatRenderer(Renderer):
         if delta.finish_reason is not None:
             reason = delta.finish_reason
             if self.tools is not None:
-                reason = self.tools.finish_reason(reason, self._streamers[index].num_calls)
+                reason = self._finish(index, reason, self._streamers[index].num_calls)
             chunks.append(self._chunk(index, {"delta": {}}, None, reason))
         return chunks
 
@@ -91,10 +97,16 @@ class ChatRenderer(Renderer):
         if self.tools is not None:
             content, calls = self.tools.final(message["content"])
             message.update(content=content, tool_calls=calls)
-            finish_reason = self.tools.finish_reason(finish_reason, len(calls))
+            finish_reason = self._finish(choice.index, finish_reason, len(calls))
         return {"index": choice.index, "message": message,
                 "logprobs": self._logprobs(choice.logprobs, choice.offsets, choice.token_bytes),
                 "finish_reason": finish_reason}
+
+    def _finish(self, index: int, generated: str | None, num_calls: int) -> str | None:
+        """The choice's finish_reason; a reply that ended in calls is told."""
+        if generated == "stop" and num_calls and self.on_tool_calls is not None:
+            self.on_tool_calls(index)
+        return self.tools.finish_reason(generated, num_calls)
 
     def _logprobs(self, entries: list[LogprobEntry], offsets: list[int],
                   token_bytes: dict[int, bytes] | None) -> dict | None:

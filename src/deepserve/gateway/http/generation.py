@@ -36,6 +36,7 @@ from deepserve.gateway.http.reasoning import has_reasoning
 from deepserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from deepserve.gateway.http.tool_use import ToolPlan, check_one_grammar, prepare
 from deepserve.gateway.http.vllm_fields import ignored_header
+from deepserve.messages.contexts import PinTurn
 from deepserve.messages.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -82,11 +83,14 @@ async def generate(request: Request, state: GatewayState,
         inputs, samplings, plan = _chat_inputs(body, samplings, config.max_prompt_chars,
                                                template)
         prompts = [inputs]
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
         renderer: Renderer = ChatRenderer(
-            f"chatcmpl-{uuid.uuid4().hex}", body.model, bool(body.logprobs),
+            response_id, body.model, bool(body.logprobs),
             body.include_usage, bool(body.return_tokens_as_token_ids), tools=plan,
             with_prompt_logprobs=body.prompt_logprobs is not None,
-            reasoning=has_reasoning(template), include_reasoning=body.include_reasoning)
+            reasoning=has_reasoning(template), include_reasoning=body.include_reasoning,
+            on_tool_calls=lambda i: state.client.notify(PinTurn(  # the sub-request's id
+                request_id=f"{response_id}-{i}")))
     else:
         prompts = [{"prompt": text, "prompt_token_ids": ids}
                    for text, ids in body.wire_prompts(config.max_prompt_chars)]

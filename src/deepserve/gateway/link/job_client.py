@@ -356,15 +356,16 @@ class JobClient:
             if self.metrics is not None and isinstance(msg, RequestDelta):
                 self.metrics.observe_request(route.timing)
             if isinstance(msg, RequestDelta):
-                self._note_latency(route.submit.model or self.config.served_model, route.timing)
+                model = route.submit.model or self.config.served_model  # the autoscaler's SLOs
+                self.notify(self._latencies.note(model, route.timing, now))
                 if route.submit.messages is not None and msg.finish_reason in ("stop", "length"):
-                    self._send(self._encoder.encode(TurnDone(  # token-id continuity
-                        request_id=route.submit.request_id, output_ids=route.token_ids)))
+                    self.notify(TurnDone(  # token-id continuity
+                        request_id=route.submit.request_id, output_ids=route.token_ids))
 
-    def _note_latency(self, model: str, timing) -> None:
-        batch = self._latencies.note(model, timing, time.monotonic())
-        if batch is not None:
-            self._send(self._encoder.encode(batch))
+    def notify(self, msg) -> None:
+        """A message to the JE that wants no answer (TurnDone, PinTurn, latencies)."""
+        if msg is not None:
+            self._send(self._encoder.encode(msg))
 
     async def call(self, msg, timeout_s: float):
         """Send a context message (CreateContext, ...) to the JE and await its
