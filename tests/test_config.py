@@ -126,6 +126,7 @@ CASES = [
     ("node", "gguf_cache_dir", "var/gg", "node",
      lambda s, t: s.node.gguf_cache_dir == at(t, "var/gg")),
     ("gateway", "api_keys", {"k": "t"}, "gateway", lambda s, t: dict(s.api_keys) == {"k": "t"}),
+    ("gateway", "admin_keys", ["k"], "gateway", lambda s, t: s.admin_keys == ("k",)),
     ("gateway", "max_open_requests", 9, "gateway", lambda s, t: s.max_open_requests == 9),
     ("gateway", "request_timeout_s", 4.5, "gateway", lambda s, t: s.request_timeout_s == 4.5),
     ("gateway", "max_prompt_chars", 99, "gateway", lambda s, t: s.max_prompt_chars == 99),
@@ -221,6 +222,7 @@ WITH = {("cluster", "port"): {"host": "10.0.0.2"}, ("cluster", "head"): {"host":
         ("cluster", "failover_s"): {"host": "10.0.0.2", "head": "10.0.0.1:7400"},
         ("cluster", "state_dir"): {"host": "10.0.0.2"},
         ("node", "tool_call_pin_s"): {**BASE["node"], "host_cache_bytes": 1 << 20},  # none: 0
+        ("gateway", "admin_keys"): {"api_keys": {"k": "t"}},  # an admin key is an API key
         ("te", "dualpath_hop"): {"kv_stream_bytes": 1 << 20},
         ("model", "dualpath_hop"): {"kv_stream_bytes": 1 << 20}}
 """Keys a case needs next to its own (a joining node needs its host)."""
@@ -338,6 +340,9 @@ def test_job_executor_applies_max_attempts_and_router(tmp_path, tiny_model):
     ({"te": [{}, {"colour": 1}]}, "[[te]] #2 colour: unknown key"),
     ({"node": {"port": "80"}}, "[node] port: Expected `int`, got `str`"),
     ({"gateway": {"api_keys": {"k": 1}}}, "[gateway] api_keys"),
+    ({"gateway": {"api_keys": {"k": "t"}, "admin_keys": ["k", "sk-x"]}},
+     "[gateway] admin_keys: entry 2 is not a key of api_keys"),
+    ({"gateway": {"admin_keys": ["k"]}}, "[gateway] admin_keys: entry 1 is not a key"),
     ({"router": {"balance_threshold": "x"}}, "[router] balance_threshold: Expected `float"),
     ({"supervisor": {"heartbeat_deadline_s": -1}},
      "[supervisor] heartbeat_deadline_s: Expected `float` > 0.0, got -1"),

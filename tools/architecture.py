@@ -19,7 +19,7 @@ from typing import NamedTuple
 # sub-packages belong to it); top-level modules are rooms of their own.
 FLOORS = {
     "ipc": 0, "messages": 0, "actor": 0, "faults": 0, "config": 0, "errors": 0, "tokenizer": 0,
-    "checkpoint": 0, "chat_template": 0, "tool_calls": 0,
+    "checkpoint": 0, "chat_template": 0, "tool_calls": 0, "private_files": 0,
     "model": 1, "cache": 1, "transfer": 1, "structured": 1,
     "worker": 2, "tiers": 2,
     "engine": 3,

@@ -106,7 +106,10 @@ def main(rounds, busy, model, timeout, json_path):
     rows: list[dict] = []
     ctx = zmq.Context()
     with tempfile.TemporaryDirectory(prefix="bench_pod_warm-") as logs:
-        s = bench_scaling.Subject("prewarmed", Path(model), Path(logs), 1, 0, timeout)
+        # every kill is a pod death: a budget above them, or the pool gives up
+        # (pool_backoff.py); the backoff delays a spawn, never spawn -> ready
+        s = bench_scaling.Subject("prewarmed", Path(model), Path(logs), 1, 0, timeout,
+                                  max_restarts=10 * rounds * len(levels))
         try:
             s.start(ctx)
             for r in range(rounds):

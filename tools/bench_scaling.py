@@ -110,13 +110,15 @@ class Subject:
     """A node serving MODEL with one source's [scaling] settings."""
 
     def __init__(self, source: str, model_dir: Path, log_dir: Path, pool_size: int,
-                 cache_bytes: int, startup_timeout_s: float, peer: "Peer | None" = None):
+                 cache_bytes: int, startup_timeout_s: float, peer: "Peer | None" = None,
+                 max_restarts: int = SupervisorConfig().max_restarts):
         self.source, self.model_dir, self.peer = source, str(model_dir), peer
         self.pool_size = 0 if source == "cold" else pool_size
         cache = cache_bytes if source == "prewarmed_cache" else 0
         config = NodeConfig.build(
             port=free_port(), startup_timeout_s=startup_timeout_s, te_timeout_s=10,
-            supervisor=SupervisorConfig(log_dir=str(log_dir), startup_grace_s=300),
+            supervisor=SupervisorConfig(log_dir=str(log_dir), startup_grace_s=300,
+                                        max_restarts=max_restarts),
             models=[ModelSpec(name=MODEL, path=self.model_dir, min_tes=0, max_tes=max(4, pool_size),
                               options=TE_OPTIONS)],
             scaling=ScalingSection(pool_size=self.pool_size, weight_cache_bytes=cache,

@@ -381,3 +381,28 @@ def test_n_sub_requests_tokenize_once_and_an_oversized_prompt_not_at_all(rig):
     failed = _pump(rig, lambda: _recv(rig["gw"]))
     assert (failed.error, failed.param) == ("prompt_too_long", "messages")
     assert je.book.prompts(je.book.default).num_tokenized == 1
+
+
+def _pending_chat(rig, request_id):
+    rig["to_je"].put(SubmitRequest(request_id=request_id, messages=[
+        {"role": "user", "content": "hello"}], sampling=SamplingParams(max_tokens=4),
+        reply_to=rig["addr"]["gw"]))
+    _pump(rig, lambda: request_id in rig["je"].turns._pending or None)
+
+
+def test_a_chat_that_fails_or_is_aborted_leaves_no_pending_turn(rig):
+    """Its prompt waited for a TurnDone that never came, until MAX_PENDING
+    others pushed it out: a failed request's TurnDone has no reply ids, an
+    aborted one's AbortRequest drops it."""
+    from deepserve.messages.contexts import TurnDone
+    _pump(rig, lambda: _publish(rig, ["te0"]) or (rig["je"].te_sockets or None))
+    _pending_chat(rig, "c1")
+    rig["to_je"].put(TurnDone(request_id="c1", output_ids=None))  # it failed
+    _pump(rig, lambda: ("c1" not in rig["je"].turns._pending) or None)
+    _pending_chat(rig, "c2")
+    rig["to_je"].put(AbortRequest(request_id="c2"))  # its client left
+    _pump(rig, lambda: ("c2" not in rig["je"].turns._pending) or None)
+    _pending_chat(rig, "c3")
+    rig["to_je"].put(TurnDone(request_id="c3", output_ids=[5, 6]))  # it completed: a turn
+    _pump(rig, lambda: rig["je"].turns.ended("c3"))
+    assert not rig["je"].turns._pending

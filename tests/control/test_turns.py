@@ -86,3 +86,13 @@ def test_a_prompt_context_goes_first_in_a_completion_and_not_in_a_chat(prompts):
     assert prompt_ids(prompts, msg, TurnBook(), ("t", "m"), ctx) == (None, [5, 6, 7, 8, 9])
     with pytest.raises(InvalidRequestError, match="completions"):
         prompt_ids(prompts, chat(TURN1), TurnBook(), ("t", "m"), ctx)
+
+
+def test_a_turn_that_ended_without_a_reply_or_was_dropped_is_forgotten():
+    book, key = TurnBook(), ("t", "m")
+    for rid in ("failed", "aborted", "ok"):
+        book.note_prompt(rid, key, "text", [1, 2], lambda out: "")
+    assert book.on_done("failed", None) is None and "failed" not in book._pending
+    book.drop("aborted")
+    assert "aborted" not in book._pending and book.on_done("aborted", [3]) is None
+    assert book.on_done("ok", [3]).ids == [1, 2, 3] and not book._pending

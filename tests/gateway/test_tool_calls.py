@@ -104,6 +104,17 @@ def test_required_choice_reads_the_array(stack):
     assert rid in {t.request_id for t in stack.backend.turns_done}
 
 
+def test_a_chat_that_fails_ends_its_turn_without_ids(stack):
+    """The JE forgets its prompt now, not once MAX_PENDING others pushed it out."""
+    before = len(stack.backend.submits)
+    with pytest.raises(openai.BadRequestError):
+        stack.openai().chat.completions.create(model=MODEL, messages=_ask("[invalid]"))
+    rid = stack.backend.submits[before].request_id
+    assert stack.backend.wait_for(lambda: rid in {t.request_id for t in stack.backend.turns_done})
+    [done] = [t for t in stack.backend.turns_done if t.request_id == rid]
+    assert done.output_ids is None
+
+
 def test_history_calls_and_results_reach_the_job_executor(stack):
     before = len(stack.backend.submits)
     stack.openai().chat.completions.create(model=MODEL, tools=[WEATHER], max_tokens=2, messages=[

@@ -128,3 +128,38 @@ def test_a_socket_not_put_to_for_idle_s_is_closed_and_reopens_on_the_next_put(sh
         for pull in pulls.values():
             pull.close()
         ctx.term()
+
+
+def test_at_most_max_sockets_are_open_the_least_recently_used_closes(short_dir) -> None:
+    """reply_to comes from messages: requests naming addresses of their own
+    held a socket (an fd) apiece for IDLE_S. At the cap nothing closes; one
+    past it closes the socket put to least recently, and it reopens on use."""
+    ctx = zmq.Context()
+    now = [0.0]
+    out = Outboxes(ctx, timeout_s=0.2, clock=lambda: now[0], max_sockets=3)
+    names = ("a", "b", "c", "d")
+    pulls = {n: PullSocket(ctx, ipc_address(short_dir, n), bind=True, type=dict) for n in names}
+    try:
+        for n in ("a", "b", "c"):
+            now[0] += 1
+            assert out.put(ipc_address(short_dir, n), {"to": n})
+        now[0] += 1
+        assert out.put(ipc_address(short_dir, "a"), {"to": "a"})  # a is the newest now
+        assert len(out) == 3 and out.num_evicted == 0  # at the cap
+        now[0] += 1
+        assert out.put(ipc_address(short_dir, "d"), {"to": "d"})  # one past it
+        assert len(out) == 3 and out.num_evicted == 1
+        assert ipc_address(short_dir, "b") not in out._sockets  # the least recent went
+        now[0] += 1
+        assert out.put(ipc_address(short_dir, "b"), {"to": "b", "again": True})
+        assert out.num_evicted == 2 and ipc_address(short_dir, "c") not in out._sockets
+        assert [pulls["a"].get(timeout=2.0) for _ in range(2)] == [{"to": "a"}] * 2
+        assert pulls["d"].get(timeout=2.0) == {"to": "d"}
+        got = pulls["b"].get(timeout=2.0)  # its first may have gone with its socket (linger 0)
+        got = got if got.get("again") else pulls["b"].get(timeout=2.0)
+        assert got == {"to": "b", "again": True}
+    finally:
+        out.close()
+        for pull in pulls.values():
+            pull.close()
+        ctx.term()

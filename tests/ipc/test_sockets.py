@@ -115,3 +115,42 @@ def test_an_address_of_several_heads_binds_its_first_and_sends_to_the_one_that_i
         on_b.close()
     finally:
         push.close()
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_a_frame_past_the_cap_disconnects_its_sender_and_the_receiver_lives(short_dir, transport):
+    """ZMQ_MAXMSGSIZE on every receiver: a frame of max_bytes arrives, one byte
+    more is never held (its peer is dropped), and the socket takes the next
+    peer's frames. The default is MAX_FRAME_BYTES."""
+    from deepserve.ipc.sockets import MAX_FRAME_BYTES, free_port
+    cap = 1000
+    addr = ipc_address(short_dir, "capped") if transport == "ipc" else \
+        f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.Context()
+    pull = PullSocket(ctx, addr, bind=True, type=bytes, max_bytes=cap)
+    default = PullSocket(ctx, ipc_address(short_dir, "default"), bind=True, type=bytes)
+    try:
+        assert pull.socket.getsockopt(zmq.MAXMSGSIZE) == cap
+        assert default.socket.getsockopt(zmq.MAXMSGSIZE) == MAX_FRAME_BYTES
+
+        def frame(size: int) -> bytes:  # msgpack bin 16: 3 header bytes
+            data = msgspec.msgpack.encode(b"x" * (size - 3))
+            assert len(data) == size
+            return data
+
+        def send(data: bytes) -> None:
+            push = ctx.socket(zmq.PUSH)
+            push.linger = 1000
+            push.connect(addr)
+            push.send(data)
+            push.close()
+        send(frame(cap))  # at the cap
+        assert pull.get(timeout=5.0) == b"x" * (cap - 3)
+        send(frame(cap + 1))  # one past it: dropped with its sender
+        assert not pull.poll(1.0)
+        send(frame(300))  # the next peer is served
+        assert pull.get(timeout=5.0) == b"x" * 297
+    finally:
+        pull.close()
+        default.close()
+        ctx.term()

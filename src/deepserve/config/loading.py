@@ -12,7 +12,6 @@ repository root: the folder above conf/.
 
 from __future__ import annotations
 
-import os
 import re
 import tomllib
 from pathlib import Path
@@ -23,6 +22,7 @@ from deepserve.config.models import ModelSpec, model_spec
 from deepserve.config.cluster import named_for_cluster
 from deepserve.config.tenants import TenantSection, TenantsSection
 from deepserve.config.addresses import RunAddresses
+from deepserve.private_files import write_private
 from deepserve.config.node import _SECTION_TYPES, ENGINE_OPTIONS, NodeConfig, TESpec
 
 _PATHS = {"node": ("model", "disk_cache_dir", "gguf_cache_dir"),
@@ -174,12 +174,8 @@ def write_run_config(config: NodeConfig, path: str | Path) -> Path:
     """Write the resolved config (API keys included) readable by its owner only."""
     if config.run is None:
         raise ValueError("write_run_config needs the run's addresses (NodeConfig.with_run)")
-    path = Path(path)
-    part = path.with_name(f".{path.name}.part")  # rewritten at run time (a learned model):
-    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # never read half-written
-    with os.fdopen(fd, "wb") as f:
-        f.write(msgspec.json.encode(config))
-    os.replace(part, path)
+    path = Path(path)  # rewritten at run time (a learned model): never read half-written
+    write_private(path, msgspec.json.encode(config))
     return path
 
 

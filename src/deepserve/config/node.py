@@ -102,6 +102,9 @@ class NodeSection(Section):
 class GatewaySection(Section):
     api_keys: dict[str, str] = {}
     """API key -> tenant (the tenant salts the prefix cache); empty: no auth, one tenant."""
+    admin_keys: list[str] = []
+    """API keys (each one of api_keys) that read every tenant's series on /metrics;
+    any other key sees only its own tenant's."""
     max_open_requests: Count = 256
     """Sub-requests open at once at the gateway (n counts n); past it: 429."""
     request_timeout_s: Positive = 600.0
@@ -127,6 +130,12 @@ class GatewaySection(Section):
     max_queued_replies: Count = 1024
     """Replies (token deltas) one request may have waiting for its HTTP writer;
     past it the client is cut off as not reading and its sub-requests aborted."""
+
+    def __post_init__(self):
+        for i, key in enumerate(self.admin_keys):
+            if key not in self.api_keys:  # the position, not the key: it is a secret
+                raise ValueError(f"admin_keys: entry {i + 1} is not a key of api_keys "
+                                 "(an admin key must also be an API key)")
 
 
 class PDOptions(Section):
@@ -200,7 +209,9 @@ class SupervisorConfig(Section):
     restart_max_delay_s: NonNegative = 30.0
     """Longest wait (seconds) before a restart."""
     max_restarts: Annotated[int, Meta(ge=0)] = 5
-    """Restarts allowed within restart_window_s; one more failure leaves the component down."""
+    """Restarts allowed within restart_window_s; one more failure leaves the component down.
+    The pre-warmed pool counts its pods' deaths the same way, as one component
+    (supervisor/pool_backoff.py): one more gives the pool up and TEs start cold."""
     restart_window_s: Positive = 60.0
     """Seconds over which restarts are counted."""
     kill_grace_s: NonNegative = 1.0

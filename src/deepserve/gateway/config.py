@@ -48,6 +48,10 @@ class GatewayConfig:
     api_keys: Mapping[str, str] = field(default_factory=dict)
     """API key -> tenant name. Empty: no authentication, every caller is the
     tenant "default". The tenant name is the prefix-cache salt."""
+    admin_keys: tuple[str, ...] = ()
+    """API keys (each one of api_keys) whose callers read every tenant's series
+    on /metrics; any other key's caller sees its own tenant's only. With no
+    api_keys, /metrics shows everything to everyone."""
     max_open_requests: int = 256
     """Sub-requests (n counts n) open at once; past it: 429 for a tenant that
     holds its equal share of it or more (link/open_share.py: a flood cannot
@@ -99,6 +103,10 @@ class GatewayConfig:
         for key, tenant in self.api_keys.items():
             if not key or not tenant or not isinstance(key, str) or not isinstance(tenant, str):
                 raise ValueError("api_keys must map non-empty key strings to tenant names")
+        object.__setattr__(self, "admin_keys", tuple(self.admin_keys))
+        for i, key in enumerate(self.admin_keys):
+            if key not in self.api_keys:  # the position, not the key: it is a secret
+                raise ValueError(f"admin_keys: entry {i + 1} is not a key of api_keys")
         object.__setattr__(self, "api_keys", MappingProxyType(dict(self.api_keys)))
         object.__setattr__(self, "model_dirs", MappingProxyType(dict(self.model_dirs)))
 

@@ -4,10 +4,12 @@ Request counts are taken by an ASGI middleware (every answer, errors
 included); latencies by the reply streams when a sub-request ends; gauges of
 open requests and of each TE (from the CM's TEReports) are refreshed when
 /metrics is scraped, so a TE that left the TE list leaves the output too.
+render(tenant) leaves out the other tenants' series (label `tenant`).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -262,8 +264,31 @@ class GatewayMetrics:
             for param, value in report.cost_model.items():
                 self.te_cost_model.labels(te_id=te_id, param=param).set(value)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenant: str | None = None) -> bytes:
+        """The exposition text; tenant: of the per-tenant series (label `tenant`)
+        that tenant's only, every other series whole; None: everything."""
+        if tenant is None:
+            return generate_latest(self.registry)
+        return generate_latest(_OneTenant(self.registry, tenant))
+
+
+class _OneTenant:
+    """A view of a registry for generate_latest: every family (HELP and TYPE
+    included), less the samples labelled with another tenant (a histogram's
+    _bucket, _count, _sum and _created alike)."""
+
+    def __init__(self, registry: CollectorRegistry, tenant: str):
+        self.registry = registry
+        self.tenant = tenant
+
+    def collect(self):
+        for family in self.registry.collect():
+            samples = [s for s in family.samples
+                       if s.labels.get("tenant", self.tenant) == self.tenant]
+            if len(samples) != len(family.samples):
+                family = copy.copy(family)
+                family.samples = samples
+            yield family
 
 
 def _new(seen: dict, key, total: int) -> int:

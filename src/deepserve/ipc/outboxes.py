@@ -33,6 +33,11 @@ service kept one socket, one fd, per master it ever answered (+48 fds in a
 60-minute chaos run, one per TE the autoscaler started), the gateway one
 per TE it ever aborted at. What an idle socket still queues has waited
 IDLE_S for a peer that took nothing: it is dropped with it.
+
+At most `max_sockets` are open at once: opening one more closes the one put
+to least recently (what it still queues is dropped). The addresses come from
+messages, so without the cap a stream of requests each naming a reply_to of
+its own held one socket and one fd apiece for IDLE_S.
 """
 
 from __future__ import annotations
@@ -49,12 +54,17 @@ log = logging.getLogger(__name__)
 PROBE_WAIT_S, PROBE_EVERY_S = 0.2, 1.0
 IDLE_S = 120.0
 """Seconds without a put after which an address's socket is closed (module doc)."""
+MAX_SOCKETS = 1024
+"""Sockets open at once per Outboxes (module doc): far above the peers one
+sender has (gateways, TEs, masters), far below a process's fd limit."""
 
 
 class Outboxes:
     def __init__(self, ctx: zmq.Context, timeout_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, idle_s: float = IDLE_S):
+                 clock: Callable[[], float] = time.monotonic, idle_s: float = IDLE_S,
+                 max_sockets: int = MAX_SOCKETS):
         self.ctx, self.timeout_s, self.clock, self.idle_s = ctx, timeout_s, clock, idle_s
+        self.max_sockets = max_sockets
         self._sockets: dict[str, PushSocket] = {}
         self._used: dict[str, float] = {}  # address -> its last put
         self._swept_at = clock()
@@ -63,6 +73,8 @@ class Outboxes:
         self._probed: dict[str, float] = {}  # stalled address -> its last probe
         self.num_dropped = 0
         """Messages not sent: refused address or a peer that did not take them in time."""
+        self.num_evicted = 0
+        """Sockets closed to keep max_sockets (the least recently put to)."""
 
     def put(self, address: str, msg: Any, probe: bool = False) -> bool:
         now = self.clock()
@@ -101,6 +113,9 @@ class Outboxes:
         sock = self._sockets.get(address)
         if sock is not None or address in self._refused:
             return sock
+        if len(self._sockets) >= self.max_sockets:
+            self.num_evicted += 1
+            self.forget(min(self._sockets, key=lambda a: self._used.get(a, float("-inf"))))
         try:
             sock = self._sockets[address] = PushSocket(self.ctx, address, bind=False)
         except (zmq.ZMQError, ValueError, TypeError, UnicodeError) as exc:

@@ -10,6 +10,11 @@ of the wrong shape, an unknown tag, a field of the wrong type: anything a
 local process could write to the socket) is counted, logged at most once per
 DROP_LOG_INTERVAL_S, and dropped: `get` and `drain` never raise on it, so no
 actor's loop dies of one bad frame.
+
+Every receiving socket caps its frames (ZMQ_MAXMSGSIZE, `max_bytes`,
+MAX_FRAME_BYTES unless its channel says otherwise): a peer that sends a
+bigger one is disconnected by ZeroMQ before the frame is held in memory, so
+one multi-GB frame to a tcp inbox no longer takes its process's memory.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ log = logging.getLogger(__name__)
 MAX_IPC_PATH_LEN = 100  # sun_path holds 107 bytes on Linux (103 on macOS)
 DROP_LOG_INTERVAL_S = 10.0
 """Seconds between two log lines about undecodable frames of one socket."""
+MAX_FRAME_BYTES = 64 << 20
+"""A receiving socket's frame cap unless its channel sets one: 8x the largest
+request body the gateway takes (max_body_bytes, 8 MiB) and its ids, and over
+a TE report of a large pool's hashes; far below what takes a host's memory."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -128,14 +137,16 @@ class _Sender:
 
 class _Receiver:
     def __init__(self, ctx: zmq.Context, kind: int, addr: str, bind: bool, type: Any,
-                 watch_handshakes: bool = False):
+                 watch_handshakes: bool = False, max_bytes: int = MAX_FRAME_BYTES):
         self.handshakes: curve.HandshakeWatch | None = None
         """With watch_handshakes, the socket's failed handshakes from its very first
         (curve.HandshakeWatch, attached before it connects)."""
 
-        def watch(sock: zmq.Socket) -> None:
-            self.handshakes = curve.HandshakeWatch(sock)
-        self.socket = _open(ctx, kind, addr, bind, watch if watch_handshakes else None)
+        def before(sock: zmq.Socket) -> None:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)  # before any peer: it holds for all
+            if watch_handshakes:
+                self.handshakes = curve.HandshakeWatch(sock)
+        self.socket = _open(ctx, kind, addr, bind, before)
         self._decoder = msgspec.msgpack.Decoder(type)
         self.num_dropped = 0
         """Frames dropped because they did not decode (see the module docstring)."""
@@ -201,8 +212,9 @@ class PushSocket(_Sender):
 class PullSocket(_Receiver):
     """PULL end of a stream, decoding every message as `type`."""
 
-    def __init__(self, ctx: zmq.Context, addr: str, bind: bool, type: Any):
-        super().__init__(ctx, zmq.PULL, addr, bind, type)
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool, type: Any,
+                 max_bytes: int = MAX_FRAME_BYTES):
+        super().__init__(ctx, zmq.PULL, addr, bind, type, max_bytes=max_bytes)
 
 
 class PubSocket(_Sender):
@@ -216,6 +228,6 @@ class SubSocket(_Receiver):
     """SUB end of a broadcast, subscribed to everything, decoding as `type`."""
 
     def __init__(self, ctx: zmq.Context, addr: str, bind: bool, type: Any,
-                 watch_handshakes: bool = False):
-        super().__init__(ctx, zmq.SUB, addr, bind, type, watch_handshakes)
+                 watch_handshakes: bool = False, max_bytes: int = MAX_FRAME_BYTES):
+        super().__init__(ctx, zmq.SUB, addr, bind, type, watch_handshakes, max_bytes)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")

@@ -4,7 +4,8 @@
     JE ──SubmitRequest(pin_context, reply_to = the JE)──> a TE: prefill, pin in the tiers
     TE ──RequestDelta (finished) / RequestFailed──> JE ──ContextInfo / RequestFailed──> gateway
     JE ──ContextUnpin──> kv-cache (deleted or expired: free its blocks on every tier)
-    gateway ──TurnDone(request id, output ids)──> JE   (token-id continuity, control/je/turns.py)
+    gateway ──TurnDone(request id, output ids or None)──> JE   (token-id continuity,
+        control/je/turns.py; None: it failed)
     gateway ──PinTurn(request id)──> JE: that turn ended in tool calls; the JE has a TE
         prefill its ids again (a cache hit) with ContextPin(on_host), held in host
         memory for [node] tool_call_pin_s (control/je/turn_pins.py)
@@ -58,10 +59,11 @@ class ContextInfo(msgspec.Struct, tag="context_info", **_STRUCT):
 
 
 class TurnDone(msgspec.Struct, tag="turn_done", **_STRUCT):
-    """Gateway -> JE: a chat request's sub-request completed with these output ids."""
+    """Gateway -> JE: a chat request's sub-request ended: it completed with these
+    output ids, or (None) it failed, and its prompt is no turn."""
 
     request_id: str
-    output_ids: list[int]
+    output_ids: list[int] | None
 
 
 class PinTurn(msgspec.Struct, tag="pin_turn", **_STRUCT):

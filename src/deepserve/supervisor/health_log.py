@@ -23,6 +23,8 @@ import threading
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
+from deepserve.private_files import open_private_append
+
 logger = logging.getLogger(__name__)
 
 DEBUG, INFO, WARNING, ERROR = "debug", "info", "warning", "error"
@@ -50,6 +52,7 @@ SEVERITY: dict[str, str] = {
     "scaled_in": INFO,
     "scale_failed": ERROR,
     "pool_ready": INFO,
+    "pool_gave_up": ERROR,  # a node: its pre-warmed pods kept dying, none is started again
     "scale_unplaced": ERROR,  # the CM: no node has room for a scaled TE of a model
     "scale_refused": WARNING,  # a node: a ScaleOut beyond its free devices, or an unknown model
     "model_learned": INFO,  # a joined node: a model the head placed here, from its ScaleOut
@@ -139,8 +142,9 @@ class HealthLog:
         self.close()
 
     def _open(self) -> None:
-        # Unbuffered append: each write() goes straight to the kernel.
-        self._file = open(self.path, "ab", buffering=0)
+        # Unbuffered append: each write() goes straight to the kernel. Owner-only:
+        # events name requests and tenants (private_files.py).
+        self._file = open_private_append(self.path)
         self._size = os.fstat(self._file.fileno()).st_size
 
     def _write_all(self, data: bytes) -> None:

@@ -25,8 +25,10 @@ source could give refuses the TEs.
 The pool keeps [scaling] pool_size processes started (`te_server --pool`,
 prewarmed.py), each Ready once warm; it refills in the background (a pod
 taken is replaced once no TE is starting: a pod's imports would slow the
-start it waits for on 2 cores; a dead pod is replaced). Pods are children of
-the node, in its ProcessTable, never restarted by the supervisor: the pool
+start it waits for on 2 cores). A dead pod is replaced after a backoff, and
+a pool whose pods keep dying is given up for good (pool_gave_up; TEs start
+cold): the TEs' restart budget, pool_backoff.py. Pods are children of the
+node, in its ProcessTable, never restarted by the supervisor: the pool
 replaces them. The weight cache (cache/weight_cache.py) is filled here,
 for every model, in the order models are used, within its budget.
 
@@ -48,6 +50,7 @@ from deepserve.ipc.outboxes import Outboxes
 from deepserve.messages.health import Ready
 from deepserve.messages.scaling import (Assign, NodeReport, ScaleEvent, ScaleIn, ScaleOut,
                                         StaticTE)
+from deepserve.supervisor.pool_backoff import PoolBackoff
 
 log = logging.getLogger(__name__)
 POOL_PREFIX = "pool"
@@ -86,6 +89,7 @@ class NodeScaler:
         self.config = node.config
         self.pool_size = self.config.scaling.pool_size
         self.pods: dict[str, bool] = {}  # pod name -> ready
+        self.backoff = PoolBackoff(self.config.supervisor, node.health)  # dead pods' respawns
         self.num_pods = 0
         self.next_index = {m.name: m.min_tes for m in self.config.models}
         self.starting: dict[str, _Start] = {}  # te id -> its scale-out, until listed
@@ -102,13 +106,17 @@ class NodeScaler:
         self.assigns = Outboxes(node.ctx)
 
     # -- the pool ------------------------------------------------------------------
-    def fill_pool(self) -> None:
+    def fill_pool(self, now: float | None = None) -> None:
+        """Drop dead pods (each a death for the backoff), then spawn up to
+        pool_size: not while a TE starts (TE starts go first), a backoff runs,
+        or once the pool is given up. An adopted pod left self.pods alive."""
+        now = self.clock() if now is None else now
         for name in [p for p in self.pods if self.node.table.poll(p) is not None]:
-            log.warning("pre-warmed process %s exited (%s): replacing it", name,
-                        self.node.table.poll(name))
+            self.backoff.on_death(name, self.node.table.poll(name), now)
             self.node.table.remove(name)
             del self.pods[name]
-        while len(self.pods) < self.pool_size and not self.starting:  # TE starts go first
+        while len(self.pods) < self.pool_size and not self.starting \
+                and self.backoff.may_spawn(now):
             name = f"{POOL_PREFIX}{self.num_pods}"
             self.num_pods += 1
             self.pods[name] = False
@@ -359,7 +367,7 @@ class NodeScaler:
     def tick(self, now: float) -> None:
         self._forks_done()
         self._give_waiting(now)
-        self.fill_pool()
+        self.fill_pool(now)
         for te_id in [t for t in self.retiring if t in self.stopped]:
             began = self.retiring.pop(te_id)
             self.stopped.discard(te_id)

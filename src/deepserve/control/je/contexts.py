@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from deepserve.private_files import write_private
 
 log = logging.getLogger(__name__)
 MAX_PER_TENANT = 64
@@ -102,10 +103,9 @@ class ContextBook:
     def _save(self) -> None:
         if self.path is None:
             return
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps([asdict(c) for c in self.contexts.values()]))
-            os.replace(tmp, self.path)
+        try:  # owner-only (prompts), a temp file of its own (standby heads share the dir)
+            write_private(self.path, json.dumps([asdict(c) for c in self.contexts.values()])
+                          .encode())
         except OSError as e:  # the registry still serves from memory
             log.error("cannot write the context registry %s: %s", self.path, e)
 

@@ -307,9 +307,8 @@ class JobExecutor:
         return self.pd_policy.choose(ids, max_tokens=max_tokens)
 
     def _abort(self, msg: AbortRequest) -> None:
-        self.isolation.drop(msg.request_id)
-        self.parking.drop(msg.request_id)
-        self.share.drop(msg.request_id)
+        for holder in (self.isolation, self.parking, self.share, self.turns):
+            holder.drop(msg.request_id)  # whatever holds it lets it go
         task = self.tasks.get(msg.request_id)
         if task is not None:
             self.links.put(task.te_id, msg)  # it ends there: TaskDone

@@ -11,7 +11,8 @@ the boundary), so without this its KV misses from the first reply token on.
 A turn is kept per (tenant, model) only: one tenant's text never selects
 another's ids (and the KV it hits is salted by tenant anyway). Memory is
 bounded: MAX_TURNS per tenant and MAX_TENANTS tenants (LRU), MAX_PENDING
-prompts awaiting their TurnDone (oldest dropped), MAX_ENDED ended turns
+prompts awaiting their TurnDone (oldest dropped; a failed request's TurnDone
+has no reply and an aborted one's AbortRequest drops it), MAX_ENDED ended turns
 awaiting a PinTurn. With no earlier turn the ids are exactly those of the
 plain tokenization.
 """
@@ -55,9 +56,11 @@ class TurnBook:
         while len(self._pending) > MAX_PENDING:
             self._pending.popitem(last=False)
 
-    def on_done(self, request_id: str, output_ids: list[int]) -> Turn | None:
+    def on_done(self, request_id: str, output_ids: list[int] | None) -> Turn | None:
+        """The request's turn (its prompt noted, output_ids its reply); None, and
+        the prompt forgotten, for a request that ended without one (output_ids None)."""
         entry = self._pending.pop(request_id, None)
-        if entry is None or self.clock() - entry[4] > PENDING_TTL_S:
+        if entry is None or output_ids is None or self.clock() - entry[4] > PENDING_TTL_S:
             return None
         key, text, ids, decode, _ = entry
         turn = Turn(text + decode(output_ids), ids + list(output_ids))
@@ -86,7 +89,8 @@ class TurnBook:
                 best = turn
         return best
 
-    def forget(self, request_id: str) -> None:
+    def drop(self, request_id: str) -> None:
+        """An aborted request: its prompt will not become a turn."""
         self._pending.pop(request_id, None)
 
 

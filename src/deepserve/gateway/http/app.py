@@ -10,7 +10,9 @@
     GET  /openapi.json, /docs, /redoc             the API's description (gateway/http/openapi.py)
 
 With api_keys set, everything but /health needs a valid key: /metrics and the
-API description are not served to anonymous callers.
+API description are not served to anonymous callers, and /metrics shows the
+per-tenant series (label `tenant`) of the caller's own tenant only unless the
+key is one of admin_keys.
 
 The JobClient (ZeroMQ sockets, two receiver tasks) starts and stops with the
 app's lifespan, on the server's event loop.
@@ -30,7 +32,7 @@ from starlette.responses import Response
 
 from deepserve.gateway.http import contexts, tokenize
 from deepserve.gateway.http.auth import state_of as _state
-from deepserve.gateway.http.auth import tenant_of
+from deepserve.gateway.http.auth import metrics_tenant, tenant_of
 from deepserve.gateway.http.body_limit import BodyLimit
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.errors import APIError, error_response, install_error_handlers
@@ -104,15 +106,15 @@ async def health(request: Request) -> Response | dict:
     return {"status": "ok", "num_tes": len(client.te_ids)}
 
 
-@router.get("/metrics", dependencies=[Depends(tenant_of)])
-async def metrics(request: Request) -> Response:
+@router.get("/metrics")
+async def metrics(request: Request, tenant: str | None = Depends(metrics_tenant)) -> Response:
     state = _state(request)
     client = state.client
     state.metrics.refresh(client.num_running, client.num_waiting, client.te_ids, client.reports)
     state.metrics.refresh_models(state.config.served_models, client.cluster.tes)
     state.metrics.refresh_tenants(client.open_by_tenant())
     state.metrics.observe_tiers(client.cluster.tier_report, client.reports)
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    return Response(state.metrics.render(tenant), media_type=CONTENT_TYPE)
 
 
 def create_app(config: GatewayConfig,

@@ -60,7 +60,7 @@ from deepserve.gateway.link.latency_samples import LatencySamples
 from deepserve.gateway.link.open_share import admits, open_by_tenant
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.gateway.link.reply_stream import SHUTDOWN, IsDisconnected, ReplyStream
-from deepserve.gateway.link.routes import Route, RouteTable, next_attempt
+from deepserve.gateway.link.routes import Route, RouteTable, next_attempt, reply_ids
 from deepserve.ipc import curve
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import bind_or_connect
@@ -358,9 +358,9 @@ class JobClient:
             if isinstance(msg, RequestDelta):
                 model = route.submit.model or self.config.served_model  # the autoscaler's SLOs
                 self.notify(self._latencies.note(model, route.timing, now))
-                if route.submit.messages is not None and msg.finish_reason in ("stop", "length"):
-                    self.notify(TurnDone(  # token-id continuity
-                        request_id=route.submit.request_id, output_ids=route.token_ids))
+            if route.submit.messages is not None:  # token-id continuity: its turn, or none
+                self.notify(TurnDone(request_id=route.submit.request_id,
+                                     output_ids=reply_ids(msg, route)))
 
     def notify(self, msg) -> None:
         """A message to the JE that wants no answer (TurnDone, PinTurn, latencies)."""

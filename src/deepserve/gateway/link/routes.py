@@ -32,7 +32,7 @@ import msgspec
 
 from deepserve.gateway.metrics import RequestTiming
 from deepserve.gateway.link.reply_stream import ReplyStream
-from deepserve.messages.engine import SubmitRequest
+from deepserve.messages.engine import RequestDelta, SubmitRequest
 
 
 @dataclass
@@ -114,3 +114,12 @@ class RouteTable:
 
     def __iter__(self) -> Iterator[Route]:
         return iter(list(self._by_id.values()))
+
+
+def reply_ids(last, route: Route) -> list[int] | None:
+    """What a chat sub-request's TurnDone carries (token-id continuity, the JE's
+    turns.py): its output ids when it completed (stop or length); None when it
+    failed, so the JE forgets its prompt at once rather than at MAX_PENDING."""
+    if isinstance(last, RequestDelta) and last.finish_reason in ("stop", "length"):
+        return route.token_ids
+    return None
