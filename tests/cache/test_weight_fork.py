@@ -214,3 +214,55 @@ def test_a_relay_that_stops_progressing_gives_way_to_the_next_source(tmp_path):
         stuck.stop()
         whole.stop()
         ctx.term()
+
+
+def _lying_peer(ctx, files):
+    """A peer that answers every WeightList with `files` (names and sizes of its
+    choosing) and every WeightGet with an error; (address, stop)."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    stop = threading.Event()
+    enc = msgspec.msgpack.Encoder()
+
+    def serve():
+        while not stop.is_set():
+            if sock.poll(50):
+                who, _ = sock.recv_multipart()
+                sock.send_multipart([who, enc.encode(WeightFiles(files=files))])
+        sock.close()
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return address, lambda: (stop.set(), thread.join(5))
+
+
+@pytest.mark.parametrize("files, why", [
+    ([("model.safetensors", 1 << 60)], "free here"),  # a petabyte-scale listing
+    ([("a", 1), ("a", 1)], "twice"),
+    ([("x" * 256, 1)], "bad file name"),
+    ([("a\x00b", 1)], "bad file name"),
+    ([(f"f{i}", 0) for i in range(4097)], "at most 4096"),  # one past MAX_FILES
+])
+def test_a_listing_no_model_could_have_is_refused_before_anything_is_laid_out(
+        tmp_path, files, why):
+    ctx = zmq.Context()
+    address, stop = _lying_peer(ctx, files)
+    try:
+        with pytest.raises(ForkError, match=why):
+            fork_model(ctx, [address], "/m", tmp_path / "dest", timeout_s=5.0)
+        assert list(tmp_path.iterdir()) == []  # no file, no temp directory left
+    finally:
+        stop()
+        ctx.term()
+
+
+def test_a_listing_at_the_file_limit_is_taken(tmp_path):
+    ctx = zmq.Context()
+    address, stop = _lying_peer(ctx, [(f"f{i}", 0) for i in range(4096)])
+    try:
+        fork_model(ctx, [address], "/m", tmp_path / "dest", timeout_s=5.0)
+        assert len(list((tmp_path / "dest").iterdir())) == 4096
+    finally:
+        stop()
+        ctx.term()

@@ -15,10 +15,19 @@ def test_refused_addresses_drop_and_never_raise() -> None:
     ctx = zmq.Context()
     out = Outboxes(ctx, timeout_s=0.2)
     try:
-        for address in ["not an address", "tcp://", "bogus://x", "ipc://" + "x" * 5000, "\x00"]:
+        lists = ["tcp://127.0.0.1:1,tcp://127.0.0.1:2", ","]  # no peer to wait a timeout for
+        for address in ["not an address", "tcp://", "bogus://x", "ipc://" + "x" * 5000, "\x00",
+                        *lists]:
+            started = time.monotonic()
             assert out.put(address, {"a": 1}) is False
-            assert out.is_stalled(address)
-        assert out.num_dropped == 5
+            assert out.is_stalled(address) and time.monotonic() - started < 0.1
+        assert out.num_dropped == 7 and len(out) == 0
+        heads = Outboxes(ctx, timeout_s=0.2, lists=(lists[0],))  # its own config's: a socket
+        try:
+            heads.put(lists[0], {"a": 1})
+            assert len(heads) == 1
+        finally:
+            heads.close()
     finally:
         out.close()
         ctx.term()

@@ -59,6 +59,13 @@ RETRY_S = 0.02
 """A chunk a relay has not received yet is asked for again this much later."""
 FILES_TTL_S = 1.0
 """How long a server trusts its scan of a model's files between listings."""
+MAX_FILES = 4096
+"""Files one listing may name (a checkpoint has tens; each costs an fd here)."""
+MAX_NAME_BYTES = 255
+MAX_REQUEST_BYTES = 64 << 10
+"""A server's frame cap: a WeightList or WeightGet names a path and a file."""
+MAX_REPLY_BYTES = MAX_CHUNK_BYTES + (4 << 20)
+"""A fork's frame cap: one chunk, or a listing of MAX_FILES names and sizes."""
 
 
 class ForkError(RuntimeError):
@@ -91,6 +98,7 @@ class WeightServer:
         self.dirs, self.partials = dirs, partials
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         curve.secure(self.sock, address, bind=True)
         self.sock.bind(address)
         self.decoder = msgspec.msgpack.Decoder(ToWeightServer)
@@ -220,6 +228,7 @@ def _pull(ctx: zmq.Context, source: str, path: str, dest: Path, timeout_s: float
           chunk: int, partial: Partial) -> int:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     curve.secure(sock, source, bind=False)
     sock.connect(source)
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(FromWeightServer)
@@ -244,10 +253,9 @@ def _pull(ctx: zmq.Context, source: str, path: str, dest: Path, timeout_s: float
         if not isinstance(listing, WeightFiles) or listing.error or not listing.files:
             raise ForkError(getattr(listing, "error", "") or "an empty or bad file list")
         last = time.monotonic()
+        _check_listing(listing.files, tmp)
         todo: deque = deque()
         for name, size in listing.files:
-            if "/" in name or name in (".", "..") or size < 0:
-                raise ForkError(f"a bad file name or size in the list: {name!r} {size}")
             fds[name] = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.ftruncate(fds[name], size)
             todo.extend((name, off, min(chunk, size - off)) for off in range(0, size, chunk))
@@ -303,3 +311,22 @@ def _pull(ctx: zmq.Context, source: str, path: str, dest: Path, timeout_s: float
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
         sock.close()
+
+
+def _check_listing(files: list[tuple[str, int]], into: Path) -> None:
+    """ForkError unless the peer's listing is one a model could be: at most
+    MAX_FILES plain names, each once, and sizes that fit the free space here
+    (the copy is laid out from them before a byte arrives: a listing of
+    petabytes took this node's disk, and its chunk plan its memory)."""
+    if len(files) > MAX_FILES:
+        raise ForkError(f"the list names {len(files)} files; at most {MAX_FILES}")
+    names = [name for name, _ in files]
+    if len(set(names)) != len(names):
+        raise ForkError("the list names a file twice")
+    for name, size in files:
+        if not name or "/" in name or "\x00" in name or name in (".", "..") \
+                or len(name.encode()) > MAX_NAME_BYTES or size < 0:
+            raise ForkError(f"a bad file name or size in the list: {name[:80]!r} {size}")
+    total, free = sum(size for _, size in files), shutil.disk_usage(into).free
+    if total > free:
+        raise ForkError(f"the list's files hold {total} bytes; {free} are free here")

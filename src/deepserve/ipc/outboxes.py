@@ -8,7 +8,10 @@ because the address comes from a message and the peer may be gone:
 
 - an address ZeroMQ refuses (malformed, unknown transport, a path too long)
   is logged once and every message to it is dropped: a crafted reply_to
-  never kills the sender;
+  never kills the sender; so is a list of endpoints ("tcp://a,tcp://b")
+  unless the owner named it in `lists` (its own config's: every head's CM
+  inbox): a socket to several waits for one to be there, which cost the
+  sender a whole timeout per crafted reply_to;
 - a put waits at most `timeout_s` for a peer that does not take it (its
   queue full, or nobody connected); after one timeout the address is
   *stalled* and later puts do not wait at all until one goes through again,
@@ -48,7 +51,7 @@ from typing import Any, Callable
 
 import zmq
 
-from deepserve.ipc.sockets import PushSocket
+from deepserve.ipc.sockets import PushSocket, endpoints
 
 log = logging.getLogger(__name__)
 PROBE_WAIT_S, PROBE_EVERY_S = 0.2, 1.0
@@ -62,9 +65,9 @@ sender has (gateways, TEs, masters), far below a process's fd limit."""
 class Outboxes:
     def __init__(self, ctx: zmq.Context, timeout_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, idle_s: float = IDLE_S,
-                 max_sockets: int = MAX_SOCKETS):
+                 max_sockets: int = MAX_SOCKETS, lists: tuple[str, ...] = ()):
         self.ctx, self.timeout_s, self.clock, self.idle_s = ctx, timeout_s, clock, idle_s
-        self.max_sockets = max_sockets
+        self.max_sockets, self.lists = max_sockets, lists
         self._sockets: dict[str, PushSocket] = {}
         self._used: dict[str, float] = {}  # address -> its last put
         self._swept_at = clock()
@@ -117,6 +120,8 @@ class Outboxes:
             self.num_evicted += 1
             self.forget(min(self._sockets, key=lambda a: self._used.get(a, float("-inf"))))
         try:
+            if len(endpoints(address)) != 1 and address not in self.lists:
+                raise ValueError("one peer per reply address, not a list")
             sock = self._sockets[address] = PushSocket(self.ctx, address, bind=False)
         except (zmq.ZMQError, ValueError, TypeError, UnicodeError) as exc:
             log.warning("cannot send to %r (%s): its messages are dropped", address[:200], exc)

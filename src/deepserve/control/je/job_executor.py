@@ -110,7 +110,7 @@ class JobExecutor:
         self.events = events  # health events (request_migrated) to the supervisor
         self.num_migrated = 0
         self.links = TELinks(ctx)  # the listed TEs and sends to them
-        self.replies = Outboxes(ctx)  # to reply_to addresses: never blocks for long
+        self.replies = Outboxes(ctx, lists=(s.cm,))  # reply_to, and every head's CM: short
         self.tasks: dict[str, Task] = {}
         self.suspects = SuspectBook()
         self.isolate_suspects = r.isolate_suspects  # [router] isolate_suspects: isolation
