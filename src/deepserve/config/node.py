@@ -99,6 +99,15 @@ class NodeSection(Section):
         return bool(self.disk_cache_dir and self.disk_cache_bytes > 0)
 
 
+def check_admin_keys(admin_keys, api_keys) -> None:
+    """ValueError unless every admin key is one of api_keys (the gateway's config
+    checks the same: gateway/config.py)."""
+    for i, key in enumerate(admin_keys):
+        if key not in api_keys:  # the position, not the key: it is a secret
+            raise ValueError(f"admin_keys: entry {i + 1} is not a key of api_keys "
+                             "(an admin key must also be an API key)")
+
+
 class GatewaySection(Section):
     api_keys: dict[str, str] = {}
     """API key -> tenant (the tenant salts the prefix cache); empty: no auth, one tenant."""
@@ -132,10 +141,7 @@ class GatewaySection(Section):
     past it the client is cut off as not reading and its sub-requests aborted."""
 
     def __post_init__(self):
-        for i, key in enumerate(self.admin_keys):
-            if key not in self.api_keys:  # the position, not the key: it is a secret
-                raise ValueError(f"admin_keys: entry {i + 1} is not a key of api_keys "
-                                 "(an admin key must also be an API key)")
+        check_admin_keys(self.admin_keys, self.api_keys)
 
 
 class PDOptions(Section):

@@ -14,7 +14,7 @@ from typing import Mapping
 
 import msgspec
 
-from deepserve.config.node import NodeConfig
+from deepserve.config.node import NodeConfig, check_admin_keys
 
 API_KEYS_ENV = "DEEPSERVE_API_KEYS"
 
@@ -104,9 +104,7 @@ class GatewayConfig:
             if not key or not tenant or not isinstance(key, str) or not isinstance(tenant, str):
                 raise ValueError("api_keys must map non-empty key strings to tenant names")
         object.__setattr__(self, "admin_keys", tuple(self.admin_keys))
-        for i, key in enumerate(self.admin_keys):
-            if key not in self.api_keys:  # the position, not the key: it is a secret
-                raise ValueError(f"admin_keys: entry {i + 1} is not a key of api_keys")
+        check_admin_keys(self.admin_keys, self.api_keys)
         object.__setattr__(self, "api_keys", MappingProxyType(dict(self.api_keys)))
         object.__setattr__(self, "model_dirs", MappingProxyType(dict(self.model_dirs)))
 

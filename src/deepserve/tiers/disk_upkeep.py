@@ -11,7 +11,8 @@ A full disk turns the tier off at the first failed write (tier_server.py);
 without the probe it stayed off until the service restarted, although the
 disk had room again minutes later. The scrub finds a damaged file before a
 TE reads it (a TE that reads one first reports it too: a miss, never a wrong
-block); at the default rate ([node] disk_scrub_bytes_per_s) a 4 GiB tier is read once in about 17 minutes.
+block); at the default rate ([node] disk_scrub_bytes_per_s, 4 MiB/s) a 4 GiB
+tier is read once in about 17 minutes.
 
 Thread-safe by construction: the thread reads files and the `pools` it is
 handed (key -> (geometry, directory), a copy made on the service's thread),

@@ -33,11 +33,11 @@ class HostPins:
 
     def pin(self, pin_id: str, hashes: list[int], expires_at: float) -> bool:
         hashes = list(dict.fromkeys(hashes))
-        self.unpin(pin_id)  # again with the same id: its newest hashes and time
         new = sum(1 for h in hashes if h not in self.held)
         if len(self.held) + new > self.budget:
             self.num_refused += 1
-            return False
+            return False  # a pin of that id before stays as it was
+        self.unpin(pin_id)  # again with the same id: its newest hashes and time
         self.pins[pin_id] = (hashes, expires_at)
         self.held.update(hashes)
         return True

@@ -39,7 +39,7 @@ class TurnPins:
         """ttl_s: [node] tool_call_pin_s (0: off); dispatch(SubmitRequest, ids):
         route and send a task, as for contexts."""
         self.ttl_s, self.inbox, self.dispatch = ttl_s, inbox, dispatch
-        self.pending: OrderedDict[str, float] = OrderedDict()  # pin id -> when asked
+        self.pending: OrderedDict[str, None] = OrderedDict()  # pin ids asked, oldest first
         self.num_asked = self.num_pinned = self.num_failed = 0
 
     def pin(self, ended: tuple[tuple, Turn] | None) -> None:
@@ -49,7 +49,7 @@ class TurnPins:
         (salt, model), turn = ended
         pin_id = f"{PREFIX}{uuid.uuid4().hex}"
         ids = list(turn.ids[:-1])
-        self.pending[pin_id] = time.monotonic()
+        self.pending[pin_id] = None
         while len(self.pending) > MAX_PENDING:
             self.pending.popitem(last=False)
         self.num_asked += 1
@@ -64,7 +64,8 @@ class TurnPins:
             return False
         if isinstance(msg, RequestDelta) and msg.finish_reason is None:
             return True
-        if self.pending.pop(msg.request_id, None) is not None:
+        if msg.request_id in self.pending:
+            del self.pending[msg.request_id]
             if isinstance(msg, RequestFailed) or msg.finish_reason not in ("stop", "length"):
                 self.num_failed += 1
             else:

@@ -83,14 +83,13 @@ async def generate(request: Request, state: GatewayState,
         inputs, samplings, plan = _chat_inputs(body, samplings, config.max_prompt_chars,
                                                template)
         prompts = [inputs]
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
         renderer: Renderer = ChatRenderer(
-            response_id, body.model, bool(body.logprobs),
+            f"chatcmpl-{uuid.uuid4().hex}", body.model, bool(body.logprobs),
             body.include_usage, bool(body.return_tokens_as_token_ids), tools=plan,
             with_prompt_logprobs=body.prompt_logprobs is not None,
             reasoning=has_reasoning(template), include_reasoning=body.include_reasoning,
-            on_tool_calls=lambda i: state.client.notify(PinTurn(  # the sub-request's id
-                request_id=f"{response_id}-{i}")))
+            # `stream` is bound below, before any reply: choice i is its sub-request i
+            on_tool_calls=lambda i: state.client.notify(PinTurn(request_id=stream.request_ids[i])))
     else:
         prompts = [{"prompt": text, "prompt_token_ids": ids}
                    for text, ids in body.wire_prompts(config.max_prompt_chars)]
