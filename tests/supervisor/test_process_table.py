@@ -55,6 +55,21 @@ def test_start_respawn_and_the_incarnation_command(table, tmp_path):
         table.start("a", command)
 
 
+
+def test_a_process_being_started_is_not_listed_until_it_runs(table, monkeypatch):
+    """procs never holds a name without its process: another thread reading it
+    while Popen forks saw None (CI: a node's teardown met a pod mid-spawn)."""
+    import deepserve.supervisor.process_table as module
+    seen = []
+
+    def popen(*args, **kwargs):
+        seen.append(dict(table.procs))  # what a reader sees during the fork
+        return real(*args, **kwargs)
+    real = module.subprocess.Popen
+    monkeypatch.setattr(module.subprocess, "Popen", popen)
+    table.start("s", SLEEP)
+    assert seen == [{}] and table.procs["s"].poll() is None
+
 def test_respawn_refuses_a_running_process(table):
     table.start("s", SLEEP)
     with pytest.raises(RuntimeError):

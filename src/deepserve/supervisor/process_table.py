@@ -68,8 +68,10 @@ class ProcessTable:
               scratch: str | None = None) -> subprocess.Popen:
         if name in self._entries:
             raise ValueError(f"{name!r} is already in the process table")
-        self._entries[name] = _Entry(cmd, env, scratch)
-        return self._launch(name)
+        entry = _Entry(cmd, env, scratch)
+        self._launch(name, entry)
+        self._entries[name] = entry  # whole before it is visible: other threads read procs
+        return entry.popen
 
     def respawn(self, name: str) -> subprocess.Popen:
         """Start `name` again with the command it was first started with (the
@@ -78,7 +80,7 @@ class ProcessTable:
         if entry.popen is not None and entry.popen.poll() is None:
             raise RuntimeError(f"{name} (pid {entry.popen.pid}) is still running")
         entry.incarnation += 1
-        return self._launch(name)
+        return self._launch(name, entry)
 
     def next_incarnation(self, name: str) -> int:
         """The incarnation name's next (re)start will have (0 if never started)."""
@@ -101,8 +103,7 @@ class ProcessTable:
             entry.popen = popen
         return popen
 
-    def _launch(self, name: str) -> subprocess.Popen:
-        entry = self._entries[name]
+    def _launch(self, name: str, entry: _Entry) -> subprocess.Popen:
         entry.popen = subprocess.Popen(entry.command(), env=entry.env)
         if self._on_start is not None:
             self._on_start(name, entry.popen)
