@@ -29,7 +29,7 @@ from deepserve.control.cm import cluster_manager
 from deepserve.control.je import job_executor
 from deepserve.engine.te import te_server
 from deepserve.gateway import __main__ as gateway_main
-from deepserve.ipc import curve
+from deepserve.ipc import curve, curve_keys
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import with_cluster, with_models, with_port
 from deepserve.tiers import tier_server
@@ -205,6 +205,7 @@ CASES = [
     ("cluster", "name", "h7", "node", lambda s, t: [te.te_id for te in s.tes] == ["h7-te0"]),
     ("cluster", "secure", True, "node", lambda s, t: s.cluster.secure),
     ("cluster", "keys", "etc/k", "node", lambda s, t: s.cluster.keys.endswith("/etc/k")),
+    ("cluster", "insecure", True, "node", lambda s, t: s.cluster.insecure),
     ("cluster", "standby", True, "node", lambda s, t: s.cluster.standby
      and RunAddresses.for_node(t, "r", [], False, s.cluster).je
      == "tcp://10.0.0.2:7402,tcp://10.0.0.1:7402"),
@@ -215,12 +216,18 @@ CASES = [
     ("cluster", "state_dir", "var/ds", "job-executor",
      lambda s, t: s.contexts_path == at(t, "var/ds") + "/contexts.json"),
 ]
-WITH = {("cluster", "port"): {"host": "10.0.0.2"}, ("cluster", "head"): {"host": "10.0.0.2"},
-        ("cluster", "name"): {"host": "10.0.0.2", "head": "10.0.0.1:7400"},
-        ("cluster", "secure"): {"host": "10.0.0.2"},
-        ("cluster", "standby"): {"host": "10.0.0.2", "head": "10.0.0.1:7400"},
-        ("cluster", "failover_s"): {"host": "10.0.0.2", "head": "10.0.0.1:7400"},
-        ("cluster", "state_dir"): {"host": "10.0.0.2"},
+OPEN = {"insecure": True}
+"""A cluster host that is not loopback, without keys: said so (else refused)."""
+WITH = {("cluster", "host"): OPEN,
+        ("cluster", "port"): {"host": "10.0.0.2", **OPEN},
+        ("cluster", "head"): {"host": "10.0.0.2", **OPEN},
+        ("cluster", "name"): {"host": "10.0.0.2", "head": "10.0.0.1:7400", **OPEN},
+        ("cluster", "secure"): {"host": "127.0.0.2"},  # loopback: allowed either way
+        ("cluster", "keys"): OPEN,
+        ("cluster", "insecure"): {"host": "127.0.0.2"},
+        ("cluster", "standby"): {"host": "10.0.0.2", "head": "10.0.0.1:7400", **OPEN},
+        ("cluster", "failover_s"): {"host": "10.0.0.2", "head": "10.0.0.1:7400", **OPEN},
+        ("cluster", "state_dir"): {"host": "10.0.0.2", **OPEN},
         ("node", "tool_call_pin_s"): {**BASE["node"], "host_cache_bytes": 1 << 20},  # none: 0
         ("gateway", "admin_keys"): {"api_keys": {"k": "t"}},  # an admin key is an API key
         ("te", "dualpath_hop"): {"kv_stream_bytes": 1 << 20},
@@ -385,6 +392,9 @@ def test_overrides_and_command_line_port_are_checked_and_reach_children(tmp_path
         load_node_config(conf, overrides={"port": 99999})
     with pytest.raises(ValueError, match="override 'colour'"):
         load_node_config(conf, overrides={"colour": 1})
+    with pytest.raises(ValueError, match="gateway listens beyond this host"):  # no api_keys
+        with_port(load_node_config(conf), "0.0.0.0", 9)
+    conf = write_toml(tmp_path, {**BASE, "gateway": {"api_keys": {"k": "t"}}})
     config = with_port(load_node_config(conf, overrides={"max_open_requests": 5}), "0.0.0.0", 9)
     run = RunAddresses.in_dir(tmp_path, "r", ["te0"])
     resolved = write_run_config(config.with_run(run), tmp_path / "node.json")
@@ -447,13 +457,13 @@ def test_the_shipped_scaled_cluster_confs_place_every_te_on_joined_nodes():
 
 def test_num_devices_zero_is_only_for_a_head_of_many_hosts():
     spec = ModelSpec(name="x", path="/x", min_tes=1)
-    head = NodeConfig.build(num_devices=0, models=[spec], cluster=ClusterSection(host="h"))
+    head = NodeConfig.build(num_devices=0, models=[spec], cluster=ClusterSection(insecure=True, host="h"))
     assert head.initial_scaled_tes() == {}  # min_tes: the CM places them on joined nodes
     assert NodeConfig.build(num_devices=1, models=[spec]).initial_scaled_tes() == {"x-0": "x"}
     for bad in (dict(models=[spec]),  # one host: nothing would ever start
                 dict(model="/m", tes=[TESpec("te0", "colocated")], cluster=ClusterSection(
                     host="h")),  # a [[te]] that could never be placed
-                dict(model="/m", cluster=ClusterSection(host="h2", head="h:7400"))):
+                dict(model="/m", cluster=ClusterSection(insecure=True, host="h2", head="h:7400"))):
         with pytest.raises(ValueError, match="num_devices = 0"):
             NodeConfig.build(num_devices=0, **bad)
     with pytest.raises(msgspec.ValidationError, match="num_devices"):
@@ -670,33 +680,33 @@ def test_cluster_section_checks_its_values_and_derives_the_addresses(tmp_path):
     renames it) and point at the head's sockets; same-host sockets stay ipc."""
     for host in ("0.0.0.0", "::", "*"):
         with pytest.raises(ValueError, match="wildcard"):
-            ClusterSection(host=host)
+            ClusterSection(insecure=True, host=host)
     with pytest.raises(ValueError, match="HOST:PORT"):
-        ClusterSection(host="10.0.0.2", head="10.0.0.1")
+        ClusterSection(insecure=True, host="10.0.0.2", head="10.0.0.1")
     with pytest.raises(ValueError, match="needs host"):
         ClusterSection(head="10.0.0.1:7400")
     with pytest.raises(ValueError, match="letters, digits"):
-        ClusterSection(host="10.0.0.2", name="a/b")
+        ClusterSection(insecure=True, host="10.0.0.2", name="a/b")
     for port in (1023, 60001):
         with pytest.raises(ValueError, match=r"\[cluster\] port"):
-            load_node_config(write_toml(tmp_path, {**BASE, "cluster": {"host": "h", "port": port}}))
-    assert ClusterSection(host="10.0.0.2", port=1024).port == 1024
+            load_node_config(write_toml(tmp_path, {**BASE, "cluster": {"host": "h", "port": port, "insecure": True}}))
+    assert ClusterSection(insecure=True, host="10.0.0.2", port=1024).port == 1024
     for port in (1024, 60000):  # both ends accepted through the loader's checks too
-        conf = write_toml(tmp_path, {**BASE, "cluster": {"host": "h", "port": port}})
+        conf = write_toml(tmp_path, {**BASE, "cluster": {"host": "h", "port": port, "insecure": True}})
         assert load_node_config(conf).cluster.port == port
-    assert ClusterSection(host="h", port=60000).te_port(1381) == 65532  # its 4 ports fit
+    assert ClusterSection(insecure=True, host="h", port=60000).te_port(1381) == 65532  # its 4 ports fit
     with pytest.raises(ValueError, match=r"would need port"):
-        ClusterSection(host="h", port=60000).te_port(1382)
-    head = NodeConfig.build(model="/m", cluster=ClusterSection(host="10.0.0.1"))
+        ClusterSection(insecure=True, host="h", port=60000).te_port(1382)
+    head = NodeConfig.build(model="/m", cluster=ClusterSection(insecure=True, host="10.0.0.1"))
     assert not head.tes and [(m.name, m.min_tes) for m in head.all_models] == [("m", 0)]
     with pytest.raises(ValueError, match="at least one"):
         NodeConfig.build(model="/m")
     with pytest.raises(ValueError, match="joining node runs"):
         NodeConfig.build(model="/m", tes=[TESpec("te0", "colocated")],
-                         cluster=ClusterSection(host="10.0.0.2", head="10.0.0.1:7400"),
+                         cluster=ClusterSection(insecure=True, host="10.0.0.2", head="10.0.0.1:7400"),
                          models=[ModelSpec(name="x", path="/x")])
     joined = NodeConfig.build(model="/m", tes=[TESpec("te0", "colocated"), TESpec("te1", "decode")],
-                              cluster=ClusterSection(host="10.0.0.2", head="10.0.0.1:7400"))
+                              cluster=ClusterSection(insecure=True, host="10.0.0.2", head="10.0.0.1:7400"))
     assert [te.te_id for te in joined.tes] == ["n10-0-0-2-te0", "n10-0-0-2-te1"]
     renamed = with_cluster(joined, name="h2")
     assert [te.te_id for te in renamed.tes] == ["h2-te0", "h2-te1"]
@@ -707,7 +717,7 @@ def test_cluster_section_checks_its_values_and_derives_the_addresses(tmp_path):
     assert run.tes == {"h2-te0": "tcp://10.0.0.2:7408", "h2-te1": "tcp://10.0.0.2:7412"}
     assert run.hb.startswith("ipc://") and run.kv_cache.startswith("ipc://")
     assert run.node_inbox == "tcp://10.0.0.2:7404"  # the head's CM sends ScaleOut here
-    head_run = RunAddresses.for_node(tmp_path, "r", [], False, ClusterSection(host="10.0.0.1"))
+    head_run = RunAddresses.for_node(tmp_path, "r", [], False, ClusterSection(insecure=True, host="10.0.0.1"))
     assert head_run.node_inbox == ""  # the CM is on the head: its heartbeat inbox
     assert (run.weights, head_run.weights) == ("tcp://10.0.0.2:7405", "tcp://10.0.0.1:7406")
     assert (run.kv_peer, head_run.kv_peer) == ("tcp://10.0.0.2:7407", "")  # the remote tier
@@ -729,33 +739,33 @@ def test_standby_heads_list_every_head_and_bind_their_own_first(tmp_path):
     for head in ("10.0.0.1:7400,10.0.0.3", "10.0.0.1:7400,:7400", "10.0.0.1:7400,,x:1",
                  "10.0.0.1:0", "10.0.0.1:65536"):
         with pytest.raises(ValueError, match="HOST:PORT"):
-            ClusterSection(host="10.0.0.2", head=head)
-    assert ClusterSection(host="10.0.0.2", head="10.0.0.1:65535").heads == [("10.0.0.1", 65535)]
+            ClusterSection(insecure=True, host="10.0.0.2", head=head)
+    assert ClusterSection(insecure=True, host="10.0.0.2", head="10.0.0.1:65535").heads == [("10.0.0.1", 65535)]
     with pytest.raises(ValueError, match="named twice"):
-        ClusterSection(host="10.0.0.2", head="10.0.0.1:7400,10.0.0.1:7400")
+        ClusterSection(insecure=True, host="10.0.0.2", head="10.0.0.1:7400,10.0.0.1:7400")
     with pytest.raises(ValueError, match="is this node"):
-        ClusterSection(host="10.0.0.2", head="10.0.0.1:7400,10.0.0.2:7400", standby=True)
+        ClusterSection(insecure=True, host="10.0.0.2", head="10.0.0.1:7400,10.0.0.2:7400", standby=True)
     # a node on the head's host with the head's port (as Ray's fabric starts one) joins it
-    assert ClusterSection(host="10.0.0.1", head="10.0.0.1:7400").heads == [("10.0.0.1", 7400)]
+    assert ClusterSection(insecure=True, host="10.0.0.1", head="10.0.0.1:7400").heads == [("10.0.0.1", 7400)]
     with pytest.raises(ValueError, match="standby: a standby head joins"):
-        ClusterSection(host="10.0.0.2", standby=True)
+        ClusterSection(insecure=True, host="10.0.0.2", standby=True)
     for bad in (0.49, 600.1):
         with pytest.raises(msgspec.ValidationError):
             msgspec.convert({"host": "h", "failover_s": bad}, ClusterSection)
     for ok in (0.5, 600):
         assert msgspec.convert({"host": "h", "failover_s": ok}, ClusterSection).failover_s == ok
-    node = ClusterSection(host="10.0.0.3", head="10.0.0.1:7400,10.0.0.2:7500")
+    node = ClusterSection(insecure=True, host="10.0.0.3", head="10.0.0.1:7400,10.0.0.2:7500")
     run = RunAddresses.for_node(tmp_path, "r", ["n-te0"], False, node)
     assert run.cm == "tcp://10.0.0.1:7400,tcp://10.0.0.2:7500" and run.je == ""
     assert run.cm_pub == "tcp://10.0.0.1:7401,tcp://10.0.0.2:7501"
-    standby = ClusterSection(host="10.0.0.2", port=7500, head="10.0.0.1:7400", standby=True)
+    standby = ClusterSection(insecure=True, host="10.0.0.2", port=7500, head="10.0.0.1:7400", standby=True)
     run = RunAddresses.for_node(tmp_path, "r", [], False, standby)
     assert (run.cm, run.je, run.gw_reply, run.node_inbox) == (
         "tcp://10.0.0.2:7500,tcp://10.0.0.1:7400", "tcp://10.0.0.2:7502,tcp://10.0.0.1:7402",
         "tcp://10.0.0.2:7503", "tcp://10.0.0.2:7504")
     scaled = ModelSpec(name="x", path="/x", min_tes=2)
     with pytest.raises(ValueError, match="joining node runs"):  # a plain node: the head's
-        NodeConfig.build(model="/m", cluster=ClusterSection(host="10.0.0.3",
+        NodeConfig.build(model="/m", cluster=ClusterSection(insecure=True, host="10.0.0.3",
                                                              head="10.0.0.1:7400"),
                          tes=[TESpec("te0", "colocated")], models=[scaled])
     mirror = NodeConfig.build(model="/m", cluster=standby, models=[scaled],
@@ -780,24 +790,63 @@ def test_cluster_secure_needs_a_host_and_resolves_its_keys_against_the_root(tmp_
     conf = write_toml(tmp_path, {**BASE, "cluster": {"host": "h", "secure": True,
                                                      "keys": "etc/k"}})
     assert load_node_config(conf).cluster.keys == str(root / "etc" / "k")
-    curve.make_keys(tmp_path / "k")
+    curve_keys.make_keys(tmp_path / "k")
+    curve_keys.make_node_key(tmp_path / "k", "n10-0-0-1")
     os.chmod(tmp_path / "k" / "cluster.key_secret", 0o640)
     config = NodeConfig.build(model="/m", cluster=ClusterSection(
         host="10.0.0.1", secure=True, keys=str(tmp_path / "k")))
-    with pytest.raises(curve.KeysError, match="chmod 600"):
+    with pytest.raises(curve_keys.KeysError, match="chmod 600"):
         Node(config)
     assert curve.ENV_VAR not in os.environ  # refused before it touched the process
 
 
-def test_deepserve_keys_makes_a_pair_once(tmp_path):
+def test_deepserve_keys_makes_the_cluster_pair_and_node_keys_once_and_revokes(tmp_path):
     from click.testing import CliRunner
 
     from deepserve.supervisor.keys_cli import main
-    made = CliRunner().invoke(main, [str(tmp_path / "k")])
-    assert made.exit_code == 0 and "copy" in made.output, made.output
-    assert (tmp_path / "k" / "cluster.key_secret").stat().st_mode & 0o777 == 0o600
-    again = CliRunner().invoke(main, [str(tmp_path / "k")])
+    k = tmp_path / "k"
+    made = CliRunner().invoke(main, [str(k)])
+    assert made.exit_code == 0 and "--node NAME" in made.output, made.output
+    assert (k / "cluster.key_secret").stat().st_mode & 0o777 == 0o600 and (k / "allowed").is_dir()
+    again = CliRunner().invoke(main, [str(k)])
     assert again.exit_code == 1 and "already holds a cluster key" in again.output
+    head = CliRunner().invoke(main, [str(k), "--node", "h0", "--head"])
+    assert head.exit_code == 0 and "(head)" in head.output, head.output
+    assert CliRunner().invoke(main, [str(k), "--node", "n1"]).exit_code == 0
+    assert (k / "n1.key_secret").stat().st_mode & 0o777 == 0o600
+    allowed = curve_keys.AllowList(k)
+    assert allowed.member(curve_keys.Keys.load(k, "h0").node_public) == ("h0", "head")
+    assert allowed.member(curve_keys.Keys.load(k, "n1").node_public) == ("n1", "")
+    bad = CliRunner().invoke(main, [str(k), "--node", "../x"])
+    assert bad.exit_code == 1 and "node name" in bad.output
+    assert CliRunner().invoke(main, [str(k), "--revoke", "n1"]).exit_code == 0
+    assert allowed.member(curve_keys.Keys.load(k, "n1").node_public) is None
+    gone = CliRunner().invoke(main, [str(k), "--revoke", "n1"])
+    assert gone.exit_code == 1 and "not on" in gone.output
+
+
+@pytest.mark.parametrize("host", ["10.0.0.1", "node1.example", "::ffff:10.0.0.1"])
+def test_sockets_beyond_loopback_need_keys_or_insecure(host):
+    """A cluster host others reach without secure, or a gateway beyond loopback
+    without api_keys, is refused unless [cluster] insecure says so; loopback
+    (127.0.0.0/8, ::1, localhost) needs neither."""
+    te = [TESpec("te0", "colocated")]
+    with pytest.raises(ValueError, match="secure = true with keys"):
+        NodeConfig.build(model="/m", tes=te, cluster=ClusterSection(host=host))
+    with pytest.raises(ValueError, match="gateway listens beyond this host"):
+        NodeConfig.build(model="/m", tes=te, host=host)
+    opened = NodeConfig.build(model="/m", tes=te, host=host,
+                              cluster=ClusterSection(host=host, insecure=True))
+    assert opened.insecure_sockets == [f"cluster sockets on {host} without CURVE",
+                                       f"gateway on {host}:8000 without api_keys"]
+    keyed = NodeConfig.build(model="/m", tes=te, host=host, api_keys={"k": "t"},
+                             cluster=ClusterSection(host=host, secure=True))
+    assert keyed.insecure_sockets == []
+    for loop in ("127.0.0.2", "::1", "localhost"):
+        assert NodeConfig.build(model="/m", tes=te, host=loop,
+                                cluster=ClusterSection(host=loop)).insecure_sockets == []
+    with pytest.raises(ValueError, match="choose one"):
+        ClusterSection(host=host, secure=True, insecure=True)
 
 
 def test_k8s_manifest_opens_the_ports_the_cluster_binds():
@@ -807,7 +856,7 @@ def test_k8s_manifest_opens_the_ports_the_cluster_binds():
     yaml = pytest.importorskip("yaml")
     raycluster, service = yaml.safe_load_all((ROOT / "conf" / "k8s" / "raycluster.yaml").read_text())
     assert (raycluster["apiVersion"], raycluster["kind"]) == ("ray.io/v1", "RayCluster")
-    c = ClusterSection(host="10.0.0.1")
+    c = ClusterSection(insecure=True, host="10.0.0.1")
     head = raycluster["spec"]["headGroupSpec"]["template"]["spec"]
     [worker_group] = raycluster["spec"]["workerGroupSpecs"]
     worker = worker_group["template"]["spec"]

@@ -27,7 +27,7 @@ import uuid
 
 import torch
 
-from deepserve.ipc import curve
+from deepserve.ipc import curve, curve_keys
 from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
 from deepserve.transfer import DistFlow, DistFlowReceiver, PeerEndpoint, PoolRegion
 
@@ -65,12 +65,12 @@ def alternating_medians(fns: dict, reps: int) -> dict[str, float]:
 
 def curve_receiver(dst, flow: DistFlow, name: str, keys_dir: str) -> DistFlowReceiver:
     """A receiver on `dst` and the link "curve" to it, both made secure."""
-    os.environ[curve.ENV_VAR] = keys_dir
+    os.environ[curve.ENV_VAR], os.environ[curve.NODE_ENV_VAR] = keys_dir, "bench"
     try:
         receiver = DistFlowReceiver(dst)
         flow.link("curve", receiver.endpoint(name), "tcp")
     finally:
-        del os.environ[curve.ENV_VAR]
+        del os.environ[curve.ENV_VAR], os.environ[curve.NODE_ENV_VAR]
     return receiver
 
 
@@ -96,7 +96,8 @@ def bench(sizes_mib: list[int], reps: int, tcp_max_mib: int, with_curve: bool = 
         for peer, backend in (("shm", "shm"), ("ring", "ring"), ("tcp", "tcp")):
             flow.link(peer, receiver.endpoint(names[1]), backend)
         if with_curve:
-            curve.make_keys(f"{keys.name}/k")
+            curve_keys.make_keys(f"{keys.name}/k")
+            curve_keys.make_node_key(f"{keys.name}/k", "bench")
             secured = curve_receiver(dst, flow, names[1], f"{keys.name}/k")
         src_flat, dst_flat = src.view(-1), dst.view(-1)
         for mib in sizes_mib:

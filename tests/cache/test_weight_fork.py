@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from deepserve.cache.weight_fork import ForkError, Partial, WeightServer, fork_model
-from deepserve.ipc import curve
+from deepserve.ipc import curve, curve_keys
 from deepserve.ipc.sockets import free_port
 from deepserve.messages.weights import WeightChunk, WeightFiles, WeightGet, WeightList
 
@@ -137,8 +137,10 @@ def test_with_the_cluster_key_members_fork_over_curve_and_an_outsider_gets_nothi
     socket of a secure node; a member forks, a process without the key gets
     no byte (no answer, no progress: ForkError), and the server goes on serving."""
     src = _model(tmp_path / "src")
-    curve.make_keys(tmp_path / "keys")
+    curve_keys.make_keys(tmp_path / "keys")
+    curve_keys.make_node_key(tmp_path / "keys", "w")
     monkeypatch.setenv(curve.ENV_VAR, str(tmp_path / "keys"))
+    monkeypatch.setenv(curve.NODE_ENV_VAR, "w")
     ctx = zmq.Context()
     address = f"tcp://127.0.0.1:{free_port()}"
     server = WeightServer(ctx, address, lambda: {"/m": src})

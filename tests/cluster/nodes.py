@@ -26,6 +26,12 @@ def conf(path: Path, text: str) -> str:
     return str(path)
 
 
+def _guarded(cluster: str) -> str:
+    """[cluster] lines: the namespaces' addresses are not loopback, so a node
+    without secure = true says insecure = true (else it refuses to start)."""
+    return cluster if "secure = true" in cluster else cluster + "\ninsecure = true"
+
+
 def head_conf(d: Path, model: Path, host: str, cluster: str = "", node: str = "",
               tables: str = "", router: str = "") -> str:
     """The head: cluster manager, job executor, gateway, no TE; long prompts go
@@ -49,7 +55,7 @@ log_dir = "{d / 'head-logs'}"
 [cluster]
 host = "{host}"
 port = {PORT}
-{cluster}
+{_guarded(cluster)}
 {tables}
 """)
 
@@ -73,7 +79,7 @@ log_dir = "{d / (name + '-logs')}"
 host = "{host}"
 head = "{head}:{PORT}"
 name = "{name}"
-{cluster}
+{_guarded(cluster)}
 """ + "".join(f'[[te]]\ntype = "{t}"\n{te}' for t in tes) + tables)
 
 

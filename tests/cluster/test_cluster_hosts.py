@@ -55,6 +55,9 @@ def test_tes_on_other_hosts_serve_the_head_with_greedy_tokens(cluster, hosts, gr
         assert got["ids"] == greedy(prompt, 12), prompt
     peers = {peer for _, peer in hosts.connections(0)}
     assert peers & _te_ports(hosts, 1) and peers & _te_ports(hosts, 2), peers
+    for node in ("head", "h1", "h2"):  # no keys on a shared network: said by each node
+        [said] = cluster.events("insecure", node)
+        assert said["details"]["open"][0].startswith("cluster sockets on 10."), said
 
 
 def test_a_pd_pair_split_across_hosts_gives_the_colocated_tokens(cluster, hosts, greedy):

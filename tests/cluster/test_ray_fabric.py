@@ -77,6 +77,7 @@ api_keys = {{ "{KEY}" = "a" }}
 log_dir = "{d / 'head-logs'}"
 [cluster]
 host = "127.0.0.1"
+insecure = true
 """)
     node = _conf(d, "node.toml", f"""
 [node]
@@ -88,6 +89,7 @@ num_kv_blocks = 128
 [cluster]
 host = "127.0.0.1"
 head = "127.0.0.1:7400"
+insecure = true
 """)
     # Ray's token authentication, one token for this cluster (every Ray process, the fabric)
     env = {**scratch.env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}

@@ -4,10 +4,12 @@
     h1 10.213.77.2  joins, secure: h1-te0 prefill, h1-te1 decode (KV over DistFlow tcp)
     h2 10.213.77.3  the outsider: no key (tests/cluster/outsider.py, then a node of its own)
 
-Members share one key pair (bin/deepserve-keys); every tcp:// socket is CURVE.
-Each fault is an outsider's attempt, proven by the `peer_refused` events it
-makes the members write; then the test checks nothing got through and the
-cluster still serves the greedy tokens.
+Members hold the cluster's server pair and a key pair each, on the allow-list
+(bin/deepserve-keys DIR, DIR --node NAME); every tcp:// socket is CURVE. Each
+fault is an outsider's attempt, proven by the `peer_refused` events it makes
+the members write; then the test checks nothing got through and the cluster
+still serves the greedy tokens. A member's key speaks only for its own node:
+h1's key announcing another node's TE is ignored (`peer_ignored`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 
 import pytest
 
-from deepserve.ipc import curve
+from deepserve.ipc import curve, curve_keys
 from tests.cluster.nodes import KEY, PORT, URL, Cluster, head_conf, node_conf
 from tests.scratch import Scratch
 
@@ -31,13 +33,18 @@ LONG = "def handler(request):\n    headers = request.headers\n    return headers
 def cluster(hosts, tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("secure")
     keys = d / "keys"
-    curve.make_keys(keys)
+    curve_keys.make_keys(keys)
+    curve_keys.make_node_key(keys, "head", head=True)
+    curve_keys.make_node_key(keys, "h1")
+    curve_keys.make_node_key(keys, "h9")  # a node that left: revoked below
+    curve_keys.revoke(keys, "h9")
     scratch = Scratch()
     c = Cluster(hosts, d, scratch)
-    c.keys = curve.Keys.load(keys)
+    c.keys = curve_keys.Keys.load(keys, "h1")
+    c.revoked = curve_keys.Keys.load(keys, "h9")
     head = hosts.addresses[0]
     secure = f'secure = true\nkeys = "{keys}"'
-    c.start(0, "head", head_conf(d, tiny_model, head, secure))
+    c.start(0, "head", head_conf(d, tiny_model, head, secure + '\nname = "head"'))
     c.start(1, "h1", node_conf(d, tiny_model, "h1", hosts.addresses[1], head,
                                ["prefill", "decode"], secure))
     yield from c.serving(2)
@@ -82,14 +89,18 @@ def test_members_serve_over_curve_with_the_greedy_tokens(cluster, hosts, greedy)
     assert not cluster.events("peer_refused", "head")  # members are never refused
 
 
-@pytest.mark.parametrize("leaked", [False, True], ids=["no key", "leaked public key"])
-def test_an_outsider_can_neither_list_inject_nor_pull_kv(cluster, hosts, greedy, leaked):
+@pytest.mark.parametrize("outsider", ["no key", "own key", "revoked key"])
+def test_an_outsider_can_neither_list_inject_nor_pull_kv(cluster, hosts, greedy, outsider):
+    """no key: no CURVE at all; own key: the cluster's public key (leaked) and a
+    pair of its own; revoked key: a pair once on the allow-list, taken off it."""
     since = _now_iso()
     ports = _listening(hosts, 1)
     assert len(ports) >= 6, ports  # h1's TE inboxes, PD inboxes and DistFlow receivers
     args = [f"{hosts.addresses[0]}:{PORT}", "h1-te0", json.dumps(ports)]
-    if leaked:
+    if outsider != "no key":
         args.append(cluster.keys.public.decode())
+    if outsider == "revoked key":
+        args += [cluster.revoked.node_public.decode(), cluster.revoked.node_secret.decode()]
     proc = hosts.python(2, "tests.cluster.outsider", *args, stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=60)
     got = json.loads(out.splitlines()[-1])
@@ -101,15 +112,43 @@ def test_an_outsider_can_neither_list_inject_nor_pull_kv(cluster, hosts, greedy,
     refusing = {e["component"] for e in h1}  # the DistFlow receivers are the workers'
     assert refusing >= {"h1-te0/worker0", "h1-te1/worker0", "h1-te0/master"}, h1
     # an outsider that leaves mid-handshake (its reconnects) is a handshake broken off
-    reasons = ["not the cluster's", curve.BROKEN_OFF] if leaked else ["no CURVE", curve.BROKEN_OFF]
+    reasons = ["no CURVE", curve.BROKEN_OFF] if outsider == "no key" \
+        else [curve.NOT_ALLOWED, curve.BROKEN_OFF]
     assert all(any(r in e["details"]["reason"] for r in reasons) for e in head + h1), head + h1
-    if leaked:  # the key itself was refused, on both hosts
+    if outsider != "no key":  # the key itself was refused, on both hosts
         for events in (head, h1):
-            assert any("not the cluster's" in e["details"]["reason"] for e in events), events
+            assert any(e["details"]["reason"] == curve.NOT_ALLOWED for e in events), events
     # nothing got through: no TE list, no Welcome, the injected TEDown did nothing
     assert got == {"listed": 0, "welcomed": 0, "pulled_from": len(ports)}, got
     [up] = cluster.client("wait", URL, "2", "5", timeout=30)
     assert up["num_tes"] == 2
+    _greedy_pd_ok(cluster, greedy)
+
+
+def test_a_members_key_speaks_only_for_its_own_node(cluster, hosts, greedy):
+    """h1's own key pair (a member gone rogue) from h2: it gets in, but its TEUp
+    and its TEDown for another node's TE ids are ignored by the cluster manager,
+    which says so (peer_ignored); the TE list stays as it was."""
+    since = _now_iso()
+    args = [f"{hosts.addresses[0]}:{PORT}", "n7-te1", "[]", cluster.keys.public.decode(),
+            cluster.keys.node_public.decode(), cluster.keys.node_secret.decode(), "n7-te0"]
+    proc = hosts.python(2, "tests.cluster.outsider", *args, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    got = json.loads(out.splitlines()[-1])
+    assert got["listed"] > 0  # a member: it reads the TE lists
+    deadline = time.monotonic() + 10
+    while True:
+        ignored = [e for e in cluster.events("peer_ignored", "head") if e["time"] > since]
+        if len(ignored) >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert ignored and all(e["component"] == "cluster-manager" for e in ignored), ignored
+    assert all(e["details"]["peer"] == "h1" for e in ignored), ignored
+    assert {e["details"]["message"] for e in ignored} <= {"TEUp", "TEDown"}, ignored
+    assert not cluster.events("peer_refused", "head") or all(
+        e["time"] <= since for e in cluster.events("peer_refused", "head"))
+    [up] = cluster.client("wait", URL, "2", "5", timeout=30)
+    assert up["num_tes"] == 2  # no n7-te0 listed
     _greedy_pd_ok(cluster, greedy)
 
 

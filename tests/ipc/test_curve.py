@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import zmq
 
-from deepserve.ipc import curve
+from deepserve.ipc import curve, curve_keys
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket, SubSocket, free_port
 from deepserve.messages.health import HealthEvent
 
@@ -21,16 +21,26 @@ class Ping(msgspec.Struct, tag=True):
     seq: int
 
 
+NODE = "m1"
+
+
 @pytest.fixture
 def keys_dir(tmp_path):
-    curve.make_keys(tmp_path / "keys")
+    curve_keys.make_keys(tmp_path / "keys")
+    curve_keys.make_node_key(tmp_path / "keys", NODE)
     return tmp_path / "keys"
+
+
+def _as_node(monkeypatch, keys_dir, node: str = NODE) -> None:
+    monkeypatch.setenv(curve.ENV_VAR, str(keys_dir))
+    monkeypatch.setenv(curve.NODE_ENV_VAR, node)
 
 
 @pytest.fixture
 def secure(keys_dir, monkeypatch):
-    """This process secure (what `[cluster] secure` does to a node), a fresh context."""
-    monkeypatch.setenv(curve.ENV_VAR, str(keys_dir))
+    """This process secure as node m1 (what `[cluster] secure` does to a node), a
+    fresh context."""
+    _as_node(monkeypatch, keys_dir)
     ctx = zmq.Context()
     yield ctx
     ctx.destroy(linger=0)
@@ -46,6 +56,19 @@ def _refusals(inbox, want: int, timeout: float = 5.0) -> list[HealthEvent]:
         if isinstance(msg, HealthEvent) and msg.event == "peer_refused":
             got.append(msg)
     return got
+
+
+def send_raw(host: str, port: int, payload: bytes) -> None:
+    """Not even ZeroMQ: write `payload` on a plain TCP connection, read until the
+    peer closes it (or 1 s of silence)."""
+    with socket.create_connection((host, port), timeout=5) as raw:
+        raw.sendall(payload)
+        raw.settimeout(1)
+        try:
+            while raw.recv(4096):
+                pass
+        except (TimeoutError, ConnectionResetError):
+            pass
 
 
 def _refused_within(watch: curve.HandshakeWatch, timeout: float) -> bool:
@@ -79,25 +102,36 @@ def _outsider_push(address: str, keys: tuple[bytes, bytes] | None = None,
 def test_make_keys_writes_a_pair_only_its_owner_reads_and_never_overwrites(keys_dir):
     secret = keys_dir / "cluster.key_secret"
     assert secret.stat().st_mode & 0o777 == 0o600
-    keys = curve.Keys.load(keys_dir)
+    assert (keys_dir / f"{NODE}.key_secret").stat().st_mode & 0o777 == 0o600
+    keys = curve_keys.Keys.load(keys_dir, NODE)
     assert len(keys.public) == 40 and len(keys.secret) == 40
-    with pytest.raises(curve.KeysError, match="already holds"):
-        curve.make_keys(keys_dir)
-    assert curve.Keys.load(keys_dir) == keys  # the pair is untouched
+    assert keys.node_public != keys.public and len(keys.node_secret) == 40
+    with pytest.raises(curve_keys.KeysError, match="already holds"):
+        curve_keys.make_keys(keys_dir)
+    with pytest.raises(curve_keys.KeysError, match="already holds a key for node"):
+        curve_keys.make_node_key(keys_dir, NODE)
+    assert curve_keys.Keys.load(keys_dir, NODE) == keys  # the pairs are untouched
+    allowed = curve_keys.AllowList(keys_dir)
+    assert allowed.member(keys.node_public) == (NODE, "")  # on the list, by its name
+    assert allowed.member(keys.public) is None  # the server pair admits nobody
 
 
 def test_keys_that_others_can_read_or_that_are_missing_are_refused(keys_dir, tmp_path):
     os.chmod(keys_dir / "cluster.key_secret", 0o644)
-    with pytest.raises(curve.KeysError, match="chmod 600"):
-        curve.Keys.load(keys_dir)
-    with pytest.raises(curve.KeysError, match="bin/deepserve-keys"):
-        curve.Keys.load(tmp_path / "nowhere")
+    with pytest.raises(curve_keys.KeysError, match="chmod 600"):
+        curve_keys.Keys.load(keys_dir, NODE)
+    with pytest.raises(curve_keys.KeysError, match="bin/deepserve-keys"):
+        curve_keys.Keys.load(tmp_path / "nowhere", NODE)
+    with pytest.raises(curve_keys.KeysError, match="--node m2"):  # no pair of its own
+        os.chmod(keys_dir / "cluster.key_secret", 0o600)
+        curve_keys.Keys.load(keys_dir, "m2")
+    with pytest.raises(curve_keys.KeysError, match="node name"):
+        curve_keys.Keys.load(keys_dir, "../m1")
     other = tmp_path / "other"
-    curve.make_keys(other)
+    curve_keys.make_keys(other)
     os.replace(other / "cluster.key", keys_dir / "cluster.key")  # another pair's public half
-    os.chmod(keys_dir / "cluster.key_secret", 0o600)
-    with pytest.raises(curve.KeysError, match="not the public half"):
-        curve.Keys.load(keys_dir)
+    with pytest.raises(curve_keys.KeysError, match="not the public half"):
+        curve_keys.Keys.load(keys_dir, NODE)
 
 
 def test_cluster_members_talk_over_curve(secure):
@@ -146,7 +180,7 @@ def test_a_peer_without_the_cluster_key_is_refused_and_reported(secure, supervis
         assert event.pid == os.getpid() and event.details["reason"]
         if outsider == "its own key":  # ZAP names the peer
             assert event.details["peer"] == "127.0.0.1"
-            assert "not the cluster's" in event.details["reason"]
+            assert event.details["reason"] == curve.NOT_ALLOWED
         else:  # the monitor names our endpoint
             assert event.details["endpoint"] == address
         with pytest.raises(TimeoutError):  # nothing got in
@@ -173,14 +207,14 @@ def test_refusals_of_one_kind_are_folded_into_one_event_per_interval(secure, sup
             time.sleep(0.05)
         assert guard.num_refused >= 6  # the fault, six times
         [event] = _refusals(supervisor_inbox.inbox, 2, timeout=1.0)
-        assert "not the cluster's" in event.details["reason"]
+        assert event.details["reason"] == curve.NOT_ALLOWED
     finally:
         outsiders.destroy(linger=0)
         pull.close()
 
 
 def test_a_context_with_a_guard_terminates_at_once(keys_dir, monkeypatch):
-    monkeypatch.setenv(curve.ENV_VAR, str(keys_dir))
+    _as_node(monkeypatch, keys_dir)
     ctx = zmq.Context()
     pull = PullSocket(ctx, f"tcp://127.0.0.1:{free_port()}", bind=True, type=Ping)
     guard = curve.Guard.of(ctx, curve.active())
@@ -209,7 +243,7 @@ def test_a_secure_client_learns_that_a_plain_server_is_not_its_cluster(keys_dir,
     ctx = zmq.Context()
     address = f"tcp://127.0.0.1:{free_port()}"
     pub = PubSocket(ctx, address, bind=True)  # a plain head's TE lists
-    monkeypatch.setenv(curve.ENV_VAR, str(keys_dir))
+    _as_node(monkeypatch, keys_dir)
     sub = SubSocket(ctx, address, bind=False, type=Ping, watch_handshakes=True)
     try:
         assert _refused_within(sub.handshakes, 10), sub.handshakes.reason
@@ -247,8 +281,9 @@ def test_a_refused_client_learns_why_from_its_handshake_watch(secure, keys_dir, 
     if client == "plain":
         monkeypatch.delenv(curve.ENV_VAR)
     else:
-        curve.make_keys(tmp_path / "other")
-        monkeypatch.setenv(curve.ENV_VAR, str(tmp_path / "other"))
+        curve_keys.make_keys(tmp_path / "other")
+        curve_keys.make_node_key(tmp_path / "other", NODE)
+        _as_node(monkeypatch, tmp_path / "other")
     ctx = zmq.Context()
     sub = SubSocket(ctx, address, bind=False, type=Ping, watch_handshakes=True)
     try:
@@ -286,7 +321,6 @@ def test_a_member_is_never_refused_and_its_watch_sees_no_failure(secure, supervi
 def test_raw_bytes_on_a_secure_port_are_refused_and_members_still_get_in(secure,
                                                                          supervisor_inbox):
     """Not even ZeroMQ: a TCP peer writing garbage, then one greeting and hanging up."""
-    import socket as net
     address = f"tcp://127.0.0.1:{free_port()}"
     host, port = address[len("tcp://"):].split(":")
     pull = PullSocket(secure, address, bind=True, type=Ping)
@@ -294,14 +328,7 @@ def test_raw_bytes_on_a_secure_port_are_refused_and_members_still_get_in(secure,
     try:
         guard = curve.Guard.of(secure, curve.active())
         for payload in (os.urandom(4096), b"\xff" + bytes(8) + b"\x7f\x03\x00NULL" + bytes(16)):
-            with net.create_connection((host, int(port)), timeout=5) as raw:
-                raw.sendall(payload)
-                raw.settimeout(1)
-                try:
-                    while raw.recv(4096):
-                        pass
-                except (TimeoutError, ConnectionResetError):
-                    pass
+            send_raw(host, int(port), payload)
         deadline = time.monotonic() + 5
         while guard.num_refused < 1 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -22,6 +22,7 @@ inbox, a TE's own processes) remain ipc:// and shared memory.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated
 
 import msgspec
@@ -47,6 +48,17 @@ KV_PEER_PORT_OFFSET = 7
 """Every node's KV tier service for other hosts' (the remote tier): port+7."""
 TE_PORTS_EACH = 4
 """A TE's inbox P, its master's PD inbox P+1 (messages/pd.py), its tier replies P+2."""
+
+
+def is_loopback(host: str) -> bool:
+    """Only this host reaches `host` (127.0.0.0/8, ::1, localhost); a name or
+    any other address may be reached from others."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class ClusterSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -89,8 +101,14 @@ class ClusterSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     cluster key in `keys`: a host without it cannot join, list, inject or pull
     KV (refused, logged as peer_refused). Every node of a cluster sets the same."""
     keys: str = "var/keys"
-    """Directory of the cluster key pair (bin/deepserve-keys DIR); relative to
-    the repository root. Read only with secure = true."""
+    """Directory of the key files (bin/deepserve-keys DIR, then DIR --node NAME for
+    this node's own pair, NAME its `name`); relative to the repository root. Read
+    only with secure = true."""
+    insecure: bool = False
+    """Run with sockets that leave this host open to anyone who reaches them: a
+    cluster host that is not loopback without secure, or a gateway bound beyond
+    loopback without [gateway] api_keys. Without it such a node refuses to start;
+    with it the node logs so at start and writes an `insecure` health event."""
 
     def __post_init__(self):
         if self.host in WILDCARD_HOSTS[1:]:
@@ -119,6 +137,13 @@ class ClusterSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(f"name: letters, digits, - and _ only, got {self.name!r}")
         if self.secure and not self.host:
             raise ValueError("secure: needs host (one host uses ipc://, nothing to secure)")
+        if self.secure and self.insecure:
+            raise ValueError("insecure: set with secure = true; choose one")
+
+    @property
+    def exposed(self) -> bool:
+        """Its sockets leave this host with no key guarding them."""
+        return self.is_cluster and not self.secure and not is_loopback(self.host)
 
     @property
     def is_cluster(self) -> bool:
@@ -149,6 +174,28 @@ class ClusterSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if port + TE_PORTS_EACH - 1 > 65535:
             raise ValueError(f"cluster: port {self.port}: TE #{index} would need port {port}")
         return port
+
+
+def open_sockets(cluster: ClusterSection, http_host: str, http_port: int,
+                 api_keys: bool) -> list[str]:
+    """What of a node leaves its host with nothing guarding it: its cluster
+    sockets without CURVE, its gateway without API keys ([] if nothing)."""
+    out = []
+    if cluster.exposed:
+        out.append(f"cluster sockets on {cluster.host} without CURVE")
+    if not is_loopback(http_host) and not api_keys:
+        out.append(f"gateway on {http_host}:{http_port} without api_keys")
+    return out
+
+
+def exposure_error(cluster: ClusterSection, http_host: str) -> str:
+    """Why a node with open sockets (open_sockets) and no insecure is refused."""
+    if cluster.exposed:
+        return (f"cluster: host {cluster.host!r} is reached from other hosts and secure is "
+                "off: anyone there could join, inject requests and read KV. Set secure = "
+                "true with keys (bin/deepserve-keys), or insecure = true on a network you trust")
+    return (f"node: host {http_host!r}: the gateway listens beyond this host with no "
+            "[gateway] api_keys; set api_keys, or [cluster] insecure = true")
 
 
 def named_for_cluster(tes, cluster: ClusterSection) -> tuple:

@@ -28,7 +28,8 @@ import msgspec
 from msgspec import Meta
 
 from deepserve.config.addresses import RunAddresses
-from deepserve.config.cluster import ClusterSection, named_for_cluster
+from deepserve.config.cluster import (ClusterSection, exposure_error, named_for_cluster,
+                                      open_sockets)
 from deepserve.config.engine import EngineConfig
 from deepserve.config.models import ModelSection, ModelSpec, ScalingSection, model_name
 from deepserve.config.tenants import TenantsSection
@@ -316,6 +317,14 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
         if n.disk_cache_dir and n.disk_cache_bytes and not n.host_cache_bytes:
             raise ValueError("node: disk_cache_bytes: the disk tier is fed through the host "
                              "tier; set host_cache_bytes too")
+        if not self.cluster.insecure and self.insecure_sockets:
+            raise ValueError(exposure_error(self.cluster, self.node.host))
+
+    @property
+    def insecure_sockets(self) -> list[str]:
+        """What leaves this host unguarded ([cluster] insecure; logged at start)."""
+        return open_sockets(self.cluster, self.node.host, self.node.port,
+                            bool(self.gateway.api_keys))
 
     @property
     def all_models(self) -> tuple[ModelSpec, ...]:

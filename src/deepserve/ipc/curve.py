@@ -1,16 +1,19 @@
 """CURVE on every ZeroMQ socket that crosses hosts ([cluster] secure = true).
 
-    bin/deepserve-keys DIR    DIR/cluster.key (public), DIR/cluster.key_secret (0600):
-                              one key pair per cluster, copied to every host that may join
-    a secure process          $DEEPSERVE_CURVE_KEYS = DIR (the node sets it; children inherit)
-      tcp:// bound            CURVE server with the cluster key, ZAP domain "deepserve",
+    bin/deepserve-keys DIR [--node NAME]   the key files (ipc/curve_keys.py): the cluster's
+                              server pair, each node's own pair, the allow-list DIR/allowed
+    a secure process          $DEEPSERVE_CURVE_KEYS = DIR, $DEEPSERVE_CURVE_NODE = its node's
+                              [cluster] name (the node sets them; children inherit)
+      tcp:// bound            CURVE server with the cluster's pair, ZAP domain "deepserve",
                               ZAP enforced (no handler: no peer gets in)
-      tcp:// connected        CURVE client with the cluster key pair, the server key the
+      tcp:// connected        CURVE client with its node's own pair, the server key the
                               cluster's public key
       ipc://, inproc://       as they were (one host: the file system guards them)
 
 Every ZeroMQ context that binds a secure socket gets one Guard thread:
-    ZAP handler   a CURVE client whose key is not the cluster's -> refused (400)
+    ZAP handler   a CURVE client whose key is not on the allow-list -> refused (400);
+                  one on it is admitted as its node: user id NAME, property Role
+                  ("head" or ""), which `peer(frame)` reads off each message it sends
     monitor       a handshake that fails before ZAP (no CURVE at all, a wrong server
                   key: the peer does not hold the cluster key) -> already refused
     each refusal  -> log warning + `peer_refused` health event (component, endpoint,
@@ -30,22 +33,21 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import stat
+import struct
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
-import zmq.auth
 import zmq.utils.z85
 from zmq.utils.monitor import recv_monitor_message
 
+from deepserve.ipc.curve_keys import HEAD, AllowList, Keys
 from deepserve.ipc.heartbeat import HeartbeatSender
 
 log = logging.getLogger(__name__)
 ENV_VAR = "DEEPSERVE_CURVE_KEYS"
-KEY_NAME = "cluster"
+NODE_ENV_VAR = "DEEPSERVE_CURVE_NODE"
 DOMAIN = b"deepserve"
 ZAP_ADDRESS = "inproc://zeromq.zap.01"
 REPORT_EVERY_S = 10.0
@@ -63,68 +65,30 @@ _PROTOCOL_REASONS = {
 }
 
 BROKEN_OFF = "handshake broken off by the peer (no cluster key?)"
+NOT_ALLOWED = "CURVE key not on the allow-list (not a member, or revoked)"
 
 
-class KeysError(ValueError):
-    """The cluster keys are missing, malformed, or readable by others."""
-
-
-@dataclass(frozen=True)
-class Keys:
-    """The cluster's key pair (Z85, as ZeroMQ takes them)."""
-
-    public: bytes
-    secret: bytes
-
-    @classmethod
-    def load(cls, directory: str | Path) -> Keys:
-        d = Path(directory)
-        public_file, secret_file = d / f"{KEY_NAME}.key", d / f"{KEY_NAME}.key_secret"
-        if not secret_file.is_file():
-            raise KeysError(f"{secret_file}: no cluster key; make one with "
-                            f"bin/deepserve-keys {d} and copy {d} to every host")
-        mode = secret_file.stat().st_mode
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise KeysError(f"{secret_file}: readable by others (mode {oct(mode & 0o777)}); "
-                            f"chmod 600 it")
-        try:
-            public, secret = zmq.auth.load_certificate(secret_file)
-            if public_file.is_file() and zmq.auth.load_certificate(public_file)[0] != public:
-                raise KeysError(f"{public_file}: not the public half of {secret_file}")
-        except (OSError, ValueError) as e:  # KeysError is a ValueError: re-raised as is
-            raise e if isinstance(e, KeysError) else KeysError(f"{d}: {e}") from None
-        if not secret or len(public) != 40 or len(secret) != 40:
-            raise KeysError(f"{secret_file}: not a CURVE key pair")
-        return cls(public=public, secret=secret)
-
-
-def make_keys(directory: str | Path) -> Path:
-    """A new cluster key pair in `directory` (made if missing; an existing pair
-    is an error: replacing it locks every host out). The secret file gets 0600."""
-    d = Path(directory)
-    if (d / f"{KEY_NAME}.key_secret").exists():
-        raise KeysError(f"{d}: already holds a cluster key; remove it first to make a new one")
-    d.mkdir(parents=True, exist_ok=True)
-    os.chmod(d, 0o700)
-    old = os.umask(0o077)
-    try:
-        _, secret_file = zmq.auth.create_certificates(d, KEY_NAME)
-    finally:
-        os.umask(old)
-    os.chmod(secret_file, 0o600)
-    return Path(secret_file)
+def _metadata(properties: dict[str, str]) -> bytes:
+    """ZAP's metadata frame (ZMTP property encoding): what a received frame's
+    get(name) answers on the server's side."""
+    out = b""
+    for name, value in properties.items():
+        out += bytes([len(name)]) + name.encode() + struct.pack(">I", len(value)) + value.encode()
+    return out
 
 
 # -- the process's policy ---------------------------------------------------------------
-_loaded: dict[str, Keys] = {}
+_loaded: dict[tuple[str, str], Keys] = {}
 _component = f"pid{os.getpid()}"
 
 
-def enable(directory: str | Path) -> Keys:
-    """Make this process and every child it starts from now on secure: checks the
-    keys (KeysError) and sets $DEEPSERVE_CURVE_KEYS."""
-    keys = Keys.load(directory)
+def enable(directory: str | Path, node: str) -> Keys:
+    """Make this process and every child it starts from now on secure, as node
+    `node`: checks the keys (curve_keys.KeysError) and sets $DEEPSERVE_CURVE_KEYS
+    and $DEEPSERVE_CURVE_NODE."""
+    keys = Keys.load(directory, node)
     os.environ[ENV_VAR] = str(Path(directory).resolve())
+    os.environ[NODE_ENV_VAR] = node
     return keys
 
 
@@ -133,10 +97,38 @@ def active() -> Keys | None:
     directory = os.environ.get(ENV_VAR)
     if not directory:
         return None
-    keys = _loaded.get(directory)
+    node = os.environ.get(NODE_ENV_VAR, "")
+    keys = _loaded.get((directory, node))
     if keys is None:
-        keys = _loaded[directory] = Keys.load(directory)
+        keys = _loaded[(directory, node)] = Keys.load(directory, node)
     return keys
+
+
+def peer(frame: zmq.Frame) -> tuple[str, str] | None:
+    """(node name, role) of the member that sent `frame` (received with
+    copy=False on a secure tcp:// socket: what the guard's ZAP answer named),
+    or None where no CURVE handshake vouched for it (ipc://, not secure)."""
+    try:
+        name = frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+    try:
+        role = frame.get("Role")
+    except zmq.ZMQError:
+        role = ""
+    return name, role
+
+
+def own_or_head(member: tuple[str, str]) -> bool:
+    """The member is this process's own node, or a head (or standby head)."""
+    keys = active()
+    return member[1] == HEAD or (keys is not None and member[0] == keys.node)
+
+
+def from_head(member: tuple[str, str], msg) -> str:
+    """`admit` (ipc/sockets.py) of a socket that takes orders only from a head:
+    ScaleOut / ScaleIn, requests to a TE, to the job executor."""
+    return "" if own_or_head(member) else "only a head's key may send it"
 
 
 def set_component(component: str) -> None:
@@ -153,11 +145,13 @@ def secure(sock: zmq.Socket, address: str, bind: bool) -> None:
     keys = active()
     if keys is None:
         return
-    sock.curve_secretkey = keys.secret
-    sock.curve_publickey = keys.public
-    if not bind:
+    if not bind:  # our node's own pair; the server must hold the cluster's
+        sock.curve_secretkey = keys.node_secret
+        sock.curve_publickey = keys.node_public
         sock.curve_serverkey = keys.public
         return
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
     sock.curve_server = True
     sock.zap_domain = DOMAIN
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
@@ -195,7 +189,8 @@ class HandshakeWatch:
                       zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
                       "CURVE failed: another cluster's key"}.get(event["value"])
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                reason = "it refused our key: not its cluster's"
+                reason = ("it refused our key: not on its allow-list (bin/deepserve-keys "
+                          "DIR --node NAME puts it there; or this node was revoked)")
             if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and reason:
                 self.reason, self.definite = reason, True
             elif not self.definite:
@@ -226,13 +221,14 @@ class Guard:
 
     def __init__(self, ctx: zmq.Context, keys: Keys):
         self.keys = keys
+        self.allowed = AllowList(keys.directory)
         self._ctx = zmq.Context.shadow(ctx.underlying)
         self._key = ctx.underlying
         self._zap = self._ctx.socket(zmq.REP)  # bound before any secure socket of ctx
         self._zap.linger = 0
         self._zap.bind(ZAP_ADDRESS)
         self._new: queue.SimpleQueue = queue.SimpleQueue()  # monitor PAIRs for the thread
-        self._last: dict[tuple[str, str], list] = {}  # (endpoint, reason) -> [time, folded]
+        self._folds = _Folds()  # (endpoint or peer, reason)
         self.num_refused = 0
         self._reporter: HeartbeatSender | None = None  # the guard thread's, made at need
         self._thread = threading.Thread(target=self._run, name="curve-guard", daemon=True)
@@ -285,15 +281,19 @@ class Guard:
                                       b"bad ZAP request", b"", b""])
             return
         version, request_id, _, address, _, mechanism = frames[:6]
-        ok = mechanism == b"CURVE" and len(frames) > 6 \
-            and zmq.utils.z85.encode(frames[6]) == self.keys.public
-        self._zap.send_multipart([version, request_id, b"200" if ok else b"400",
-                                  b"OK" if ok else b"not a cluster key", b"peer" if ok else b"",
-                                  b""])
-        if not ok:
+        member = None
+        if mechanism == b"CURVE" and len(frames) > 6:
+            member = self.allowed.member(zmq.utils.z85.encode(frames[6]))
+        if member is None:
+            self._zap.send_multipart([version, request_id, b"400", b"not on the allow-list",
+                                      b"", b""])
             self._refused("", address.decode(errors="replace"),
-                          "CURVE key not the cluster's" if mechanism == b"CURVE"
+                          NOT_ALLOWED if mechanism == b"CURVE"
                           else f"mechanism {mechanism.decode(errors='replace')}")
+            return
+        name, role = member
+        self._zap.send_multipart([version, request_id, b"200", b"OK", name.encode(),
+                                  _metadata({"Role": role})])
 
     def _monitor_event(self, pair: zmq.Socket) -> bool:
         """Report one monitor event; False once the monitored socket closed."""
@@ -309,17 +309,60 @@ class Guard:
 
     def _refused(self, endpoint: str, peer: str, reason: str) -> None:
         self.num_refused += 1
-        now = time.monotonic()
         key = (endpoint or peer, reason)  # ZAP names the peer, a monitor the endpoint
-        last = self._last.get(key)
-        if last is not None and now - last[0] < REPORT_EVERY_S:
-            last[1] += 1
+        folded = self._folds.due(key)
+        if folded is None:
             return
-        folded = last[1] if last is not None else 0
-        self._last[key] = [now, 0]
         details = {"endpoint": endpoint, "peer": peer, "reason": reason, "folded": folded}
         log.warning("peer refused: %s", details)
         if self._reporter is None:
             self._reporter = HeartbeatSender.from_env(self._ctx, _component)
         if self._reporter is not None:  # None: no supervisor (a test, a tool)
             self._reporter.event("peer_refused", **details)
+
+
+class _Folds:
+    """At most one report per key every REPORT_EVERY_S; the next one says how
+    many were folded into it."""
+
+    def __init__(self):
+        self._last: dict[tuple, list] = {}  # key -> [time reported, folded since]
+
+    def due(self, key: tuple) -> int | None:
+        """None: fold this one; else report it, with how many were folded before."""
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last[0] < REPORT_EVERY_S:
+            last[1] += 1
+            return None
+        self._last[key] = [now, 0]
+        return last[1] if last is not None else 0
+
+
+class Ignored:
+    """A receiving socket's messages from members about what is not their own
+    (ipc/sockets.py, `admit`): counted, and logged and reported (`peer_ignored`)
+    at most once per member and reason every REPORT_EVERY_S. Used by the
+    socket's own thread."""
+
+    def __init__(self):
+        self.count = 0
+        self._folds = _Folds()
+        self._reporter: HeartbeatSender | None = None
+
+    def note(self, sock: zmq.Socket, member: tuple[str, str], kind: str, reason: str) -> None:
+        self.count += 1
+        folded = self._folds.due((member, reason))
+        if folded is None:
+            return
+        details = {"endpoint": sock.last_endpoint.decode(errors="replace"), "peer": member[0],
+                   "message": kind, "reason": reason, "folded": folded}
+        log.warning("peer's message ignored: %s", details)
+        if self._reporter is None:
+            self._reporter = HeartbeatSender.from_env(sock.context, _component)
+        if self._reporter is not None:
+            self._reporter.event("peer_ignored", **details)
+
+    def close(self) -> None:
+        if self._reporter is not None:
+            self._reporter.socket.close(linger=0)

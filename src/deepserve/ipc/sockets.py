@@ -11,6 +11,14 @@ local process could write to the socket) is counted, logged at most once per
 DROP_LOG_INTERVAL_S, and dropped: `get` and `drain` never raise on it, so no
 actor's loop dies of one bad frame.
 
+A receiving socket may also be given `admit(member, msg) -> reason`: on a
+CURVE socket each message comes with the member that sent it (its node's
+name and role, curve.peer), and a message about what is not that member's
+own (another node's TE, a head's order from a plain node) is ignored:
+counted (`num_ignored`), logged and reported (`peer_ignored`) as an undecodable
+frame is. Messages no CURVE handshake vouched for (ipc://, not secure) are
+not asked about: one host's file system guards those.
+
 Every receiving socket caps its frames (ZMQ_MAXMSGSIZE, `max_bytes`,
 MAX_FRAME_BYTES unless its channel says otherwise): a peer that sends a
 bigger one is disconnected by ZeroMQ before the frame is held in memory, so
@@ -135,9 +143,14 @@ class _Sender:
         self.socket.close(linger=0)
 
 
+Admit = Callable[[tuple[str, str], Any], str]
+"""(member name, role), message -> "" to take it, else why it is ignored."""
+
+
 class _Receiver:
     def __init__(self, ctx: zmq.Context, kind: int, addr: str, bind: bool, type: Any,
-                 watch_handshakes: bool = False, max_bytes: int = MAX_FRAME_BYTES):
+                 watch_handshakes: bool = False, max_bytes: int = MAX_FRAME_BYTES,
+                 admit: Admit | None = None):
         self.handshakes: curve.HandshakeWatch | None = None
         """With watch_handshakes, the socket's failed handshakes from its very first
         (curve.HandshakeWatch, attached before it connects)."""
@@ -152,6 +165,27 @@ class _Receiver:
         """Frames dropped because they did not decode (see the module docstring)."""
         self._num_unlogged = 0
         self._logged_at: float | None = None
+        self._admit = admit
+        self.ignored = curve.Ignored() if admit is not None else None
+        """Messages a member sent about what is not its own (admit said why)."""
+
+    @property
+    def num_ignored(self) -> int:
+        return self.ignored.count if self.ignored is not None else 0
+
+    def _recv(self) -> Any | None:
+        """The next waiting message, None if it does not decode or is not admitted."""
+        if self._admit is None:
+            return self.decode(self.socket.recv(flags=zmq.NOBLOCK))
+        frame = self.socket.recv(flags=zmq.NOBLOCK, copy=False)
+        msg = self.decode(frame.bytes)
+        member = curve.peer(frame) if msg is not None else None
+        if member is not None:
+            reason = self._admit(member, msg)
+            if reason:
+                self.ignored.note(self.socket, member, type(msg).__name__, reason)
+                return None
+        return msg
 
     def decode(self, data: bytes) -> Any | None:
         """The message `data` encodes, or None (counted, logged, dropped)."""
@@ -183,7 +217,7 @@ class _Receiver:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self.poll(left):
                 raise TimeoutError(f"get: nothing received within {timeout} s")
-            msg = self.decode(self.socket.recv(flags=zmq.NOBLOCK))
+            msg = self._recv()
             if msg is not None:
                 return msg
 
@@ -191,7 +225,7 @@ class _Receiver:
         """Every message already waiting that decodes, without blocking."""
         out = []
         while self.socket.poll(0, zmq.POLLIN):
-            msg = self.decode(self.socket.recv(flags=zmq.NOBLOCK))
+            msg = self._recv()
             if msg is not None:
                 out.append(msg)
         return out
@@ -199,6 +233,8 @@ class _Receiver:
     def close(self) -> None:
         if self.handshakes is not None:
             self.handshakes.close()
+        if self.ignored is not None:
+            self.ignored.close()
         self.socket.close(linger=0)
 
 
@@ -213,8 +249,8 @@ class PullSocket(_Receiver):
     """PULL end of a stream, decoding every message as `type`."""
 
     def __init__(self, ctx: zmq.Context, addr: str, bind: bool, type: Any,
-                 max_bytes: int = MAX_FRAME_BYTES):
-        super().__init__(ctx, zmq.PULL, addr, bind, type, max_bytes=max_bytes)
+                 max_bytes: int = MAX_FRAME_BYTES, admit: Admit | None = None):
+        super().__init__(ctx, zmq.PULL, addr, bind, type, max_bytes=max_bytes, admit=admit)
 
 
 class PubSocket(_Sender):

@@ -18,7 +18,7 @@ import click
 from deepserve.actor import ActorLife
 from deepserve.config.models import is_gguf
 from deepserve.errors import ModelLoadError
-from deepserve.ipc import curve
+from deepserve.ipc import curve_keys
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import (load_node_config, with_cluster, with_models,
                                               with_port)
@@ -91,7 +91,7 @@ def main(conf: str, host: str | None, port: int | None, models: tuple[str, ...],
     life = ActorLife("node")  # SIGTERM / SIGINT only set its flag
     try:
         node = Node(config)
-    except curve.KeysError as e:  # [cluster] secure without usable keys
+    except curve_keys.KeysError as e:  # [cluster] secure without usable keys
         life.close()
         raise click.UsageError(str(e)) from None
     except ModelLoadError as e:  # a .gguf model that cannot be imported

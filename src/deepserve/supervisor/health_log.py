@@ -61,11 +61,13 @@ SEVERITY: dict[str, str] = {
     "head_lost": ERROR,  # a standby head: the head's CM silent for failover_s
     "head_taken_over": WARNING,  # the standby started the CM and JE on its own host
     "weights_forked": INFO,  # a node pulled a model's files from a peer (fork)
-    "fork_failed": ERROR,  # no peer gave them: the TEs waiting for it are refused  # the CM: a node's reports stopped; its scaled TEs start elsewhere
+    "fork_failed": ERROR,  # no peer gave them: the TEs waiting for it are refused
     "cache_block_corrupt": WARNING,
     "cache_tier_disabled": ERROR,
     "cache_tier_enabled": INFO,
-    "peer_refused": WARNING,  # a tcp:// peer without the cluster key ([cluster] secure)
+    "peer_refused": WARNING,  # a tcp:// peer not on the allow-list ([cluster] secure)
+    "peer_ignored": WARNING,  # a member's message about what is not its own (identity)
+    "insecure": WARNING,  # a node started with sockets open beyond loopback ([cluster] insecure)
     "dualpath_decision": DEBUG,  # only from a job executor logging at DEBUG
 }
 

@@ -1,12 +1,16 @@
-"""`bin/deepserve-keys [DIR]`: make the cluster key pair for `[cluster] secure = true`.
+"""`bin/deepserve-keys DIR [--node NAME [--head] | --revoke NAME]`: the key files of
+`[cluster] secure = true` (ipc/curve_keys.py).
 
-    DIR/cluster.key          the public half
-    DIR/cluster.key_secret   both halves, mode 0600 (DIR itself 0700)
+    bin/deepserve-keys DIR                   the cluster's server pair, and DIR/allowed/
+    bin/deepserve-keys DIR --node NAME       node NAME's own pair, its public half on the
+                                             allow-list (--head: a head or standby head,
+                                             the only key a node takes orders from)
+    bin/deepserve-keys DIR --revoke NAME     NAME off the allow-list: refused from then on
 
-Copy DIR to every host of the cluster (the same path as its conf's
-`[cluster] keys`); a host without it cannot join, list a TE, inject a message
-or pull KV. An existing pair is never overwritten (that would lock every host
-out): remove it first to rotate, then restart every node with the new one.
+Give every host cluster.key, cluster.key_secret, allowed/ and its own
+NAME.key_secret (NAME is its [cluster] name) at the path its conf's `[cluster]
+keys` names; keep allowed/ the same on every host (revoke on each). An existing
+pair is never overwritten (that would lock every host out).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from deepserve.ipc import curve
+from deepserve.ipc import curve_keys
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -23,15 +27,29 @@ ROOT = Path(__file__).resolve().parents[3]
 @click.command()
 @click.argument("directory", required=False, default=str(ROOT / "var" / "keys"),
                 type=click.Path(file_okay=False))
-def main(directory: str) -> None:
-    """Make the cluster key pair in DIRECTORY (default: var/keys, what [cluster] keys names)."""
+@click.option("--node", "node", default=None, help="make node NAME's key pair ([cluster] name)")
+@click.option("--head", is_flag=True, help="with --node: a head or standby head")
+@click.option("--revoke", default=None, help="take node NAME off the allow-list")
+def main(directory: str, node: str | None, head: bool, revoke: str | None) -> None:
+    """Make the key files in DIRECTORY (default: var/keys, what [cluster] keys names)."""
     try:
-        secret = curve.make_keys(directory)
-    except curve.KeysError as e:
+        if revoke is not None:
+            if not curve_keys.revoke(directory, revoke):
+                raise click.ClickException(f"{revoke!r} is not on {directory}'s allow-list")
+            click.echo(f"revoked {revoke}: remove allowed/{revoke}.key on every other host too")
+        elif node is not None:
+            secret = curve_keys.make_node_key(directory, node, head)
+            click.echo(f"node {node}{' (head)' if head else ''}: {secret} (secret, 0600; "
+                       f"only {node}'s host needs it), allowed/{node}.key on the allow-list")
+        else:
+            if head:
+                raise click.UsageError("--head goes with --node NAME")
+            secret = curve_keys.make_keys(directory)
+            click.echo(f"cluster key pair: {secret} (secret, 0600), and {directory}/allowed/;\n"
+                       f"now one per node: bin/deepserve-keys {directory} --node NAME "
+                       f"[--head]; set [cluster] secure = true and keys = \"{directory}\"")
+    except curve_keys.KeysError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"cluster key pair: {secret} (secret, 0600) and {secret.with_suffix('.key')}\n"
-               f"copy {Path(directory).resolve()} to every host; set [cluster] secure = true "
-               f"and keys = \"{directory}\" in every node's conf")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ class Node:
     def __init__(self, config: NodeConfig):
         self.config = config = import_node_models(config)  # .gguf -> a directory, once
         if config.cluster.secure:  # this process and every child: CURVE on tcp:// (KeysError)
-            curve.enable(config.cluster.keys)
+            curve.enable(config.cluster.keys, config.cluster.name)
         self.run_id = uuid.uuid4().hex[:8]
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"ds-n{self.run_id}-"))
         self.run = RunAddresses.for_node(self.run_dir, self.run_id,
@@ -128,6 +128,10 @@ class Node:
     def start(self) -> None:
         try:
             self.supervisor = self._supervisor()  # its inbox first: no early heartbeat is lost
+            open_sockets = self.config.insecure_sockets  # [cluster] insecure: said each start
+            if open_sockets:
+                log.warning("[cluster] insecure = true: %s", "; ".join(open_sockets))
+                self.health.write("node", "insecure", None, open=open_sockets)
             conf = self._write_run_config()  # each child reads its part: --conf PATH --role NAME
             if not self.joins:  # the head's (or the only node's) control processes
                 self._spawn_control(conf)

@@ -43,6 +43,7 @@ from typing import Container, Iterable
 import psutil
 import zmq
 
+from deepserve.ipc import curve
 from deepserve.ipc.sockets import PullSocket, PushSocket, SubSocket
 from deepserve.messages.control import FromClusterManager, TEDown, TEList
 from deepserve.messages.health import HealthEvent, Heartbeat, Ready, ToSupervisor
@@ -90,8 +91,8 @@ class Supervisor:
         self.inbox = PullSocket(self.ctx, inbox, bind=True, type=ToSupervisor)
         self.inboxes = [self.inbox]
         if node_inbox:  # only orders cross hosts: heartbeats stay on the host's ipc inbox
-            self.inboxes.append(PullSocket(self.ctx, node_inbox, bind=True,
-                                           type=ScaleOut | ScaleIn))
+            self.inboxes.append(PullSocket(self.ctx, node_inbox, bind=True,  # a head's only
+                                           type=ScaleOut | ScaleIn, admit=curve.from_head))
         self.reported_at = -NODE_REPORT_S
         self.cm_pub = SubSocket(self.ctx, cm_pub, bind=False, type=FromClusterManager)
         self.to_cm = PushSocket(self.ctx, cm, bind=False)

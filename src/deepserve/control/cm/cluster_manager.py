@@ -54,6 +54,7 @@ from deepserve.config.loading import read_run_config
 from deepserve.config.models import ModelSpec, ScalingSection
 from deepserve.control.cm.hosts import HostBook
 from deepserve.control.cm.scaling import ScalingControl, options_of, policies_of, targets_of
+from deepserve.control.identity import cm_admit
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PubSocket, PullSocket, PushSocket
 from deepserve.messages.cache import TierReport
@@ -76,7 +77,7 @@ class ClusterManager:
     def __init__(self, ctx: zmq.Context, inbox: str, pub: str, te_timeout_s: float,
                  grace_s: float = FIRST_PUBLISH_GRACE_S, expected_tes: Collection[str] = (),
                  clock: Callable[[], float] = time.monotonic, events=None):
-        self.inbox = PullSocket(ctx, inbox, bind=True, type=ToClusterManager)
+        self.inbox = PullSocket(ctx, inbox, bind=True, type=ToClusterManager, admit=cm_admit)
         self.pub = PubSocket(ctx, pub, bind=True)
         self.te_timeout_s = te_timeout_s
         self.clock = clock

@@ -53,6 +53,7 @@ import msgspec.structs
 import zmq
 
 from deepserve.actor import run_main
+from deepserve.control.identity import je_admit
 from deepserve.control.je.context_jobs import ContextJobs
 from deepserve.control.je.fair_share import FairShare, num_tokens, tenant_of
 from deepserve.control.je.contexts import ContextBook
@@ -99,7 +100,7 @@ class JobExecutor:
         self.dualpath = (None if r.dualpath is None  # pairs and read paths (routing/dualpath.py)
                          else DualPathScheduler(**msgspec.structs.asdict(r.dualpath)))
         self.ctx = ctx
-        self.inbox = PullSocket(ctx, s.inbox, bind=True, type=_IN)
+        self.inbox = PullSocket(ctx, s.inbox, bind=True, type=_IN, admit=je_admit)
         self.inbox_address = endpoints(s.inbox)[0]  # done_to of every task (TaskDone): the
         # one this JE binds (with standby heads, s.inbox lists every head's)
         self.share = FairShare(s.tenants)  # tenants' limits, TE slots, fair queues

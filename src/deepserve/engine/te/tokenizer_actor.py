@@ -36,6 +36,7 @@ from deepserve.engine.output_processor import RequestState
 from deepserve.engine.step_core import check_request, with_request_words
 from deepserve.engine.te.specs import TokenizerSpec
 from deepserve.errors import InvalidRequestError, PromptTooLongError
+from deepserve.ipc import curve
 from deepserve.ipc.outboxes import Outboxes
 from deepserve.ipc.sockets import PullSocket, PushSocket
 from deepserve.ipc.timeline import Timeline, token_key
@@ -78,7 +79,8 @@ class TokenizerActor:
         self.tokenizer = Tokenizer(spec.config.model)
         self.vocab_size = load_model_config(spec.config.model).vocab_size
         self.generation = GenerationDefaults.load(spec.config.model)
-        self.inbox = PullSocket(ctx, spec.listen_address, bind=True, type=ToTokenizer)
+        self.inbox = PullSocket(ctx, spec.listen_address, bind=True, type=ToTokenizer,
+                                admit=curve.from_head)  # secure: a head's JE only
         self.to_master = PushSocket(ctx, spec.master_address, bind=False)
         self.ctx, self.client_address = ctx, spec.client_address
         self.replies = Outboxes(ctx)  # a gone or bogus reply_to drops, never blocks
