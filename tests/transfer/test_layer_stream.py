@@ -4,11 +4,13 @@ DEALER clients on loopback; every refusal is an error the puller sees."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import zmq
 
+from deepserve.ipc.sockets import LOCAL
 from deepserve.transfer.layer_stream import LayerStreamClient, LayerStreamServer
 from deepserve.transfer.types import TransferError
 
@@ -26,11 +28,18 @@ def ctx():
     c.term()
 
 
-@pytest.fixture
-def server(ctx):
-    s = LayerStreamServer("tcp://127.0.0.1:0", ctx, max_bytes=4 * blocks().numel() * 4)
+@pytest.fixture(params=["local", "tcp"])
+def server(ctx, request):
+    """What a TE binds on one host (LOCAL: ipc://, a 0700 directory of its own,
+    removed on close), and tcp as across hosts."""
+    bind = LOCAL if request.param == "local" else "tcp://127.0.0.1:0"
+    s = LayerStreamServer(bind, ctx, max_bytes=4 * blocks().numel() * 4)
+    directory = Path(s.address[len("ipc://"):]).parent if bind == LOCAL else None
+    if directory is not None:
+        assert s.address.startswith("ipc://") and directory.stat().st_mode & 0o777 == 0o700
     yield s
     s.close()
+    assert directory is None or not directory.exists()
 
 
 @pytest.fixture

@@ -176,3 +176,23 @@ def test_unreachable_tcp_link_times_out(pools):
             df.link("d", PeerEndpoint(shape=BIG, dtype="float32", tcp="tcp://127.0.0.1:9"))
     finally:
         df.close()
+
+
+def test_a_one_host_receiver_listens_on_a_private_ipc_path(pools):
+    """No loopback TCP port that any local user could reach: an ipc:// path in a
+    directory only this user enters (0700), gone when the receiver closes; a
+    TE's kv_bind_host picks it on loopback, tcp on its host's address."""
+    from pathlib import Path
+
+    from deepserve.ipc.sockets import LOCAL
+    from deepserve.transfer.receiver import kv_bind
+    rec = DistFlowReceiver(pools[1])
+    directory = Path(rec.address[len("ipc://"):]).parent
+    try:
+        assert rec.address.startswith("ipc://") and rec.endpoint().tcp == rec.address
+        assert directory.stat().st_mode & 0o777 == 0o700
+    finally:
+        rec.close()
+    assert not directory.exists()
+    assert kv_bind("127.0.0.1") == kv_bind("::1") == LOCAL
+    assert kv_bind("10.0.0.5") == "tcp://10.0.0.5:0"

@@ -56,8 +56,10 @@ class EngineConfig:
     its shared-memory pool, "ring" through a staging ring, "tcp" over ZeroMQ.
     A TE whose peers send with ring/tcp starts a receiver for them."""
     kv_bind_host: str = "127.0.0.1"
-    """The address a ring/tcp KV receiver binds: loopback serves prefill TEs of
-    this host; a node of many hosts sets its [cluster] host here."""
+    """The address a ring/tcp KV receiver and a layer-stream server bind: on a
+    loopback address they listen on ipc:// paths in the TE's run directory
+    (this host's TEs only, transfer/receiver.py kv_bind); a node of many hosts
+    sets its [cluster] host here (tcp, CURVE with [cluster] secure)."""
     kv_transfer_layerwise: bool = False
     """Send each layer's KV as soon as that layer is computed (overlaps the
     transfer with the rest of the forward) instead of after the forward."""

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -63,6 +65,37 @@ def ipc_address(run_dir: str | Path, name: str) -> str:
         raise ValueError(f"ipc socket path {path!r} has {len(path.encode())} bytes; "
                          f"it must be shorter than {MAX_IPC_PATH_LEN} (use a shorter run_dir)")
     return f"ipc://{path}"
+
+
+LOCAL = "local"
+"""A bind address: this host's processes only, over ipc:// in a directory of its
+own (bind_local). What a one-host listener takes instead of loopback TCP, which
+every local user (and a browser's fetch) can reach and CURVE does not cover."""
+
+
+def bind_local(sock: zmq.Socket, prefix: str) -> tuple[str, Path]:
+    """Bind `sock` to an ipc:// path in a new directory under $TMPDIR that only
+    this user may enter (0700): (the address, the directory, which the caller
+    removes once the socket is closed)."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        address = ipc_address(directory, "s")
+        sock.bind(address)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return address, directory
+
+
+def bind_listener(sock: zmq.Socket, bind: str, prefix: str) -> tuple[str, Path | None]:
+    """Bind `sock` to `bind`: LOCAL (bind_local, its directory named `prefix`...),
+    or an address (CURVE first where it is tcp:// and the process is secure).
+    (The bound address, LOCAL's directory or None.)"""
+    if bind == LOCAL:
+        return bind_local(sock, prefix)
+    curve.secure(sock, bind, bind=True)
+    sock.bind(bind)
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode(), None
 
 
 def endpoints(addr: str) -> list[str]:

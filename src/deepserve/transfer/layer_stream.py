@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+import shutil
 import threading
 import time
 from dataclasses import dataclass
+
 import msgspec
 import torch
 import zmq
 
 from deepserve.ipc import curve
+from deepserve.ipc.sockets import bind_listener
 from deepserve.transfer.receiver import WILDCARDS
 from deepserve.transfer.types import TransferError
 
@@ -71,15 +74,14 @@ class LayerStreamServer:
 
     def __init__(self, bind: str, ctx: zmq.Context, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  ttl_s: float = DEFAULT_TTL_S):
-        """bind: "tcp://127.0.0.1:0", or this host's address for pulls from other hosts."""
+        """bind: LOCAL (ipc://, this host's processes only), or "tcp://HOST:0" with
+        this host's address for pulls from other hosts."""
         if bind.startswith(WILDCARDS):
             raise ValueError(f"bind {bind!r}: name this host's address, not a wildcard")
         self.max_bytes, self.ttl_s = max_bytes, ttl_s
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        curve.secure(self._sock, bind, bind=True)
-        self._sock.bind(bind)
-        self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.address, self._dir = bind_listener(self._sock, bind, "ds-ls-")  # _dir: LOCAL's
         self._streams: dict[int, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams
         self.num_pulls = 0  # layers served
@@ -122,6 +124,8 @@ class LayerStreamServer:
         self._thread.join(5)
         with self._lock:
             self._streams.clear()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def _loop(self) -> None:
         try:

@@ -23,6 +23,7 @@ unlinks it; the receiver only attaches (and detaches on Bye or close).
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 from multiprocessing.shared_memory import SharedMemory
 
@@ -30,8 +31,9 @@ import msgspec
 import torch
 import zmq
 
-from deepserve.ipc import curve
+from deepserve.config.cluster import is_loopback
 from deepserve.ipc.segments import attach_segment
+from deepserve.ipc.sockets import LOCAL, bind_listener, ipc_address
 from deepserve.transfer import layout
 from deepserve.transfer.types import PeerEndpoint, PoolRegion, TransferError
 from deepserve.transfer.wire import Ack, Bye, Hello, Push, RingChunk, ToReceiver, Welcome
@@ -39,7 +41,18 @@ from deepserve.transfer.wire import Ack, Bye, Hello, Push, RingChunk, ToReceiver
 log = logging.getLogger(__name__)
 POLL_MS = 50  # how often the loop looks at the stop flag
 LOOPBACK = "tcp://127.0.0.1:0"
+"""A loopback TCP bind (tests that mean tcp); a node's one-host receivers bind LOCAL."""
 WILDCARDS = ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:")
+
+
+def kv_bind(host: str, run_dir: str = "", name: str = "kv") -> str:
+    """Where a TE's KV listener `name` binds for kv_bind_host `host`: on a
+    loopback host, which only this host's peers use, ipc:// in the TE's run
+    directory (0700; LOCAL without one); else tcp on the host's own address
+    (CURVE with [cluster] secure), for peers on other hosts."""
+    if not is_loopback(host):
+        return f"tcp://{host}:0"
+    return ipc_address(run_dir, name) if run_dir else LOCAL
 
 
 class _RingState(msgspec.Struct):
@@ -52,11 +65,12 @@ class _RingState(msgspec.Struct):
 class DistFlowReceiver:
     """The destination side for the tcp and ring backends: a thread that writes incoming blocks into its pool and acknowledges each transfer (with the checksum of the bytes it wrote when asked)."""
 
-    def __init__(self, pool: torch.Tensor, *, bind: str = LOOPBACK,
+    def __init__(self, pool: torch.Tensor, *, bind: str = LOCAL,
                  ctx: zmq.Context | None = None):
-        """`bind`: loopback serves senders on this host; senders on other hosts need
-        this host's own address (e.g. "tcp://10.0.0.5:0"). Never a wildcard: the
-        endpoint advertises the bound address, and "0.0.0.0" reaches no peer."""
+        """`bind`: LOCAL (ipc:// in a directory only this user enters) serves senders
+        on this host; senders on other hosts need this host's own address (e.g.
+        "tcp://10.0.0.5:0"). Never a wildcard: the endpoint advertises the bound
+        address, and "0.0.0.0" reaches no peer."""
         if bind.startswith(WILDCARDS):
             raise ValueError(f"bind {bind!r}: name this host's address, not a wildcard")
         layout.check_pool(pool)
@@ -66,9 +80,7 @@ class DistFlowReceiver:
         self._dtype = layout.dtype_name(pool.dtype)
         self._sock = (ctx or zmq.Context.instance()).socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        curve.secure(self._sock, bind, bind=True)
-        self._sock.bind(bind)
-        self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.address, self._dir = bind_listener(self._sock, bind, "ds-df-")  # _dir: LOCAL's
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(ToReceiver)
         self._staging: dict[str, tuple[SharedMemory, torch.Tensor]] = {}
@@ -84,6 +96,8 @@ class DistFlowReceiver:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5.0)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- the loop (the only user of the socket) -----------------------------
 

@@ -35,6 +35,7 @@ from deepserve.messages.pd import KVEndpoint, KVSent, KVTransferOrder
 from deepserve.messages.step import StepBatch, StepOutput
 from deepserve.transfer import (DistFlow, DistFlowReceiver, PeerEndpoint, PoolRegion,
                                 TransferError)
+from deepserve.transfer.receiver import kv_bind
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +48,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 class KVSender:
     def __init__(self, pool: torch.Tensor, segment: str, rank: int, config: EngineConfig,
-                 ctx: zmq.Context, faults: FaultHooks | NoFaults):
+                 ctx: zmq.Context, faults: FaultHooks | NoFaults, bind: str = ""):
+        """bind: where its DistFlow receiver (ring, tcp) listens; "": kv_bind's
+        choice for config.kv_bind_host."""
         self.rank, self.backend = rank, config.kv_transfer_backend
         self.timeout_s = config.kv_transfer_timeout_s
         self.distflow = DistFlow(pool, timeout_s=self.timeout_s, ctx=ctx)
         self.receiver = None
         endpoint = KVEndpoint(shape=tuple(pool.shape), dtype=_dtype_name(pool.dtype), shm=segment)
         if self.backend in ("ring", "tcp"):
-            self.receiver = DistFlowReceiver(pool, bind=f"tcp://{config.kv_bind_host}:0", ctx=ctx)
+            self.receiver = DistFlowReceiver(pool, bind=bind or kv_bind(config.kv_bind_host),
+                                             ctx=ctx)
             e = self.receiver.endpoint(shm_name=segment)
             endpoint = KVEndpoint(shape=endpoint.shape, dtype=endpoint.dtype, shm=segment,
                                   tcp=e.tcp)

@@ -24,3 +24,6 @@ class WorkerSpec:
     # the node's weight cache root; None: $DEEPSERVE_WEIGHT_CACHE of this process
     # (a forkserver child has the forkserver's environment, not the launcher's)
     weight_cache: str | None = None
+    run_dir: str = ""
+    """The TE's run directory (0700, swept when the TE is): the worker's one-host
+    KV listeners (DistFlow receiver, layer streams) bind ipc:// paths in it."""

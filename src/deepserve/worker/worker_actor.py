@@ -63,6 +63,7 @@ from deepserve.model.decoder import CausalLM
 from deepserve.model.loader import load_model
 from deepserve.model.parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from deepserve.structured.matchers import GrammarBook
+from deepserve.transfer.receiver import kv_bind
 from deepserve.worker.model_runner import ModelRunner
 from deepserve.worker.spec import WorkerSpec
 
@@ -124,13 +125,14 @@ class _Worker:
                                            model.config.eos_token_ids)
         self.runner.grammars.beat = self._grammar_wait
         self.ring = self._attach_ring(time.monotonic() + cfg.startup_timeout_s)
-        self.kv_sender = KVSender(pool, self.kv_name, self.tp.rank, cfg, self.ctx,
-                                  self.life.faults)
-        self.cache_exec = CacheExecutor(
-            pool, self.tp.rank, self.tp.size, self.ctx, self.spec.step_done_address,
-            cfg.storage_read_gbps, stream=(f"tcp://{cfg.kv_bind_host}:0", cfg.kv_stream_bytes,
-                                           2 * cfg.kv_transfer_timeout_s)
-            if cfg.kv_stream_bytes else None)
+        run_dir, rank = self.spec.run_dir, self.tp.rank
+        self.kv_sender = KVSender(pool, self.kv_name, rank, cfg, self.ctx, self.life.faults,
+                                  bind=kv_bind(cfg.kv_bind_host, run_dir, f"kv-recv{rank}"))
+        stream = (kv_bind(cfg.kv_bind_host, run_dir, f"kv-stream{rank}"), cfg.kv_stream_bytes,
+                  2 * cfg.kv_transfer_timeout_s) if cfg.kv_stream_bytes else None
+        self.cache_exec = CacheExecutor(pool, rank, self.tp.size, self.ctx,
+                                        self.spec.step_done_address, cfg.storage_read_gbps,
+                                        stream=stream)
         self.runner.layer_loads = self.cache_exec.layers  # consumed by their seq's forward
         self.cache_exec.layers.beat = lambda: self.life.beat(self.progress(), self.in_step)
         self.out.put(WorkerReady(rank=self.tp.rank, pid=os.getpid(),

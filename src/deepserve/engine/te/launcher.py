@@ -189,7 +189,7 @@ class TELauncher:
     def _worker_spec(self, rank: int, init_method: str) -> WorkerSpec:
         return WorkerSpec(self.run_id, rank, self.config, segment_name(self.run_id, "steps"),
                           self.address["ring"], self.address["steps"], init_method, self.te_id,
-                          os.environ.get(WEIGHT_CACHE_ENV, ""))
+                          os.environ.get(WEIGHT_CACHE_ENV, ""), str(self.run_dir))
 
 
 def _child_main(entry: str, spec, death_pipe, ready_pipe) -> None:
