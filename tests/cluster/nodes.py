@@ -153,3 +153,22 @@ class Cluster:
         path = self.d / f"{node}-logs" / "health.jsonl"
         lines = path.read_text().splitlines() if path.exists() else []
         return [e for e in map(json.loads, lines) if e.get("event") == event]
+
+
+def standby_cluster(hosts, model: Path, d: Path, failover_s: float, head_tables: str = "",
+                    standby_tables: str = "") -> Cluster:
+    """h0 the head, h1 its standby (h1-te0), h2 joined to both (h2-te0), the
+    heads sharing d/state (`state`: contexts, head terms); `*_tables`: more
+    tables of the head's and the standby's confs. Started, not yet serving."""
+    c = Cluster(hosts, d, Scratch())
+    head, standby = hosts.addresses[0], hosts.addresses[1]
+    c.state = d / "state"
+    c.state.mkdir()
+    state = f'state_dir = "{c.state}"'
+    c.start(0, "head", head_conf(d, model, head, cluster=state, tables=head_tables))
+    c.start(1, "h1", node_conf(d, model, "h1", standby, head, ["colocated"],
+                               cluster=f"standby = true\nfailover_s = {failover_s}\n{state}",
+                               tables=standby_tables))
+    c.start(2, "h2", node_conf(d, model, "h2", hosts.addresses[2], f"{head}:{PORT},{standby}",
+                               ["colocated"]))
+    return c

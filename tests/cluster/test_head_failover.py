@@ -26,8 +26,7 @@ import time
 
 import pytest
 
-from tests.cluster.nodes import KEY, PORT, TE, URL, Cluster, head_conf, node_conf
-from tests.scratch import Scratch
+from tests.cluster.nodes import KEY, PORT, TE, URL, standby_cluster
 
 pytestmark = pytest.mark.slow  # three nodes' process trees
 
@@ -39,21 +38,11 @@ CONTEXT = "You are a careful assistant. Every answer is short and exact. " * 4
 
 @pytest.fixture(scope="module")
 def cluster(hosts, tiny_model, tmp_path_factory):
-    d = tmp_path_factory.mktemp("failover")
-    scratch = Scratch()
-    c = Cluster(hosts, d, scratch)
-    head, standby = hosts.addresses[0], hosts.addresses[1]
-    state = f'state_dir = "{d / "state"}"'  # shared by the heads: the context registry
-    (d / "state").mkdir()
     scaled = (f'[[model]]\nname = "{SCALED}"\npath = "{tiny_model}"\nmin_tes = 0\n'
               f'max_tes = 1\n{TE}[scaling]\nqueue_timeout_s = 150\n')  # on both heads
-    c.start(0, "head", head_conf(d, tiny_model, head, cluster=state,
-                                 tables=f'[[te]]\ntype = "colocated"\n{TE}' + scaled))
-    c.start(1, "h1", node_conf(d, tiny_model, "h1", standby, head, ["colocated"],
-                               cluster=f"standby = true\nfailover_s = {FAILOVER_S}\n{state}",
-                               tables=scaled))
-    c.start(2, "h2", node_conf(d, tiny_model, "h2", hosts.addresses[2],
-                               f"{head}:{PORT},{standby}", ["colocated"]))
+    c = standby_cluster(hosts, tiny_model, tmp_path_factory.mktemp("failover"), FAILOVER_S,
+                        head_tables=f'[[te]]\ntype = "colocated"\n{TE}' + scaled,
+                        standby_tables=scaled)
     yield from c.serving(3)
 
 

@@ -154,3 +154,67 @@ def test_a_frame_past_the_cap_disconnects_its_sender_and_the_receiver_lives(shor
         pull.close()
         default.close()
         ctx.term()
+
+
+def test_a_tcp_peer_that_goes_silent_without_a_reset_is_dropped_by_heartbeats():
+    """A partition drops packets and sends no reset: a PUSH connected to every
+    head would keep queueing to the silent one for the kernel's minutes. Here a
+    relay stops forwarding (the fault: it counts what it swallows) and keeps
+    both connections open; the PUSH drops the peer after HEARTBEAT_TIMEOUT_MS."""
+    import socket
+    import threading
+
+    from zmq.utils.monitor import recv_monitor_message
+
+    from deepserve.ipc.sockets import HEARTBEAT_TIMEOUT_MS, free_port
+    ctx = zmq.Context()
+    target = f"tcp://127.0.0.1:{free_port()}"
+    pull = PullSocket(ctx, target, bind=True, type=Command)
+    relay = socket.socket()
+    relay.bind(("127.0.0.1", 0))
+    relay.listen(1)
+    frozen, swallowed, stop = threading.Event(), [0], threading.Event()
+
+    def pump(src, dst) -> None:
+        src.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            if frozen.is_set():
+                swallowed[0] += len(data)
+            else:
+                dst.sendall(data)
+
+    def serve() -> None:
+        conn, _ = relay.accept()
+        upstream = socket.create_connection(("127.0.0.1", int(target.rsplit(":", 1)[1])))
+        threading.Thread(target=pump, args=(upstream, conn), daemon=True).start()
+        pump(conn, upstream)
+        conn.close()
+        upstream.close()
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    push = PushSocket(ctx, f"tcp://127.0.0.1:{relay.getsockname()[1]}", bind=False)
+    events = push.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        push.put(Ping(seq=1))
+        assert pull.get(timeout=5) == Ping(seq=1)  # through the relay
+        frozen.set()  # the fault
+        disconnected = events.poll(HEARTBEAT_TIMEOUT_MS + 3000)
+        assert swallowed[0] > 0  # heartbeats went into the void
+        assert disconnected and recv_monitor_message(events)["event"] == zmq.EVENT_DISCONNECTED
+    finally:
+        stop.set()
+        push.socket.disable_monitor()
+        events.close(linger=0)
+        push.close()
+        pull.close()
+        relay.close()
+        server.join(5)
+        ctx.term()

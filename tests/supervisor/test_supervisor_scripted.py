@@ -73,7 +73,9 @@ try:
     if mode == "events":
         life.event("no_such_event", note="dropped, never written")
         life.event("fault_injected", fault="stall", value="")
-    if mode in ("beat", "events"):
+    if mode == "deposed":  # a head's CM that heard a higher term
+        life.event("head_stepped_down", term=1, new_term=2, heard_from="n2")
+    if mode in ("beat", "events", "deposed"):
         n = 0
         while not life.should_stop():
             n += 1
@@ -361,3 +363,26 @@ def test_events_are_forwarded_and_unknown_ones_dropped(make_harness):
     assert h.seq("je") == [("je", "started"), ("je", "fault_injected")]
     assert fired["details"] == {"fault": "stall", "value": ""}
     assert fired["pid"] == h.table.pid("je")
+
+
+def test_a_deposed_heads_cm_and_je_are_stopped_for_good_not_as_a_fault(make_harness):
+    """head_stepped_down from the cluster manager: the supervisor stops it and
+    the job executor, restarts neither, and counts no failure (a node that
+    stops on a failed vital process must not stop for this)."""
+    h = make_harness("cluster-manager", "job-executor", "gateway")
+    h.spawn("job-executor", "beat")
+    h.spawn("gateway", "beat")
+    h.spawn("cluster-manager", "deposed")
+    h.sup.start()
+    h.wait_for("cluster-manager", "cluster-manager", "head_stepped_down")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+            h.table.poll(n) is None for n in ("cluster-manager", "job-executor")):
+        time.sleep(0.05)
+    assert h.table.poll("cluster-manager") is not None and h.table.poll("job-executor") is not None
+    time.sleep(HEARTBEAT_S + SLACK_S)  # past every deadline: nothing is missed or restarted
+    assert h.sup.retired == {"cluster-manager", "job-executor"} and not h.sup.failed
+    for name in ("cluster-manager", "job-executor"):
+        assert [event for _, event in h.seq(name)] == (
+            ["started", "head_stepped_down"] if name == "cluster-manager" else ["started"])
+    assert h.table.poll("gateway") is None  # the rest runs on

@@ -284,6 +284,9 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     tenants: TenantsSection = TenantsSection()
     run: RunAddresses | None = None
     """Set by the node once its run directory exists (None in what conf/ files give)."""
+    term: int = 0
+    """The head term this node's cluster manager serves (supervisor/head_terms.py):
+    set by the node when it starts as the head or takes over; 0: not a head."""
     learned: tuple[ModelSpec, ...] = ()
     """Models the head's autoscaler placed on this joined node (a ScaleOut's path and
     options): set by the node at run time, never in conf/ files."""

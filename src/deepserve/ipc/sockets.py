@@ -104,11 +104,24 @@ def endpoints(addr: str) -> list[str]:
     return [a.strip() for a in addr.split(",") if a.strip()]
 
 
+HEARTBEAT_MS = 1000
+"""ZMTP heartbeats on tcp:// sockets: a PING this often, and a peer silent for
+HEARTBEAT_TIMEOUT_MS is dropped. A peer cut off without a reset (a partition,
+a host powered off) otherwise keeps its pipe for the kernel's retransmission
+timeout (minutes): a PUSH to several heads would go on queueing to it."""
+HEARTBEAT_TIMEOUT_MS = 3000
+
+
 def bind_or_connect(sock: zmq.Socket, addr: str, bind: bool) -> None:
     """Bind addr's first endpoint (this host's), or connect to every one. With
     several, a sending socket gets ZMQ_IMMEDIATE: it queues only to a peer that
-    is there (the live head), never to an endpoint nobody binds yet."""
+    is there (the live head), never to an endpoint nobody binds yet. tcp://
+    sockets get ZMTP heartbeats (HEARTBEAT_MS)."""
     first, *others = endpoints(addr) or [addr]
+    if first.startswith("tcp://"):
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
     if bind:
         sock.bind(first)
         return

@@ -127,6 +127,29 @@ class TEList(msgspec.Struct, tag="te_list", **_STRUCT):
     """TE id -> the part it went down with (TEDown.part), for the TEs this CM
     removed that are not listed again; a TE missing here went down for a
     reason this CM does not know."""
+    term: int = 0
+    """The head term of the CM's node (supervisor/head_terms.py): a standby that
+    takes over starts a higher one. 0: a single node (no term)."""
 
 
 FromClusterManager = TEList | TEReport | ScaleEvent | TierReport
+
+
+class TermFence:
+    """A reader of the heads' TE lists (several heads: one list per head) keeps
+    only the newest term's: a list of a term below the highest seen is a
+    deposed head's (a partition left it serving) and is ignored, as a list
+    with is_complete = False is. Other messages pass."""
+
+    def __init__(self, term: int = 0):
+        self.highest = term
+        self.num_fenced = 0
+
+    def admits(self, msg) -> bool:
+        if not isinstance(msg, TEList):
+            return True
+        if msg.term < self.highest:
+            self.num_fenced += 1
+            return False
+        self.highest = msg.term
+        return True

@@ -104,6 +104,9 @@ class NodeReport(msgspec.Struct, tag="node_report", **_STRUCT):
     scale_outs: int = 0
     """ScaleOut TEs this run has taken: the CM's placements still in flight are
     those it sent beyond this count."""
+    term: int = 0
+    """The highest head term the node has heard (TEList.term): a head whose own
+    is lower was deposed and steps down (control/cm/cluster_manager.py)."""
 
 
 class ScaleIn(msgspec.Struct, tag="scale_in", **_STRUCT):

@@ -60,6 +60,7 @@ SEVERITY: dict[str, str] = {
     "node_lost": ERROR,
     "head_lost": ERROR,  # a standby head: the head's CM silent for failover_s
     "head_taken_over": WARNING,  # the standby started the CM and JE on its own host
+    "head_stepped_down": ERROR,  # a head's CM heard a higher term: its CM and JE stop
     "weights_forked": INFO,  # a node pulled a model's files from a peer (fork)
     "fork_failed": ERROR,  # no peer gave them: the TEs waiting for it are refused
     "cache_block_corrupt": WARNING,

@@ -67,6 +67,7 @@ from deepserve.faults import ENV_VAR as DRILL_ENV
 from deepserve.ipc.heartbeat import ENV_VAR as HEARTBEAT_ENV
 from deepserve.ipc.sockets import SubSocket, endpoints
 from deepserve.messages.control import FromClusterManager, TEList
+from deepserve.supervisor.head_terms import HeadTerms
 from deepserve.supervisor.head_watch import HeadWatch
 from deepserve.supervisor.health_log import HealthLog
 from deepserve.supervisor.node_config import NodeConfig, TESpec
@@ -95,6 +96,8 @@ class Node:
                                          config.node.host_cache_bytes > 0, config.cluster)
         self.joins = config.cluster.joins  # a joining node: its TEs (and KV tier) only
         self.standby = config.cluster.standby  # and a gateway; the head's CM and JE later
+        c = config.cluster
+        self.terms = HeadTerms(c.state_dir, f"{c.host}:{c.port}")  # a head's (head_terms.py)
         sup = config.supervisor
         self.log_dir = Path(sup.log_dir) if sup.log_dir else self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -127,6 +130,8 @@ class Node:
 
     def start(self) -> None:
         try:
+            if not self.joins:  # the head: a term past every recorded one (head_terms.py)
+                self.config = msgspec.structs.replace(self.config, term=self.terms.claim(1, 64))
             self.supervisor = self._supervisor()  # its inbox first: no early heartbeat is lost
             open_sockets = self.config.insecure_sockets  # [cluster] insecure: said each start
             if open_sockets:
@@ -166,7 +171,7 @@ class Node:
                           inbox=self.run.hb, cm_pub=self.run.cm_pub, cm=self.run.cm,
                           scaler=self.scaler, watched=watched, node_inbox=self.run.node_inbox,
                           te_address=lambda te_id: self.run.te_address(te_id),
-                          head_watch=watch)
+                          head_watch=watch, term=self.config.term)
 
     def _spawn_control(self, conf: Path) -> None:
         self._spawn("cluster-manager", "deepserve.control.cm.cluster_manager",
@@ -181,15 +186,20 @@ class Node:
         TEs re-announce themselves to the new CM; the gateways resume what the
         old JE held (gateway/link/job_client.py)."""
         heads = self.config.cluster.head
+        heard = self.supervisor.fence.highest if self.supervisor is not None else 0
+        term = self.terms.claim(heard + 1)  # past every term heard; None: another standby's
         self.health.write("cluster-manager", "head_lost", None, head=heads,
-                          silent_s=round(silent_s, 3))
-        self._spawn_control(self.run_dir / RUN_CONFIG)
+                          silent_s=round(silent_s, 3), term=term)
+        if term is None:
+            return
+        self.config = msgspec.structs.replace(self.config, term=term)
+        self._spawn_control(self._write_run_config())
         if self.supervisor is not None:
             for name in ("cluster-manager", "job-executor"):
                 self.supervisor.watch_process(name)
         self.health.write("cluster-manager", "head_taken_over", self.table.pid("cluster-manager"),
                           head=heads, cm=endpoints(self.run.cm)[0],
-                          je=endpoints(self.run.je)[0])
+                          je=endpoints(self.run.je)[0], term=term)
 
     # -- models and scaled TEs placed here by the head's CM (scaler.py) -----------------
     def model_spec(self, name: str, path: str = "", options: dict | None = None):

@@ -40,12 +40,13 @@ import time
 from dataclasses import dataclass
 from typing import Container, Iterable
 
+import msgspec
 import psutil
 import zmq
 
 from deepserve.ipc import curve
 from deepserve.ipc.sockets import PullSocket, PushSocket, SubSocket
-from deepserve.messages.control import FromClusterManager, TEDown, TEList
+from deepserve.messages.control import FromClusterManager, TEDown, TEList, TermFence
 from deepserve.messages.health import HealthEvent, Heartbeat, Ready, ToSupervisor
 from deepserve.messages.scaling import NODE_REPORT_S, ScaleIn, ScaleOut
 from deepserve.supervisor.head_watch import HeadWatch
@@ -80,7 +81,7 @@ class Supervisor:
     def __init__(self, table: ProcessTable, health: HealthLog, cfg, *, tes: Container[str],
                  inbox: str, cm_pub: str, cm: str, watched: Iterable[str] = NODE_PROCESSES,
                  tick_s: float = 0.1, scaler=None, te_address=lambda te_id: "",
-                 node_inbox: str = "", head_watch: HeadWatch | None = None):
+                 node_inbox: str = "", head_watch: HeadWatch | None = None, term: int = 0):
         self.table, self.health, self.cfg, self.tick_s = table, health, cfg, tick_s
         self.tes, self.watched = tes, tuple(watched)
         self.watchdog = Watchdog()
@@ -102,6 +103,8 @@ class Supervisor:
         self.scaler = scaler  # scaler.py (None: a fixed set of TEs, no pool)
         self.te_address = te_address  # te id -> its inbox (TEDown names it: ours, no namesake)
         self.head_watch = head_watch  # a standby head's (head_watch.py): when to take over
+        self.fence = TermFence(term)  # the highest head term heard (head_terms.py)
+        self.retired: set[str] = set()  # stopped for good on purpose: a deposed head's CM, JE
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -139,8 +142,9 @@ class Supervisor:
             self.scaler.tick(now)
             if now - self.reported_at >= NODE_REPORT_S:
                 self.reported_at = now
-                self._send_cm(self.scaler.report())
-        heard = self.cm_pub.drain()
+                self._send_cm(msgspec.structs.replace(self.scaler.report(),
+                                                      term=self.fence.highest))
+        heard = [msg for msg in self.cm_pub.drain() if self.fence.admits(msg)]
         if self.head_watch is not None:
             if heard:
                 self.head_watch.heard(now)
@@ -157,7 +161,8 @@ class Supervisor:
             self._on_fault(fault, now)
         for name, popen in self.table.procs.items():
             incident = self.incidents.get(name)
-            if popen.poll() is None or name in self.failed or (incident and not incident.restarted):
+            if popen.poll() is None or name in self.failed or name in self.retired \
+                    or (incident and not incident.restarted):
                 continue  # alive, given up on, or already being replaced
             if self.scaler is not None and (name in self.scaler.pods
                                             or self.scaler.is_retiring(name)
@@ -187,6 +192,8 @@ class Supervisor:
                             msg.pid, msg.event)
                 return
             self._log(msg.component, msg.event, msg.pid, **msg.details)
+            if msg.event == "head_stepped_down" and msg.component == "cluster-manager":
+                self._retire(("cluster-manager", "job-executor"))
             return
         owner = msg.component.split("/")[0]
         if owner in self.failed or owner not in self.table \
@@ -247,6 +254,17 @@ class Supervisor:
         self._watch(name, self.table.pid(name), self.cfg.startup_grace_s)
 
     # -- acting ------------------------------------------------------------------------
+    def _retire(self, names: tuple[str, ...]) -> None:
+        """Stop `names` for good, not as a fault: a deposed head's cluster manager
+        and job executor (they are neither restarted nor counted as failed)."""
+        names = tuple(n for n in names if n in self.table and n not in self.retired)
+        self.retired.update(names)
+        for name in names:
+            if name in self.watchdog.names:
+                self.watchdog.remove(name)
+        threading.Thread(target=lambda: [self.table.stop(n, self.cfg.kill_grace_s)
+                                         for n in names], name="retire", daemon=True).start()
+
     def _fail(self, name: str, now: float, faulty_pid: int | None, part: str = "") -> None:
         """Take `name` (a TE or a node process) down and schedule its restart;
         part: which of a TE's processes failed (TEDown.part)."""

@@ -76,8 +76,10 @@ class ClusterManager:
 
     def __init__(self, ctx: zmq.Context, inbox: str, pub: str, te_timeout_s: float,
                  grace_s: float = FIRST_PUBLISH_GRACE_S, expected_tes: Collection[str] = (),
-                 clock: Callable[[], float] = time.monotonic, events=None):
+                 clock: Callable[[], float] = time.monotonic, events=None, term: int = 0):
         self.inbox = PullSocket(ctx, inbox, bind=True, type=ToClusterManager, admit=cm_admit)
+        self.term = term  # this head's term (TEList.term)
+        self.deposed_by: int | None = None  # a higher term a node reported: stepped down
         self.pub = PubSocket(ctx, pub, bind=True)
         self.te_timeout_s = te_timeout_s
         self.clock = clock
@@ -119,6 +121,8 @@ class ClusterManager:
                 self.handle(msg)
         except TimeoutError:
             pass
+        if self.deposed_by is not None:  # silent until its supervisor stops it
+            return
         self._expire()
         if self.scaling is not None and self.is_listing:
             for te_id in self.scaling.step(self.clock(), self.tes):
@@ -179,8 +183,20 @@ class ClusterManager:
             self.scaling.on_demand(msg, self.clock())
 
     def _on_node_report(self, msg: NodeReport) -> None:
-        if self.scaling is not None:
+        if msg.term > self.term and self.deposed_by is None:
+            self._step_down(msg.term, msg.node)
+        if self.scaling is not None and self.deposed_by is None:
             self.scaling.on_node_report(msg, self.clock())
+
+    def _step_down(self, term: int, node: str) -> None:
+        """Another head took a higher term (a standby that took over while this
+        head was cut off from it): publish, place and scale nothing more; the
+        node's supervisor stops this CM and the JE (head_stepped_down)."""
+        self.deposed_by = term
+        log.error("cluster manager of term %d: node %s heard term %d; stepping down",
+                  self.term, node, term)
+        if self.events is not None:
+            self.events("head_stepped_down", term=self.term, new_term=term, heard_from=node)
 
     def _on_scale_event(self, msg: ScaleEvent) -> None:
         if self.scaling is not None:
@@ -232,7 +248,8 @@ class ClusterManager:
         by it, so a CM restarting on a live head is no reason to take over)."""
         if not self.is_listing:
             if self.clock() - self.beacon_at >= REPUBLISH_S:
-                self.pub.put(TEList(tes=[], cm_incarnation=self.incarnation, is_complete=False))
+                self.pub.put(TEList(tes=[], cm_incarnation=self.incarnation, is_complete=False,
+                                    term=self.term))
                 self.beacon_at = self.clock()
             return
         if self.last_published is None:
@@ -244,7 +261,7 @@ class ClusterManager:
         down = {te_id: part for te_id, part in self.down_parts.items() if te_id not in self.tes}
         self.down_parts = down
         self.pub.put(TEList(tes=list(self.tes.values()), cm_incarnation=self.incarnation,
-                            down=down))
+                            down=down, term=self.term))
         self.last_published = self.clock()
 
     def close(self) -> None:
@@ -272,6 +289,8 @@ class CMSettings(msgspec.Struct, frozen=True, kw_only=True):
     initial: dict[str, str] = {}
     """TE id -> model of the scaled TEs the node starts itself (min_tes)."""
     startup_timeout_s: float = 180.0
+    term: int = 0
+    """The node's head term (NodeConfig.term)."""
     places: bool = False
     """A head of many hosts: nodes report, and a lost one's TEs start on the
     others (scaling.py), with or without scalable models."""
@@ -285,7 +304,7 @@ def load_settings(args: ChildArgs) -> CMSettings:
                       supervisor=run.hb, models=tuple(m for m in config.models if m.scalable),
                       scaling=config.scaling, initial=initial,
                       startup_timeout_s=config.node.startup_timeout_s,
-                      places=config.cluster.is_cluster)
+                      places=config.cluster.is_cluster, term=config.term)
 
 
 def build(ctx: zmq.Context, settings: CMSettings, life: ActorLife) -> ClusterManager:
@@ -294,7 +313,7 @@ def build(ctx: zmq.Context, settings: CMSettings, life: ActorLife) -> ClusterMan
     go to its own node's supervisor (a PUSH socket) or to the node placement
     picks (one PUSH per node address); the CM closes both."""
     cm = ClusterManager(ctx, settings.inbox, settings.pub, settings.te_timeout_s,
-                        expected_tes=settings.te_ids, events=life.event)
+                        expected_tes=settings.te_ids, events=life.event, term=settings.term)
     if settings.models or settings.places:
         to_supervisor = PushSocket(ctx, settings.supervisor, bind=False)
         to_nodes = Outboxes(ctx, timeout_s=0.5)

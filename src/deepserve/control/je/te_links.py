@@ -3,10 +3,12 @@
     CM ──TEList──> TELinks.update() ──> (TEs to route among, TE ids that left)
     JE ──put(te_id, msg)──> Outboxes (a timeout per put) ──> the TE tokenizer's inbox
 
-Three rules:
+Four rules:
 - complete lists only: a TEList with is_complete = False (a CM incarnation
   that has not heard from its TEs yet) changes nothing; until the first
   complete list `has_list` is False and the JE parks requests.
+- the newest head term only: a list below the highest term heard is a
+  deposed head's (messages/control.py TermFence) and changes nothing.
 - the fence: a TE that left the list stays out of it for FENCE_S, whatever
   later lists say. A dying TE's host can announce itself once more after
   the supervisor's TEDown (it has not noticed its dead process yet), which
@@ -31,7 +33,7 @@ from typing import Callable
 import zmq
 
 from deepserve.ipc.outboxes import Outboxes
-from deepserve.messages.control import TEInfo, TEList
+from deepserve.messages.control import TEInfo, TEList, TermFence
 
 log = logging.getLogger(__name__)
 FENCE_S = 3.0
@@ -49,11 +51,12 @@ class TELinks:
         self.left_at: dict[str, float] = {}  # TE id -> when it last left the list
         self.has_list = False  # a complete TE list came in
         self.cm_incarnation: str | None = None
+        self.terms = TermFence()
 
     def update(self, msg: TEList) -> tuple[list[TEInfo], list[str]] | None:
         """(the TEs listed now, the TE ids that left); None for an incomplete
-        list, which changes nothing."""
-        if not msg.is_complete:
+        list or a deposed head's, which change nothing."""
+        if not self.terms.admits(msg) or not msg.is_complete:
             return None
         if msg.cm_incarnation != self.cm_incarnation:
             if self.cm_incarnation is not None:

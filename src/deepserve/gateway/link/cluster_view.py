@@ -11,7 +11,7 @@ import time
 
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.messages.cache import TierReport
-from deepserve.messages.control import TEInfo, TEList, TEReport
+from deepserve.messages.control import TEInfo, TEList, TEReport, TermFence
 from deepserve.messages.scaling import ScaleEvent
 
 REPORT_TTL_S = 10.0
@@ -26,6 +26,7 @@ class ClusterView:
         self._reports: dict[str, TEReport] = {}
         self._report_times: dict[str, float] = {}
         self.tier_report: TierReport | None = None  # the KV tier service's latest
+        self.terms = TermFence()  # several heads: only the newest term's lists count
 
     def on_message(self, msg: TEList | TEReport | ScaleEvent | TierReport) -> None:
         if isinstance(msg, TierReport):
@@ -36,8 +37,8 @@ class ClusterView:
                 self.metrics.observe_scale_event(msg)
             return
         if isinstance(msg, TEList):
-            if not msg.is_complete:
-                return  # a CM that has not heard from its TEs yet (messages/control.py)
+            if not self.terms.admits(msg) or not msg.is_complete:
+                return  # a deposed head's, or a CM that has not heard from its TEs yet
             self._tes = {te.te_id: te for te in msg.tes}
             self._has_te_list = True
             for te_id in set(self._reports) - set(self._tes):
