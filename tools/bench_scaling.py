@@ -59,6 +59,7 @@ from pathlib import Path
 
 import click
 import httpx
+import msgspec
 import zmq
 
 from deepserve.cache.weight_fork import WeightServer
@@ -178,7 +179,8 @@ class Subject:
                                f"{self.log_dir})")
 
     def send(self, msg) -> None:
-        self.push.put(msg, timeout=2)
+        """An order as the node's own cluster manager gives it: in its head term."""
+        self.push.put(msgspec.structs.replace(msg, term=self.node.config.term), timeout=2)
 
 
 def wait_until(predicate, timeout_s: float, what: str, subjects=(), poll_s: float = 0.05):

@@ -386,3 +386,25 @@ def test_a_deposed_heads_cm_and_je_are_stopped_for_good_not_as_a_fault(make_harn
         assert [event for _, event in h.seq(name)] == (
             ["started", "head_stepped_down"] if name == "cluster-manager" else ["started"])
     assert h.table.poll("gateway") is None  # the rest runs on
+
+
+def test_an_order_of_a_deposed_heads_term_is_refused(make_harness):
+    """A ScaleOut / ScaleIn below the highest term this node heard was sent by a
+    head that has since been deposed (before it stepped down): dropped, said."""
+    from deepserve.ipc.sockets import PushSocket
+    from deepserve.messages.scaling import ScaleIn, ScaleOut
+    h = make_harness()
+    h.sup.fence.highest = 2  # heard: term 2
+    h.sup.start()
+    push = PushSocket(h.ctx, h.env[HEARTBEAT_ENV], bind=False)
+    try:
+        push.put(ScaleOut(model="m", count=1, term=1), timeout=2)  # the fault
+        push.put(ScaleIn(te_id="m-0", model="m", term=1), timeout=2)
+        push.put(ScaleOut(model="m", count=1, term=2), timeout=2)  # the current head's
+        refused = h.wait_for("node", "node", "scale_refused", count=2)
+        time.sleep(0.3)
+        assert len(h.events("node")) == 2  # not the current head's order
+        assert all(e["details"]["term"] == 1 and "deposed" in e["details"]["reason"]
+                   for e in refused)
+    finally:
+        push.close()

@@ -60,6 +60,9 @@ class ScaleOut(msgspec.Struct, tag="scale_out", **_STRUCT):
     sources: list[str] = []
     """Weight servers of nodes that hold the model's files: a node without its
     directory forks them from the first that answers (cache/weight_fork.py)."""
+    term: int = 0
+    """The ordering head's term (head_terms.py): a node that heard a higher one
+    drops the order (a deposed head's, sent before it stepped down)."""
 
 
 NODE_REPORT_S = 1.0
@@ -116,6 +119,8 @@ class ScaleIn(msgspec.Struct, tag="scale_in", **_STRUCT):
     model: str
     reason: str = ""
     inputs: dict = {}
+    term: int = 0
+    """The ordering head's term (ScaleOut.term)."""
 
 
 class ScaleEvent(msgspec.Struct, tag="scale_event", **_STRUCT):

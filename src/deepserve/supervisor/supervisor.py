@@ -136,7 +136,11 @@ class Supervisor:
     def tick(self, now: float) -> None:
         for inbox in self.inboxes:
             for msg in inbox.drain():
-                if self.scaler is None or not self.scaler.on_message(msg, now):
+                if isinstance(msg, (ScaleOut, ScaleIn)) and msg.term < self.fence.highest:
+                    self._log("node", "scale_refused", None, model=msg.model, term=msg.term,
+                              reason=f"a deposed head's order (term {msg.term} < "
+                                     f"{self.fence.highest})")
+                elif self.scaler is None or not self.scaler.on_message(msg, now):
                     self._on_message(msg, now)
         if self.scaler is not None:
             self.scaler.tick(now)

@@ -319,8 +319,8 @@ def build(ctx: zmq.Context, settings: CMSettings, life: ActorLife) -> ClusterMan
         to_nodes = Outboxes(ctx, timeout_s=0.5)
 
         def send(msg) -> None:
-            try:
-                to_supervisor.put(msg, timeout=0.5)
+            try:  # every order names its head's term (a deposed head's are dropped)
+                to_supervisor.put(msgspec.structs.replace(msg, term=settings.term), timeout=0.5)
             except TimeoutError:
                 log.error("%s not sent: the supervisor does not listen", type(msg).__name__)
 
@@ -329,6 +329,7 @@ def build(ctx: zmq.Context, settings: CMSettings, life: ActorLife) -> ClusterMan
                 return send(msg)
             if isinstance(msg, ScaleOut):  # another host's clock: timed from its arrival
                 msg = msgspec.structs.replace(msg, decided_at=0.0)
+            msg = msgspec.structs.replace(msg, term=settings.term)
             if not to_nodes.put(address, msg):
                 log.error("%s not sent: the node at %s does not listen", type(msg).__name__,
                           address)
