@@ -211,8 +211,8 @@ class _Receiver:
         """Frames dropped because they did not decode (see the module docstring)."""
         self._num_unlogged = 0
         self._logged_at: float | None = None
-        self._admit = admit
-        self.ignored = curve.Ignored() if admit is not None else None
+        self._admit = admit if curve.active() is not None else None  # else: no members
+        self.ignored = curve.Ignored() if self._admit is not None else None
         """Messages a member sent about what is not its own (admit said why)."""
 
     @property
