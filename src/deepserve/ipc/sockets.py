@@ -189,6 +189,9 @@ class _Sender:
         self.socket.close(linger=0)
 
 
+AGAIN = object()
+"""What _Receiver._recv returns when a readable socket held no message."""
+
 Admit = Callable[[tuple[str, str], Any], str]
 """(member name, role), message -> "" to take it, else why it is ignored."""
 
@@ -219,11 +222,16 @@ class _Receiver:
     def num_ignored(self) -> int:
         return self.ignored.count if self.ignored is not None else 0
 
-    def _recv(self) -> Any | None:
-        """The next waiting message, None if it does not decode or is not admitted."""
+    def _recv(self) -> Any:
+        """The next waiting message; None if it does not decode or is not
+        admitted; AGAIN if there was none after all (a poll may report a
+        tcp:// socket readable for a ZMTP heartbeat, which is no message)."""
+        try:
+            frame = self.socket.recv(flags=zmq.NOBLOCK, copy=self._admit is None)
+        except zmq.Again:
+            return AGAIN
         if self._admit is None:
-            return self.decode(self.socket.recv(flags=zmq.NOBLOCK))
-        frame = self.socket.recv(flags=zmq.NOBLOCK, copy=False)
+            return self.decode(frame)
         msg = self.decode(frame.bytes)
         member = curve.peer(frame) if msg is not None else None
         if member is not None:
@@ -264,7 +272,7 @@ class _Receiver:
             if not self.poll(left):
                 raise TimeoutError(f"get: nothing received within {timeout} s")
             msg = self._recv()
-            if msg is not None:
+            if msg is not None and msg is not AGAIN:
                 return msg
 
     def drain(self) -> list[Any]:
@@ -272,6 +280,8 @@ class _Receiver:
         out = []
         while self.socket.poll(0, zmq.POLLIN):
             msg = self._recv()
+            if msg is AGAIN:
+                break
             if msg is not None:
                 out.append(msg)
         return out
