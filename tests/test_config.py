@@ -98,7 +98,7 @@ ENGINE_VALUES = {
     "num_threads": 3, "startup_timeout_s": 77.0, "kv_transfer_backend": "tcp",
     "kv_transfer_layerwise": True, "kv_transfer_timeout_s": 9.0, "storage_read_gbps": 0.5,
     "kv_bind_host": "10.0.0.7", "timeline_dir": "/tmp/timeline", "kv_load_layers": 3,
-    "kv_stream_bytes": 1 << 20, "dualpath_hop": "stream"}
+    "kv_stream_bytes": 1 << 20, "dualpath_hop": "stream", "light_step_tokens": 128}
 """A valid non-default value of every engine option but `processes` (implied True)."""
 
 # (section, key, value in the TOML, role that uses it, what that role sees -> expected)

@@ -7,7 +7,15 @@ so that what waits, waits in the job executor's fair queue) with two API
 keys: tenant A and tenant B. Rounds alternate two phases of --duration s:
 
   alone  B sends --b-rate requests/s (open loop, streamed) and nobody else;
-  flood  B as before while A sends --flood-factor x B's rate.
+  flood  B as before while A sends --flood-factor x B's rate, or, with
+         --a-streams N, while A keeps N streams open (closed loop: each one
+         sends its next request when the last ended).
+
+    python tools/bench_tenants.py --model models/smollm2-135m-instruct --a-streams 24 \
+        --te-count 2 --te-slots 256 --te-option max_num_batched_tokens=512 \
+        --te-option kv_cache_memory=134217728 --max-tokens 64
+
+is the default conf/node.toml's TEs with A holding 24 streams (issue 47).
 
 It reports B's TTFT p50 / p99 alone and under the flood, their ratios, and
 A's completed requests/s and tokens/s under the flood (A must still use the
@@ -66,6 +74,22 @@ async def _open_loop(target: Target, rate: float, duration_s: float, max_tokens:
             raise
 
 
+async def _closed_loop(target: Target, streams: int, duration_s: float, max_tokens: int,
+                       tag: str, t0: float, results: list[RequestResult]) -> None:
+    """`streams` requests open at once for duration_s, each followed by the
+    next as it ends; cancelled: their streams close."""
+    async with make_client(target) as client:
+        async def one_stream(k: int) -> None:
+            n = 0
+            while time.perf_counter() - t0 < duration_s:
+                r = RequestResult(tag, k * 100000 + n, start_s=time.perf_counter() - t0)
+                results.append(r)
+                await send(target, {"prompt": f"{k}.{n} {PROMPT}", "max_tokens": max_tokens},
+                           [], r, client)
+                n += 1
+        await asyncio.gather(*(one_stream(k) for k in range(streams)))
+
+
 async def phase(url: str, flood: bool, args: dict) -> dict:
     b = Target(url, "bench", "key-b", 120.0, {"temperature": 0.0})
     a = Target(url, "bench", "key-a", 120.0, {"temperature": 0.0})
@@ -75,8 +99,11 @@ async def phase(url: str, flood: bool, args: dict) -> dict:
     b_results: list[RequestResult] = []
     b_task = asyncio.create_task(_open_loop(b, args["b_rate"], duration, mt, "B", t0, b_results))
     if flood:  # A's leftovers are cancelled once B's phase is over
-        a_task = asyncio.create_task(_open_loop(a, args["b_rate"] * args["flood_factor"],
-                                                duration, mt, "A", t0, a_results))
+        a_task = asyncio.create_task(
+            _closed_loop(a, args["a_streams"], duration, mt, "A", t0, a_results)
+            if args["a_streams"] else
+            _open_loop(a, args["b_rate"] * args["flood_factor"], duration, mt, "A", t0,
+                       a_results))
         await asyncio.wait({b_task}, timeout=duration + args["grace"])
         a_task.cancel()
         await asyncio.gather(a_task, return_exceptions=True)
@@ -102,9 +129,10 @@ def _ms(seconds: float | None) -> float | None:
 def node_config(args: dict) -> NodeConfig:
     config = NodeConfig.build(model=str(args["model"]), served_model="bench", port=free_port(),
                               startup_timeout_s=300, te_timeout_s=60, api_keys=KEYS,
-                              tes=(TESpec("te0", "colocated",
-                                          {"max_num_seqs": args["te_slots"],
-                                           **dict(args["te_option"])}),))
+                              tes=tuple(TESpec(f"te{i}", "colocated",
+                                               {"max_num_seqs": args["te_slots"],
+                                                **dict(args["te_option"])})
+                                        for i in range(args["te_count"])))
     return msgspec.structs.replace(config, tenants=TenantsSection())
 
 
@@ -146,6 +174,9 @@ def summarize(rows: list[dict]) -> dict:
 @click.option("--flood-factor", type=float, default=20.0, help="A's rate / B's rate")
 @click.option("--max-tokens", type=int, default=16)
 @click.option("--te-slots", type=int, default=4, help="the TE's max_num_seqs")
+@click.option("--te-count", type=int, default=1, help="colocated TEs")
+@click.option("--a-streams", type=int, default=0,
+              help="A keeps this many streams open (closed loop) instead of --flood-factor")
 @click.option("--te-option", multiple=True, callback=lambda c, p, v: [_option(o) for o in v],
               metavar="KEY=VALUE", help="another TE option, as in [[te]] (TOML value)")
 @click.option("--grace", type=float, default=30.0, help="seconds past a phase for its requests")
@@ -158,8 +189,10 @@ def main(**args):
         t = time.monotonic()
         node.start()
         print(f"# node up in {time.monotonic() - t:.1f} s: {config.tes[0].options}; "
-              f"B {args['b_rate']:g} rps, A {args['b_rate'] * args['flood_factor']:g} rps "
-              f"in floods, {args['duration']:g} s phases", flush=True)
+              f"B {args['b_rate']:g} rps, A "
+              + (f"{args['a_streams']} streams" if args["a_streams"]
+                 else f"{args['b_rate'] * args['flood_factor']:g} rps")
+              + f" in floods, {args['duration']:g} s phases", flush=True)
         warm = RequestResult("warmup", 0)
         asyncio.run(send(Target(node.url, "bench", "key-b", 300.0), {"prompt": PROMPT,
                                                                    "max_tokens": 4}, [], warm))

@@ -175,6 +175,29 @@ def test_a_recent_tenant_with_nothing_running_may_come_light_and_ages_out():
     assert not s.may_see_light_tenant()
 
 
+def test_while_a_light_tenant_may_come_the_others_steps_take_light_step_tokens():
+    """The step a light request waits for is kept short: A's prefill goes in
+    light_step_tokens chunks while B (seen lately) has nothing running, in
+    full budget chunks once B runs or ages out, and with the knob at 0."""
+    now = [0.0]
+    s = Scheduler(KVCacheManager(64, BS), 16, 8, 64, clock=lambda: now[0], light_step_tokens=6)
+    a = _tenant(_seq(1, 40, max_tokens=8), "A")
+    s.add(a)
+    assert _step(s) == {1: 16}  # one tenant: nobody may come light
+    b = _tenant(_seq(2, 2, max_tokens=1), "B")
+    s.add(b)
+    assert _step(s) == {2: 2}  # B's own step (light), finished at once
+    assert b.is_finished and s.may_see_light_tenant()
+    assert _step(s) == {1: 6}  # A's chunk: the short step B's next request would wait for
+    now[0] = LIGHT_TENANT_WINDOW_S + 0.5  # B's last request ages out
+    assert _step(s) == {1: 16}
+    off = Scheduler(KVCacheManager(64, BS), 16, 8, 64, clock=lambda: now[0])
+    off.add(_tenant(_seq(3, 40, max_tokens=8), "A"))
+    off.add(_tenant(_seq(4, 2, max_tokens=1), "B"))
+    assert _step(off) == {3: 16} and _step(off) == {4: 2}  # A, then B's light step
+    assert off.may_see_light_tenant() and _step(off) == {3: 16}  # 0: the full budget
+
+
 def test_a_light_tenant_that_cannot_get_blocks_does_not_stop_the_others():
     s = _scheduler(num_blocks=4, budget=16)  # 16 tokens of KV in all
     a = _tenant(_seq(1, 8, max_tokens=8), "A")

@@ -33,6 +33,11 @@ class EngineConfig:
     """Token budget of one step (prefill chunks + decodes)."""
     max_num_seqs: int = 256
     """Running sequences at most."""
+    light_step_tokens: int = 0
+    """Token budget of a step while a light tenant may come (engine/scheduler.py:
+    a tenant seen lately has nothing running while another has): its request
+    waits for the step under way, so that step is kept short; 0: the full
+    max_num_batched_tokens."""
     max_model_len: int | None = None
     """Prompt + output tokens at most; None: the model's max_position_embeddings
     (capped by what the KV pool holds)."""
@@ -100,6 +105,9 @@ class EngineConfig:
         for name in ("num_kv_blocks", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if not 0 <= self.light_step_tokens <= self.max_num_batched_tokens:
+            raise ValueError(f"light_step_tokens must be 0..max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}), got {self.light_step_tokens}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_transfer_backend not in ("shm", "ring", "tcp"):

@@ -16,7 +16,9 @@ but for the step already under way, instead of sharing a step with a
 flooding tenant's batch; one that keeps sequences running is not light.
 Sequences without a tenant (None) are one tenant.
 While a tenant seen in the last LIGHT_TENANT_WINDOW_S has nothing running
-and another has (may_see_light_tenant), the master schedules one step ahead
+and another has (may_see_light_tenant), the others' steps take at most
+light_step_tokens (when set: a light request waits for the step under way,
+so that step is kept short), and the master schedules one step ahead
 at most instead of two: a light request then waits for the step under way
 only, not for one already queued behind it too (measured: B's TTFT p50
 under A's flood 1.2-1.3x alone with one step, 1.65-1.75x with two;
@@ -98,9 +100,10 @@ def _new_seq(seq: Sequence) -> NewSeq:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, clock=time.monotonic):
+                 max_model_len: int, clock=time.monotonic, light_step_tokens: int = 0):
         self.kv, self.clock = kv, clock
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.light_step_tokens = light_step_tokens  # 0: off (module doc)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -154,7 +157,10 @@ class Scheduler:
         out = SchedulerOutput()
         if self._schedule_light(out):
             return out
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens
+        if self.light_step_tokens and self.may_see_light_tenant():
+            budget = self.light_step_tokens  # the step a light request would wait for
+        budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out

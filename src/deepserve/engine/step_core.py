@@ -93,7 +93,7 @@ class StepCore:
                                  config.enable_prefix_caching, record_events=record_events,
                                  collect_new_nodes=collect_new_nodes)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.max_model_len)
+                                   config.max_model_len, light_step_tokens=config.light_step_tokens)
         self.seqs: dict[str, Sequence] = {}  # request id -> its sequence, until released
         self.request_ids: dict[int, str] = {}  # seq id -> request id
         self.released: list[int] = []  # seq ids the workers drop with the next batch
