@@ -30,6 +30,7 @@ import torch
 from deepserve.ipc import curve, curve_keys
 from deepserve.ipc.segments import create_segment, segment_name, unlink_segment
 from deepserve.transfer import DistFlow, DistFlowReceiver, PeerEndpoint, PoolRegion
+from deepserve.transfer.receiver import LOOPBACK
 
 L, H, BS, D = 4, 4, 16, 128  # a block id spans 2*L*H rows of BS*D bf16 = 128 KiB
 DTYPE = torch.bfloat16
@@ -67,7 +68,7 @@ def curve_receiver(dst, flow: DistFlow, name: str, keys_dir: str) -> DistFlowRec
     """A receiver on `dst` and the link "curve" to it, both made secure."""
     os.environ[curve.ENV_VAR], os.environ[curve.NODE_ENV_VAR] = keys_dir, "bench"
     try:
-        receiver = DistFlowReceiver(dst)
+        receiver = DistFlowReceiver(dst, bind=LOOPBACK)  # tcp, as across hosts (CURVE on it)
         flow.link("curve", receiver.endpoint(name), "tcp")
     finally:
         del os.environ[curve.ENV_VAR], os.environ[curve.NODE_ENV_VAR]
@@ -89,7 +90,7 @@ def bench(sizes_mib: list[int], reps: int, tcp_max_mib: int, with_curve: bool = 
     src.uniform_()
     dst.zero_()
     flow = DistFlow(src, timeout_s=120.0)
-    receiver = DistFlowReceiver(dst)
+    receiver = DistFlowReceiver(dst, bind=LOOPBACK)  # tcp, not a one-host TE's ipc://
     secured, keys = None, tempfile.TemporaryDirectory()
     rows = []
     try:
