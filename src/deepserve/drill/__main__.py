@@ -185,6 +185,8 @@ def main(scenario, mode, url, log_dir, drill_dir, conf, node_conf, json_path, du
         raise SystemExit(130) from None
     except Exception as exc:  # noqa: BLE001 - the drill could not run: say why, exit 2
         echo(f"drill error: {type(exc).__name__}: {exc}")
+        for name in cluster.nodes if cluster is not None else ():  # before stop() removes them
+            echo(f"--- {name}'s output, its end:\n{cluster.tail(name, 2500)}")
         if verbose:
             raise
         raise SystemExit(2) from None
