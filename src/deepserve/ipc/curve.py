@@ -228,9 +228,8 @@ class Guard:
         self._zap.linger = 0
         self._zap.bind(ZAP_ADDRESS)
         self._new: queue.SimpleQueue = queue.SimpleQueue()  # monitor PAIRs for the thread
-        self._folds = _Folds()  # (endpoint or peer, reason)
+        self._events = _FoldedEvents("peer_refused", "peer refused")  # the guard thread's
         self.num_refused = 0
-        self._reporter: HeartbeatSender | None = None  # the guard thread's, made at need
         self._thread = threading.Thread(target=self._run, name="curve-guard", daemon=True)
         self._thread.start()
 
@@ -270,8 +269,7 @@ class Guard:
                 monitors.append(self._new.get())
             for sock in [self._zap, *monitors]:
                 sock.close(linger=0)
-            if self._reporter is not None:
-                self._reporter.socket.close(linger=0)
+            self._events.close()
 
     def _answer(self, frames: list[bytes]) -> None:
         """ZAP (RFC 27): version, request id, domain, address, identity, mechanism,
@@ -309,34 +307,38 @@ class Guard:
 
     def _refused(self, endpoint: str, peer: str, reason: str) -> None:
         self.num_refused += 1
-        key = (endpoint or peer, reason)  # ZAP names the peer, a monitor the endpoint
-        folded = self._folds.due(key)
-        if folded is None:
-            return
-        details = {"endpoint": endpoint, "peer": peer, "reason": reason, "folded": folded}
-        log.warning("peer refused: %s", details)
-        if self._reporter is None:
-            self._reporter = HeartbeatSender.from_env(self._ctx, _component)
-        if self._reporter is not None:  # None: no supervisor (a test, a tool)
-            self._reporter.event("peer_refused", **details)
+        self._events.report(self._ctx, (endpoint or peer, reason),  # ZAP names the peer,
+                            endpoint=endpoint, peer=peer, reason=reason)  # a monitor the endpoint
 
 
-class _Folds:
-    """At most one report per key every REPORT_EVERY_S; the next one says how
-    many were folded into it."""
+class _FoldedEvents:
+    """Health events of one kind, at most one per key every REPORT_EVERY_S (the
+    next one says how many were folded into it), each logged too; sent through
+    a HeartbeatSender made at the first (none without a supervisor: a test, a
+    tool). Used by one thread."""
 
-    def __init__(self):
+    def __init__(self, event: str, says: str):
+        self.event, self.says = event, says
         self._last: dict[tuple, list] = {}  # key -> [time reported, folded since]
+        self._sender: HeartbeatSender | None = None
 
-    def due(self, key: tuple) -> int | None:
-        """None: fold this one; else report it, with how many were folded before."""
+    def report(self, ctx: zmq.Context, key: tuple, **details) -> None:
         now = time.monotonic()
         last = self._last.get(key)
         if last is not None and now - last[0] < REPORT_EVERY_S:
             last[1] += 1
-            return None
+            return
         self._last[key] = [now, 0]
-        return last[1] if last is not None else 0
+        details["folded"] = last[1] if last is not None else 0
+        log.warning("%s: %s", self.says, details)
+        if self._sender is None:
+            self._sender = HeartbeatSender.from_env(ctx, _component)
+        if self._sender is not None:
+            self._sender.event(self.event, **details)
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.socket.close(linger=0)
 
 
 class Ignored:
@@ -347,22 +349,13 @@ class Ignored:
 
     def __init__(self):
         self.count = 0
-        self._folds = _Folds()
-        self._reporter: HeartbeatSender | None = None
+        self._events = _FoldedEvents("peer_ignored", "peer's message ignored")
 
     def note(self, sock: zmq.Socket, member: tuple[str, str], kind: str, reason: str) -> None:
         self.count += 1
-        folded = self._folds.due((member, reason))
-        if folded is None:
-            return
-        details = {"endpoint": sock.last_endpoint.decode(errors="replace"), "peer": member[0],
-                   "message": kind, "reason": reason, "folded": folded}
-        log.warning("peer's message ignored: %s", details)
-        if self._reporter is None:
-            self._reporter = HeartbeatSender.from_env(sock.context, _component)
-        if self._reporter is not None:
-            self._reporter.event("peer_ignored", **details)
+        self._events.report(sock.context, (member, reason),
+                            endpoint=sock.last_endpoint.decode(errors="replace"),
+                            peer=member[0], message=kind, reason=reason)
 
     def close(self) -> None:
-        if self._reporter is not None:
-            self._reporter.socket.close(linger=0)
+        self._events.close()

@@ -115,10 +115,10 @@ class AllowList:
 
     def _read_stamp(self) -> tuple:
         try:
-            return tuple(sorted((e.name, e.stat().st_mtime_ns, e.stat().st_size)
-                                for e in os.scandir(self.dir)))
-        except OSError:  # no directory: nobody is admitted
+            stats = [(e.name, e.stat()) for e in os.scandir(self.dir)]
+        except OSError:  # no directory (or a file gone meanwhile): read it next time
             return ()
+        return tuple(sorted((name, st.st_mtime_ns, st.st_size) for name, st in stats))
 
     def _load(self) -> dict[bytes, tuple[str, str]]:
         members = {}
