@@ -529,6 +529,18 @@ def test_kv_load_layers_at_and_past_its_bounds(value, tp, ok):
             EngineConfig(model="m", **options)
 
 
+@pytest.mark.parametrize("value, ok", [(0, True), (1, True), (256, True), (257, False),
+                                       (-1, False), (True, False), (64.0, False)])
+def test_light_step_tokens_at_and_past_its_bounds(value, ok):
+    """0 is off; 1..max_num_batched_tokens (256 here) a light-tenant step's budget."""
+    options = dict(light_step_tokens=value, max_num_batched_tokens=256)
+    if ok:
+        assert EngineConfig(model="m", **options).light_step_tokens == value
+    else:
+        with pytest.raises(ValueError, match="light_step_tokens"):
+            EngineConfig(model="m", **options)
+
+
 @pytest.mark.parametrize("size, hop, ok", [
     (0, "auto", True), (1, "auto", True), (1, "stream", True), (0, "stream", False),
     (-1, "auto", False), (True, "auto", False), (1.0, "auto", False), (1, "host", False),

@@ -125,8 +125,11 @@ def test_keys_that_others_can_read_or_that_are_missing_are_refused(keys_dir, tmp
     with pytest.raises(curve_keys.KeysError, match="--node m2"):  # no pair of its own
         os.chmod(keys_dir / "cluster.key_secret", 0o600)
         curve_keys.Keys.load(keys_dir, "m2")
-    with pytest.raises(curve_keys.KeysError, match="node name"):
-        curve_keys.Keys.load(keys_dir, "../m1")
+    for bad in ("../m1", "x" * 65, "", "cluster"):  # 1-64 letters, digits, - and _
+        with pytest.raises(curve_keys.KeysError, match="node name"):
+            curve_keys.Keys.load(keys_dir, bad)
+    curve_keys.make_node_key(keys_dir, "x" * 64)  # the longest name
+    assert curve_keys.Keys.load(keys_dir, "x" * 64).node == "x" * 64
     other = tmp_path / "other"
     curve_keys.make_keys(other)
     os.replace(other / "cluster.key", keys_dir / "cluster.key")  # another pair's public half

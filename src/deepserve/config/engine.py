@@ -105,7 +105,9 @@ class EngineConfig:
         for name in ("num_kv_blocks", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
-        if not 0 <= self.light_step_tokens <= self.max_num_batched_tokens:
+        v = self.light_step_tokens
+        if isinstance(v, bool) or not isinstance(v, int) \
+                or not 0 <= v <= self.max_num_batched_tokens:
             raise ValueError(f"light_step_tokens must be 0..max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}), got {self.light_step_tokens}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
