@@ -97,7 +97,7 @@ def supervisor_inbox(short_dir, monkeypatch):
 
 @pytest.fixture(scope="module")
 def hosts():
-    """Three hosts (network namespaces on one bridge, 10.213.77.1-3), see tests/cluster/netns.py.
+    """Three hosts (network namespaces on one bridge, 10.213.77.1-3), see drill/netns.py.
 
     Skipped with the reason where network namespaces cannot be made (not root, no permission)."""
     with hosts_or_skip(3) as net:

@@ -722,6 +722,9 @@ def test_cluster_section_checks_its_values_and_derives_the_addresses(tmp_path):
     assert [te.te_id for te in joined.tes] == ["n10-0-0-2-te0", "n10-0-0-2-te1"]
     renamed = with_cluster(joined, name="h2")
     assert [te.te_id for te in renamed.tes] == ["h2-te0", "h2-te1"]
+    keyed = with_cluster(renamed, keys="/etc/ds-keys")  # --keys DIR: nothing else changes
+    assert keyed.cluster.keys == "/etc/ds-keys" and keyed.tes == renamed.tes
+    assert msgspec.structs.replace(keyed.cluster, keys=renamed.cluster.keys) == renamed.cluster
     run = RunAddresses.for_node(tmp_path, "r", [te.te_id for te in renamed.tes], True,
                                 renamed.cluster)
     assert (run.cm, run.cm_pub, run.gw_reply, run.je) == (
@@ -881,3 +884,15 @@ def test_k8s_manifest_opens_the_ports_the_cluster_binds():
     assert service["spec"]["ports"][0]["targetPort"] == NodeSection().port
     head_labels = raycluster["spec"]["headGroupSpec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= head_labels.items()
+    # keys: the head pod only, from a Secret copied into a writable [cluster] keys directory
+    volumes = {v["name"]: v for v in head["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in head["containers"][0]["volumeMounts"]}
+    assert mounts["keys"] == "/opt/deepserve/" + ClusterSection().keys
+    assert volumes["keys-secret"]["secret"]["secretName"] == "deepserve-keys"
+    [init] = head["initContainers"]
+    assert {m["name"] for m in init["volumeMounts"]} == {"keys", "keys-secret"}
+    assert "chmod 600 /keys/*.key_secret" in init["command"][-1]
+    assert volumes["head-conf"]["secret"]["secretName"] == "deepserve-head-conf"
+    assert not {v["name"] for v in worker["volumes"]} & {"keys", "keys-secret", "head-conf"}
+    for name in ("cluster-head", "cluster-node", "cluster-scaled-head", "cluster-scaled-node"):
+        assert load_node_config(ROOT / "conf" / f"{name}.toml").cluster.secure, name

@@ -1,6 +1,6 @@
-"""A cluster of nodes, one per host namespace (tests/cluster/netns.py), for the
+"""A cluster of nodes, one per host namespace (drill/netns.py), for the
 cluster tests: each node is `python -m deepserve.supervisor` (what
-bin/deepserve-node runs) inside its host; the HTTP client (tests/cluster/client.py)
+bin/deepserve-node runs) inside its host; the HTTP client (drill/ns_client.py)
 runs inside h0, where the gateway is."""
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class Cluster:
 
     def client(self, *args: str, timeout: float = 180.0) -> list:
         """Run the client in h0; its JSON lines."""
-        proc = self.hosts.python(0, "tests.cluster.client", *args, stdout=subprocess.PIPE,
+        proc = self.hosts.python(0, "deepserve.drill.ns_client", *args, stdout=subprocess.PIPE,
                                  text=True)
         out, _ = proc.communicate(timeout=timeout)
         return [json.loads(line) for line in out.splitlines() if line.strip()]
@@ -131,7 +131,7 @@ class Cluster:
         its 200 body, with "ids" added: the completion's token ids."""
         body = {"model": "tiny", "temperature": 0, "logprobs": 0,
                 "return_tokens_as_token_ids": True, **body}
-        proc = self.hosts.python(0, "tests.cluster.client", "post", URL, "/v1/completions",
+        proc = self.hosts.python(0, "deepserve.drill.ns_client", "post", URL, "/v1/completions",
                                  KEY, json.dumps(body), stdout=subprocess.PIPE, text=True)
         out, _ = proc.communicate(timeout=timeout)
         answer = json.loads(out.splitlines()[-1])
@@ -144,7 +144,7 @@ class Cluster:
                          for p in sorted(self.d.glob("*.out")))
 
     def metrics(self) -> str:
-        proc = self.hosts.python(0, "tests.cluster.client", "get", URL, "/metrics", KEY,
+        proc = self.hosts.python(0, "deepserve.drill.ns_client", "get", URL, "/metrics", KEY,
                                  stdout=subprocess.PIPE, text=True)
         return proc.communicate(timeout=30)[0]
 

@@ -1,11 +1,11 @@
-"""A cluster over three hosts (network namespaces, tests/cluster/netns.py):
+"""A cluster over three hosts (network namespaces, drill/netns.py):
 
     h0 10.213.77.1  head: cluster manager, job executor, gateway; no TE
     h1 10.213.77.2  joins: h1-te0 colocated, h1-te1 prefill
     h2 10.213.77.3  joins: h2-te0 colocated, h2-te1 decode
 
 Every node is `python -m deepserve.supervisor` (what bin/deepserve-node runs)
-inside its host; the HTTP client runs inside h0 (tests/cluster/client.py).
+inside its host; the HTTP client runs inside h0 (drill/ns_client.py).
 Since the head has no TE, every token a client gets crossed hosts. Tests run
 in order: the last one kills h2 (every process in it, SIGKILL).
 """
@@ -77,7 +77,7 @@ def test_a_host_killed_mid_load_loses_no_request(cluster, hosts, greedy):
     """SIGKILL every process of h2 while 8 streams run: each stream still ends
     with exactly the greedy tokens (resumed on h1, none lost, none repeated)."""
     prompts = [f"{p} {i}" for i, p in enumerate(SHORT * 2)]
-    client = hosts.python(0, "tests.cluster.client", "generate", URL, KEY, "tiny", "48",
+    client = hosts.python(0, "deepserve.drill.ns_client", "generate", URL, KEY, "tiny", "48",
                           json.dumps(prompts), stdout=subprocess.PIPE, text=True)
     assert json.loads(client.stdout.readline()) == {"event": "streaming"}
     killed = hosts.kill_host(2)

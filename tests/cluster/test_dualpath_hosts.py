@@ -1,4 +1,4 @@
-"""DualPath across hosts (network namespaces, tests/cluster/netns.py):
+"""DualPath across hosts (network namespaces, drill/netns.py):
 
     h0 10.213.77.1  head: cluster manager, job executor (DualPath's scheduler), gateway
     h1 10.213.77.2  a decode TE; its host's KV storage (a 1 MiB host tier over a disk

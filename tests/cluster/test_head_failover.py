@@ -1,5 +1,5 @@
 """A head that outlives its host: a standby head over three hosts (network
-namespaces, tests/cluster/netns.py):
+namespaces, drill/netns.py):
 
     h0 10.213.77.1  head: cluster manager, job executor, gateway, and h0's TE
     h1 10.213.77.2  standby head (joins h0, [cluster] standby): its gateway, h1-te0
@@ -49,7 +49,7 @@ def cluster(hosts, tiny_model, tmp_path_factory):
 def _generate(hosts, prompts: list[str], max_tokens: int,
               model: str = "tiny") -> subprocess.Popen:
     """The client in h1, on h1's gateway (127.0.0.1:8000 inside h1), streaming."""
-    client = hosts.python(1, "tests.cluster.client", "generate", URL, KEY, model,
+    client = hosts.python(1, "deepserve.drill.ns_client", "generate", URL, KEY, model,
                           str(max_tokens), json.dumps(prompts), stdout=subprocess.PIPE, text=True)
     assert json.loads(client.stdout.readline()) == {"event": "streaming"}
     return client
@@ -66,7 +66,7 @@ def _all_greedy(cluster, hosts, greedy, client, prompts: list[str], max_tokens: 
 
 def _call(hosts, *args: str) -> dict:
     """One client command in h1 (on h1's gateway); its one JSON line."""
-    proc = hosts.python(1, "tests.cluster.client", *args, stdout=subprocess.PIPE, text=True)
+    proc = hosts.python(1, "deepserve.drill.ns_client", *args, stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=120)
     return json.loads(out.splitlines()[-1])
 

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from tests.cluster import netns
-from tests.cluster.netns import SUBNET, HostNet, hosts_or_skip, list_netns
+from deepserve.drill import netns
+from deepserve.drill.netns import SUBNET, HostNet, list_netns
+from tests.cluster.netns import hosts_or_skip
 
 WAIT_S = 10.0
 

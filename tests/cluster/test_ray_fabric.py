@@ -1,11 +1,13 @@
-"""Ray as the fabric, on three hosts (network namespaces, tests/cluster/netns.py):
+"""Ray as the fabric, on three hosts (network namespaces, drill/netns.py):
 
     h0  `ray start --head` + the fabric (supervisor/ray_fabric.py): the head node
     h1  `ray start --address h0`
     h2  `ray start --address h0`
 
 The fabric puts a NodeAgent on every Ray node (h0 included), each starts its
-host's node joined to the head: three TEs on three hosts. Then the Ray head's
+host's node joined to the head: three TEs on three hosts, under keys: the
+fabric holds the key directory (the cluster's pair and the head's) and hands
+each host its node's pair and the allow-list. Then the Ray head's
 GCS is SIGKILLed: the fabric notices (its log says Ray does not answer) and
 requests keep flowing, since Ray is not on the serving path.
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from deepserve.ipc import curve_keys
 from tests.cluster.test_cluster_hosts import KEY, SHORT, URL
 from tests.scratch import Scratch
 
@@ -51,7 +54,7 @@ def _ray_start(hosts, host: int, temp_dir: str, env: dict, out: Path) -> subproc
 
 
 def _client(hosts, *args: str, timeout: float = 240.0) -> list:
-    proc = hosts.python(0, "tests.cluster.client", *args, stdout=subprocess.PIPE, text=True)
+    proc = hosts.python(0, "deepserve.drill.ns_client", *args, stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=timeout)
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
@@ -66,6 +69,9 @@ def fabric(hosts, tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("fabric")
     scratch = Scratch()  # the nodes' TMPDIR (through Ray's daemons to the fabric's actors)
     temp_dirs = [tempfile.mkdtemp(prefix="dsray-", dir="/tmp") for _ in range(3)]  # short paths
+    keys = d / "keys"  # what an operator makes: the cluster's pair and the head's
+    curve_keys.make_keys(keys)
+    curve_keys.make_node_key(keys, "head", head=True)
     head = _conf(d, "head.toml", f"""
 [node]
 model = "{tiny_model}"
@@ -77,7 +83,9 @@ api_keys = {{ "{KEY}" = "a" }}
 log_dir = "{d / 'head-logs'}"
 [cluster]
 host = "127.0.0.1"
-insecure = true
+name = "head"
+secure = true
+keys = "{keys}"
 """)
     node = _conf(d, "node.toml", f"""
 [node]
@@ -89,7 +97,7 @@ num_kv_blocks = 128
 [cluster]
 host = "127.0.0.1"
 head = "127.0.0.1:7400"
-insecure = true
+secure = true
 """)
     # Ray's token authentication, one token for this cluster (every Ray process, the fabric)
     env = {**scratch.env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
@@ -105,7 +113,8 @@ insecure = true
                         "--log-dir", str(d / "nodes"), stdout=fabric_log,
                         stderr=subprocess.STDOUT, env=env)
     fabric_log.close()
-    state = {"dir": d, "proc": proc, "rays": rays, "log": d / "fabric.log"}
+    state = {"dir": d, "proc": proc, "rays": rays, "log": d / "fabric.log", "keys": keys,
+             "scratch": scratch}
     try:
         [up] = _client(hosts, "wait", URL, "3", str(START_S), timeout=START_S + 30)
         assert up["num_tes"] == 3, _logs(d)
@@ -138,6 +147,16 @@ def test_the_fabric_puts_a_node_on_every_ray_host_and_serves(fabric, hosts):
     assert all(r["error"] is None and len(r["ids"]) == 8 for r in results), results
     peers = {peer for _, peer in hosts.connections(0)}  # the JE to each host's TE inbox
     assert {f"{hosts.addresses[i]}:7408" for i in (1, 2)} <= peers, peers
+    names = {"head"} | {"n" + a.replace(".", "-") for a in hosts.addresses}
+    assert {p.stem for p in (fabric["keys"] / "allowed").glob("*.key")} == names
+    copies = sorted(fabric["scratch"].tmp.glob("ds-keys-*"))  # each host's, from its agent
+    assert len(copies) == 3, copies
+    for copy in copies:
+        assert copy.stat().st_mode & 0o777 == 0o700
+        assert {p.stem for p in (copy / "allowed").glob("*.key")} == names  # every newcomer
+        [secret] = [p for p in copy.glob("n*.key_secret")]  # its own pair only
+        assert secret.stat().st_mode & 0o777 == 0o600
+        assert (copy / "cluster.key_secret").is_file() and not (copy / "head.key_secret").exists()
 
 
 def test_requests_keep_flowing_when_the_ray_head_dies(fabric, hosts, greedy):

@@ -1,4 +1,4 @@
-"""The remote KV tier across hosts (network namespaces, tests/cluster/netns.py):
+"""The remote KV tier across hosts (network namespaces, drill/netns.py):
 
     h0 10.213.77.1  head: cluster manager, job executor, gateway; no TE
     h1 10.213.77.2  joins: h1-te0, its KV tier (host memory)

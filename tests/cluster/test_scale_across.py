@@ -87,7 +87,7 @@ def test_the_killed_host_s_te_comes_back_on_the_other_and_nothing_is_lost(
     [node] = [n for n in ("h1", "h2") if _scaled_out(cluster, n)]
     other = "h2" if node == "h1" else "h1"
     prompts = [f"{p} {i}" for i, p in enumerate(PROMPTS * 2)]
-    client = hosts.python(0, "tests.cluster.client", "generate", URL, KEY, MODEL, "48",
+    client = hosts.python(0, "deepserve.drill.ns_client", "generate", URL, KEY, MODEL, "48",
                           json.dumps(prompts), stdout=subprocess.PIPE, text=True)
     assert json.loads(client.stdout.readline()) == {"event": "streaming"}
     assert hosts.kill_host(int(node[1])) and cluster.nodes[node].wait(10) == -9  # the fault

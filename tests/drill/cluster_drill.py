@@ -31,6 +31,7 @@ def run_cluster_drill(scenario: str, confs: tuple[str, str], tmp_path: Path, mod
                           env=scratch.env())
     scratch.close()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "under keys of its own" in done.stderr  # the shipped cluster confs are secure
     report = json.loads(out.read_text())
     assert report["fault_proven"] is True, report
     assert report["sent"] > 0 and report["lost"] == 0 and report["bad_streams"] == 0, report

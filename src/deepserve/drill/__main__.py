@@ -8,6 +8,8 @@ into a running node under streaming load and report what the clients saw.
     bin/deepserve-drill kill-node                      # a head and two joined nodes
     bin/deepserve-drill scale-across                   # the same, TEs placed by the head
     bin/deepserve-drill kill-head                      # a head, a standby head, a node
+    bin/deepserve-drill partition-head --json out.json # the same on 3 network namespaces
+                                                       # (root), the heads' link cut
 
 Without --url a node is started from --conf (supervisor.drill forced on, a
 free port) and always stopped at the end, on errors and Ctrl-C too;
@@ -23,6 +25,11 @@ types, model), --log-dir is its health log's folder (pids for signal
 scenarios; the fault's proof, detection and recovery for all) and --drill-dir
 its fault-hook folder (hook scenarios).
 
+partition-head (drill/partition.py) starts its own three hosts and writes its
+own report (sent, lost, bad_streams, served_twice, late_tokens, heads_at_end,
+proven, proof); --conf names the model only ([node] model, default
+conf/cluster-head.toml's).
+
 The drill itself is runner.py. Exit 0 only when the report is ok (nothing
 lost, no bad stream, the fault proven to have happened); 1 when not; 2 when
 the drill could not run.
@@ -30,6 +37,7 @@ the drill could not run.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
@@ -41,6 +49,7 @@ from pathlib import Path
 import click
 
 from deepserve.drill.cluster import JOINERS
+from deepserve.drill.partition import DESCRIPTION as PARTITION_DESCRIPTION, NAME as PARTITION
 from deepserve.drill.report import DrillReport
 from deepserve.drill.runner import run_drill
 from deepserve.drill.target import served_model
@@ -121,7 +130,10 @@ def main(scenario, mode, url, log_dir, drill_dir, conf, node_conf, json_path, du
     if list_ or scenario is None:
         for s in SCENARIOS.values():
             click.echo(f"{s.name:<18}{s.description}")
+        click.echo(f"{PARTITION:<18}{PARTITION_DESCRIPTION}")
         raise SystemExit(0 if list_ else 2)
+    if scenario == PARTITION:
+        _partition(conf, json_path)
     try:
         chosen = get_scenario(scenario, mode)
     except ValueError as exc:
@@ -150,7 +162,8 @@ def main(scenario, mode, url, log_dir, drill_dir, conf, node_conf, json_path, du
                 load_node_config(node_file), chosen), node_file)
             config = cluster.config
             echo(f"starting a cluster: head from {conf} on {cluster.head_address}, standby "
-                 f"head on {cluster.url} (the load's gateway), node n2 joined to both")
+                 f"head on {cluster.url} (the load's gateway), node n2 joined to both"
+                 + _keyed(cluster))
             cluster.start()
             url, log_dir, drill_dir = cluster.url, cluster.log_dir, cluster.drill_dir
         elif chosen.kills_node:
@@ -159,7 +172,7 @@ def main(scenario, mode, url, log_dir, drill_dir, conf, node_conf, json_path, du
                                           if node_conf else ROOT / "conf" / chosen.node_conf)
             config = cluster.config
             echo(f"starting a cluster: head from {conf} on {cluster.url}, nodes "
-                 f"{', '.join(n for n, _ in JOINERS)}")
+                 f"{', '.join(n for n, _ in JOINERS)}" + _keyed(cluster))
             cluster.start()
             url, log_dir, drill_dir = cluster.url, cluster.log_dir, cluster.drill_dir
         elif url is None:
@@ -196,6 +209,33 @@ def main(scenario, mode, url, log_dir, drill_dir, conf, node_conf, json_path, du
             node.stop()
     _print(report, json_path)
     raise SystemExit(0 if report.ok else 1)
+
+
+def _keyed(cluster) -> str:
+    return f", under keys of its own ({cluster.keys[1]})" if cluster.keys else ", without keys"
+
+
+def _partition(conf: str | None, json_path: str | None) -> None:
+    """partition-head: run, print, exit 0 (ok), 1 (not ok) or 2 (could not run)."""
+    from deepserve.drill import partition
+    from deepserve.drill.netns import NetnsUnavailable
+    from deepserve.drill.target import model_dir
+    from deepserve.supervisor.node_config import load_node_config
+    echo = lambda msg: click.echo(f"[{time.strftime('%H:%M:%S')}] {msg}", err=True)  # noqa: E731
+    try:
+        model = model_dir(load_node_config(conf or ROOT / "conf" / "cluster-head.toml"))
+        report = partition.run_partition(model, echo)
+    except (NetnsUnavailable, RuntimeError, OSError, ValueError) as exc:
+        echo(f"drill error: {type(exc).__name__}: {exc}")
+        raise SystemExit(2) from None
+    bad = report.pop("bad")
+    text = json.dumps(report)
+    click.echo(text)
+    for prompt, why in bad.items():
+        click.echo(f"bad stream {prompt!r}: {why}")
+    if json_path:
+        Path(json_path).write_text(text + "\n")
+    raise SystemExit(0 if partition.ok(report) else 1)
 
 
 def _drill_node(config, scenario=None):

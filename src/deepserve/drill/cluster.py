@@ -11,6 +11,11 @@ Every 127.x address is this machine's loopback, so "hosts" here share one
 kernel; the nodes still talk over tcp exactly as on separate machines (the
 namespace tests in tests/cluster/ run them on separate network stacks).
 
+With [cluster] secure (the shipped confs), the drill makes a throwaway key set
+in its log directory (bin/deepserve-keys' files: the cluster pair, one pair
+per node, the head's and the standby's with role head) and points every node
+at it (--keys), so a drill never needs, nor touches, an operator's var/keys.
+
 Killing a node is what losing the host does: SIGKILL to the node process and
 every process under it, at once (pids of the process we started and of its
 descendants, never by name). What a killed node leaves (its shared memory,
@@ -30,6 +35,7 @@ from pathlib import Path
 
 import psutil
 
+from deepserve.ipc import curve_keys
 from deepserve.ipc.segments import SHM_DIR
 from deepserve.drill.target import model_dir
 from deepserve.config.models import is_gguf
@@ -68,19 +74,34 @@ def _is_free(host: str, port: int) -> bool:
             return False
 
 
+def drill_keys(logs: Path, secure: bool, heads: list[str], nodes: list[str]) -> list[str]:
+    """With `secure`: a key set of the drill's own in logs/keys (heads with role
+    head) and the node command line's ["--keys", DIR]; else [] (no keys)."""
+    if not secure:
+        return []
+    keys = logs / "keys"
+    curve_keys.make_keys(keys)
+    for name in heads + nodes:
+        curve_keys.make_node_key(keys, name, head=name in heads)
+    return ["--keys", str(keys)]
+
+
 class LocalCluster:
     """The head (a Node in this process) and two joining node processes."""
 
     def __init__(self, head_config, node_conf: Path = NODE_CONF):
         from deepserve.supervisor.node import Node
         port = free_port_block("127.0.0.1")
-        self.config = with_cluster(head_config, host="127.0.0.1", port=port)
+        self.logs = Path(tempfile.mkdtemp(prefix="ds-drill-cluster-"))
+        config = with_cluster(head_config, host="127.0.0.1", port=port)
+        self.keys = drill_keys(self.logs, config.cluster.secure, [config.cluster.name],
+                               [name for name, _ in JOINERS])
+        self.config = with_cluster(config, keys=self.keys[1]) if self.keys else config
         self.own = Node(self.config)  # the node in this process: the drill's url and logs
         self.head_address = f"127.0.0.1:{port}"
         self.node_conf = node_conf
         self.nodes: dict[str, subprocess.Popen] = {}
         self.node_tes: dict[str, list[str]] = {}
-        self.logs = Path(tempfile.mkdtemp(prefix="ds-drill-cluster-"))
         self.killed: dict[str, list[int]] = {}
         self._scratch: dict[str, list[str]] = {}  # node -> its run ids (what to sweep)
 
@@ -116,7 +137,8 @@ class LocalCluster:
             joined = with_cluster(node_config, self.head_address, host, name, port)
             self.node_tes[name] = [te.te_id for te in joined.tes]
             self._popen(name, node_command(str(self.node_conf), host, self.head_address,
-                                           "--node-name", name, "--cluster-port", str(port)))
+                                           "--node-name", name, "--cluster-port", str(port),
+                                           *self.keys))
         self.own.start()
 
     def _popen(self, name: str, argv: list[str]) -> None:
@@ -172,15 +194,19 @@ class HeadCluster(LocalCluster):
     def __init__(self, head_conf: Path, node_config, node_conf: Path = NODE_CONF):
         from deepserve.supervisor.node import Node
         from deepserve.supervisor.node_config import with_port
+        from deepserve.supervisor.node_config import load_node_config
         self.head_conf, self.node_conf = Path(head_conf), node_conf
         self.head_address = f"127.0.0.1:{free_port_block('127.0.0.1')}"
+        self.logs = Path(tempfile.mkdtemp(prefix="ds-drill-cluster-"))
+        head = with_cluster(load_node_config(self.head_conf), host="127.0.0.1").cluster
+        self.keys = drill_keys(self.logs, head.secure, [head.name, STANDBY[0]], [JOINERS[1][0]])
         standby = with_cluster(node_config, self.head_address, STANDBY[1], STANDBY[0],
-                               free_port_block(STANDBY[1]), standby=True)
+                               free_port_block(STANDBY[1]), standby=True,
+                               keys=self.keys[1] if self.keys else None)
         self.config = with_port(standby, STANDBY[1], free_port_block(STANDBY[1], 1))
         self.own = Node(self.config)  # the standby head
         self.nodes: dict[str, subprocess.Popen] = {}
         self.node_tes: dict[str, list[str]] = {"head": []}
-        self.logs = Path(tempfile.mkdtemp(prefix="ds-drill-cluster-"))
         self.killed: dict[str, list[int]] = {}
         self._scratch: dict[str, list[str]] = {}
 
@@ -190,7 +216,7 @@ class HeadCluster(LocalCluster):
         from deepserve.supervisor.node_config import load_node_config
         host, port = self.head_address.split(":")
         self._popen("head", node_command(str(self.head_conf), host, None, "--cluster-port", port,
-                                         "--port", str(free_port_block(host, 1))))
+                                         "--port", str(free_port_block(host, 1)), *self.keys))
         self.own.start()
         name, host = JOINERS[1]
         port = free_port_block(host)
@@ -200,7 +226,7 @@ class HeadCluster(LocalCluster):
         standby = f"{self.config.cluster.host}:{self.config.cluster.port}"
         self._popen(name, node_command(str(self.node_conf), host,
                                        f"{self.head_address},{standby}", "--node-name", name,
-                                       "--cluster-port", str(port)))
+                                       "--cluster-port", str(port), *self.keys))
 
 
 def _run_ids(proc: psutil.Process) -> list[str]:

@@ -56,6 +56,12 @@ class GatewayMetrics:
         self.e2e = Histogram("deepserve_gateway_e2e_request_latency_seconds",
                              "Seconds from submission to the last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.late_tokens = Counter("deepserve_gateway_late_tokens", "Tokens of an attempt a "
+                                   "sub-request had left behind (generated again by the "
+                                   "current one), dropped", registry=r)
+        self.late_requests = Counter("deepserve_gateway_late_requests", "Sub-requests that "
+                                     "got late tokens: generated on two TEs at once",
+                                     registry=r)
         self.running = Gauge("deepserve_gateway_requests_running",
                              "Sub-requests that have received their first reply", registry=r)
         self.waiting = Gauge("deepserve_gateway_requests_waiting",

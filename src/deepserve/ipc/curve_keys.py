@@ -159,6 +159,45 @@ def make_node_key(directory: str | Path, name: str, head: bool = False) -> Path:
     return secret_file
 
 
+def node_bundle(directory: str | Path, name: str) -> dict[str, bytes]:
+    """What node `name`'s host needs, as {relative path: content}: the cluster's
+    pair, the node's own pair (made here first if it has none) and the allow-list.
+    The Ray fabric hands it to the node's agent (write_bundle there)."""
+    d = Path(directory)
+    if not (d / f"{_check_name(name)}.key_secret").exists():
+        make_node_key(d, name)
+    files = [f"{CLUSTER}.key", f"{CLUSTER}.key_secret", f"{name}.key", f"{name}.key_secret"]
+    return {**{f: (d / f).read_bytes() for f in files}, **allowed_bundle(d)}
+
+
+def allowed_bundle(directory: str | Path) -> dict[str, bytes]:
+    """The allow-list of `directory` as {allowed/NAME.key: content}."""
+    return {f"{ALLOWED}/{p.name}": p.read_bytes()
+            for p in sorted((Path(directory) / ALLOWED).glob("*.key"))}
+
+
+def write_bundle(directory: str | Path, files: dict[str, bytes]) -> None:
+    """Write a node_bundle / allowed_bundle into `directory` (0700, secrets 0600,
+    each file whole before it is visible); an allow-list it carries replaces the
+    one there (a key it lacks is revoked)."""
+    d = Path(directory)
+    (d / ALLOWED).mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    for rel, content in files.items():
+        path = d / rel
+        if path.parent not in (d, d / ALLOWED) or not _NAME.match(path.stem) \
+                or path.suffix not in (".key", ".key_secret"):
+            raise KeysError(f"{rel!r}: not a key file name")
+        with tempfile.NamedTemporaryFile("wb", dir=path.parent, delete=False) as f:
+            f.write(content)
+        os.chmod(f.name, 0o600 if rel.endswith("_secret") else 0o644)
+        os.replace(f.name, path)
+    if any(rel.startswith(f"{ALLOWED}/") for rel in files):
+        for stale in (d / ALLOWED).glob("*.key"):
+            if f"{ALLOWED}/{stale.name}" not in files:
+                stale.unlink()
+
+
 def revoke(directory: str | Path, name: str) -> bool:
     """Take node `name` off the allow-list of `directory`; False if it was not on it."""
     try:

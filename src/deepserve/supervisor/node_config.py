@@ -18,16 +18,16 @@ __all__ = ["NodeConfig", "SupervisorConfig", "TESpec", "load_node_config", "with
 
 def with_cluster(config: NodeConfig, join: str | None = None, host: str | None = None,
                  name: str | None = None, port: int | None = None,
-                 standby: bool | None = None) -> NodeConfig:
+                 standby: bool | None = None, keys: str | None = None) -> NodeConfig:
     """The command line's --join HOST:PORT[,HOST:PORT] / --cluster-host ADDR /
-    --node-name / --cluster-port / --standby over the file's [cluster] (checked
-    as the file's; the rest of it, secure and keys included, kept; a joining
-    node's TEs are renamed after it)."""
-    if join is None and host is None and name is None and port is None and standby is None:
+    --node-name / --cluster-port / --standby / --keys DIR over the file's
+    [cluster] (checked as the file's; the rest of it, secure included, kept; a
+    joining node's TEs are renamed after it)."""
+    given = {"host": host, "port": port, "head": join, "standby": standby, "keys": keys}
+    if name is None and all(v is None for v in given.values()):
         return config
     c = config.cluster
     derived = c.name == "" or c.name == ClusterSection(host=c.host).name
-    given = {"host": host, "port": port, "head": join, "standby": standby}
     fields = {**msgspec.structs.asdict(c), **{k: v for k, v in given.items() if v is not None},
               "name": name if name is not None else ("" if derived else c.name)}
     cluster = msgspec.convert(fields, ClusterSection)
@@ -70,3 +70,4 @@ def with_models(config: NodeConfig, models: list[str] | tuple[str, ...] = (),
     node = NodeSection(**{**{f: getattr(config.node, f) for f in config.node.__struct_fields__},
                           "model": "", "served_model": ""})
     return replace(config, node=node, tes=(), models=tuple(every))
+

@@ -21,6 +21,17 @@ the Ray cluster), until Ray answers again. A host that dies takes its node
 with it; the head's cluster manager drops its TEs after te_timeout_s and
 their requests resume elsewhere.
 
+Keys (a head conf with [cluster] secure): the fabric holds the cluster's key
+directory (the head's [cluster] keys: the cluster pair and the head's own, made
+with bin/deepserve-keys; on Kubernetes a Secret, conf/k8s/). For each host that
+joins it makes the node's pair there (named after the host: n10-0-0-2), hands
+the agent what that host needs (the cluster pair, the node's pair, the
+allow-list; ipc/curve_keys.py node_bundle) and the agent writes them to a
+private directory (0700) for its node (--keys, --node-name). Whenever a host
+joins, every agent's copy of the allow-list is brought up to date, so the
+nodes admit each other. Ray's own channel carries those keys: run Ray with its
+token authentication (RAY_AUTH_MODE=token) on a network only the cluster reaches.
+
 Not done here: restarting the head node on another host (its address is
 what the joined nodes dial), reconciling with nodes left by an earlier fabric.
 """
@@ -28,14 +39,18 @@ what the joined nodes dial), reconciling with nodes left by an earlier fabric.
 from __future__ import annotations
 
 import logging
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import click
 
+from deepserve.config.cluster import ClusterSection
+from deepserve.ipc import curve_keys
 from deepserve.supervisor.restart_policy import terminate
 
 log = logging.getLogger(__name__)
@@ -67,22 +82,40 @@ class NodeAgent:
 
     def __init__(self):
         self.proc: subprocess.Popen | None = None
+        self.keys: Path | None = None  # this host's copy of its keys (a secure cluster)
 
-    def start(self, conf: str, join: str, log_path: str) -> dict:
+    def start(self, conf: str, join: str, log_path: str, name: str | None = None,
+              keys: dict[str, bytes] | None = None) -> dict:
+        """Start this host's node; with `keys` (a node_bundle for node `name`),
+        under those keys, written to a private directory first."""
         import ray
         host = ray.util.get_node_ip_address()
+        extra: list[str] = []
+        if keys is not None:
+            self.keys = Path(tempfile.mkdtemp(prefix="ds-keys-"))
+            curve_keys.write_bundle(self.keys, keys)
+            extra = ["--keys", str(self.keys), "--node-name", name]
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)  # on this agent's host
         with open(log_path, "ab") as out:
-            self.proc = subprocess.Popen(node_command(conf, host, join), stdout=out,
+            self.proc = subprocess.Popen(node_command(conf, host, join, *extra), stdout=out,
                                          stderr=subprocess.STDOUT, cwd=ROOT,
                                          start_new_session=True)
-        return {"host": host, "pid": self.proc.pid}
+        return {"host": host, "pid": self.proc.pid, "name": name}
+
+    def allow(self, allowed: dict[str, bytes]) -> int:
+        """The fabric's allow-list now: this host's copy follows (read again by
+        its node on the next connection). How many keys it holds."""
+        if self.keys is not None:
+            curve_keys.write_bundle(self.keys, allowed)
+        return len(allowed)
 
     def status(self) -> int | None:
         """None while the node runs; its exit code once it stopped."""
         return None if self.proc is None else self.proc.poll()
 
     def stop(self) -> int | None:
+        if self.keys is not None:
+            shutil.rmtree(self.keys, ignore_errors=True)
         if self.proc is None:
             return None
         terminate(self.proc, STOP_S)
@@ -93,8 +126,10 @@ class Fabric:
     """The head node and an agent per Ray node; `watch` places agents as hosts join."""
 
     def __init__(self, ray, head_conf: str, node_conf: str, port: int, log_dir: Path,
-                 head_args: list[str] = ()):
+                 head_args: list[str] = (), keys: Path | None = None):
+        """keys: the cluster's key directory (a secure head conf), or None."""
         self.ray, self.head_conf, self.node_conf, self.log_dir = ray, head_conf, node_conf, log_dir
+        self.keys = keys
         self.head_args = list(head_args)
         self.host = ray.util.get_node_ip_address()
         self.join = f"{self.host}:{port}"
@@ -118,6 +153,7 @@ class Fabric:
         """An agent (and so a joined node) on every alive Ray node without one."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         alive = [n for n in self.ray.nodes() if n.get("Alive")]
+        joined = False
         for node in alive:
             node_id = node["NodeID"]
             if node_id in self.agents:
@@ -125,9 +161,12 @@ class Fabric:
             agent = self._agent_class.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
             log_path = str(self.log_dir / f"node-{node['NodeManagerAddress']}.log")
+            name = ClusterSection(host=node["NodeManagerAddress"]).name
+            keys = curve_keys.node_bundle(self.keys, name) if self.keys else None
             try:
                 self.placed[node_id] = self.ray.get(
-                    agent.start.remote(self.node_conf, self.join, log_path), timeout=60)
+                    agent.start.remote(self.node_conf, self.join, log_path, name, keys),
+                    timeout=60)
             except Exception:
                 try:
                     self.ray.kill(agent)  # the next look places a new one
@@ -135,8 +174,13 @@ class Fabric:
                     pass
                 raise
             self.agents[node_id] = agent
+            joined = True
             log.warning("fabric: host %s joined: node pid %d", self.placed[node_id]["host"],
                         self.placed[node_id]["pid"])
+        if joined and self.keys:  # every host admits the newcomers
+            allowed = curve_keys.allowed_bundle(self.keys)
+            self.ray.get([a.allow.remote(allowed) for a in self.agents.values()], timeout=60)
+            log.warning("fabric: allow-list of %d keys on every host", len(allowed))
         gone = set(self.agents) - {n["NodeID"] for n in alive}
         for node_id in gone:
             log.error("fabric: Ray lost host %s; the head drops its TEs after te_timeout_s",
@@ -225,7 +269,6 @@ def main(address: str, head_conf: str, node_conf: str, cluster_port: int,
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s fabric[%(process)d] %(levelname)s %(message)s")
     from deepserve.actor import ActorLife
-    import tempfile
     ray = _ray()
     ray.init(address=None if address == "local" else address, include_dashboard=False,
              log_to_driver=False, logging_level=logging.WARNING)
@@ -233,7 +276,10 @@ def main(address: str, head_conf: str, node_conf: str, cluster_port: int,
     logs.mkdir(parents=True, exist_ok=True)
     head_args = (["--host", http_host] if http_host else []) + (
         ["--port", str(http_port)] if http_port else [])
-    fabric = Fabric(ray, head_conf, node_conf, cluster_port, logs, head_args)
+    from deepserve.supervisor.node_config import load_node_config
+    head = load_node_config(head_conf).cluster
+    fabric = Fabric(ray, head_conf, node_conf, cluster_port, logs, head_args,
+                    ROOT / head.keys if head.secure else None)
     life = ActorLife("fabric")  # SIGTERM / SIGINT only set its flag
     watcher = threading.Thread(target=fabric.watch, name="fabric-watch", daemon=True)
     try:

@@ -82,7 +82,7 @@ class JobClient:
         self.config = config
         self.metrics = metrics
         self.cluster = ClusterView(metrics)
-        self._routes = RouteTable()
+        self._routes = RouteTable(metrics)
         self._orphans: dict[str, None] = {}  # wire ids aborted already (bounded, FIFO)
         self._streams: weakref.WeakSet[ReplyStream] = weakref.WeakSet()
         self._je = JELink(self._on_new_je)
@@ -325,7 +325,7 @@ class JobClient:
             self._route_reply(msg)  # no await: a reply is routed whole or not at all
 
     def _route_reply(self, msg: RequestDelta | RequestFailed) -> None:
-        route = self._routes.by_wire(msg.request_id)
+        route = self._routes.reply_route(msg)
         if route is None:  # aborted, unknown, or an attempt a JE restart replaced
             if isinstance(msg, RequestDelta) and msg.finish_reason is None:
                 self._abort_orphan(msg.request_id)

@@ -6,6 +6,13 @@ the wire id the JE and TEs know it by. They are equal until a JE restart
 resubmits the sub-request under `{request id}.je{epoch}` (job_client.py), so
 that whatever the orphaned attempt still sends is not taken for the new one's.
 
+Late tokens: a delta of an attempt that is no longer the route's (an earlier
+attempt number, or a wire id a JE change replaced) carries tokens some TE
+generated for nothing, since the current attempt generates them again. The
+table counts them, and once per route the sub-request they belong to, in
+/metrics (deepserve_gateway_late_tokens_total, ..._late_requests_total): a
+request generated on two TEs at once, what a split brain would show.
+
 next_attempt(route) is the resubmission after its TE (or its JE) was lost:
 prompt = the prompt's token ids + every output token already streamed,
 max_tokens reduced by as many (an unset one stays unset: the TE counts
@@ -30,9 +37,9 @@ from typing import Iterator
 
 import msgspec
 
-from deepserve.gateway.metrics import RequestTiming
+from deepserve.gateway.metrics import GatewayMetrics, RequestTiming
 from deepserve.gateway.link.reply_stream import ReplyStream
-from deepserve.messages.engine import RequestDelta, SubmitRequest
+from deepserve.messages.engine import RequestDelta, RequestFailed, SubmitRequest
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Route:
     token_ids: list[int] = field(default_factory=list)  # output streamed so far
     num_text_chars: int = 0  # characters of output text passed on to the stream
     attempt: int = 0
+    had_late_tokens: bool = False  # an attempt it left behind sent tokens (RouteTable)
 
     @property
     def queue(self) -> asyncio.Queue:
@@ -82,9 +90,11 @@ def next_attempt(route: Route) -> SubmitRequest | None:
 class RouteTable:
     """Open routes by request id and by wire id (always both or neither)."""
 
-    def __init__(self):
+    def __init__(self, metrics: GatewayMetrics | None = None):
         self._by_id: dict[str, Route] = {}
         self._by_wire: dict[str, Route] = {}
+        self._replaced: dict[str, Route] = {}  # wire ids a rewire left behind, while open
+        self.metrics = metrics
 
     def add(self, route: Route) -> None:
         route.wire_id = route.wire_id or route.request_id
@@ -97,15 +107,36 @@ class RouteTable:
     def by_wire(self, wire_id: str) -> Route | None:
         return self._by_wire.get(wire_id)
 
+    def reply_route(self, reply: RequestDelta | RequestFailed) -> Route | None:
+        """by_wire(reply's id); a delta of an attempt the route left behind counts
+        its tokens as late (the module's docstring)."""
+        route = self._by_wire.get(reply.request_id)
+        late = self._replaced.get(reply.request_id) if route is None else route
+        if (isinstance(reply, RequestDelta) and reply.token_ids and late is not None
+                and (route is None or reply.attempt != route.attempt)):
+            self._count_late(late, len(reply.token_ids))
+        return route
+
+    def _count_late(self, route: Route, num_tokens: int) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.late_tokens.inc(num_tokens)
+        if not route.had_late_tokens:
+            route.had_late_tokens = True
+            self.metrics.late_requests.inc()
+
     def pop(self, request_id: str) -> Route | None:
         route = self._by_id.pop(request_id, None)
         if route is not None:
             del self._by_wire[route.wire_id]
+            for wire_id in [w for w, r in self._replaced.items() if r is route]:
+                del self._replaced[wire_id]
         return route
 
     def rewire(self, route: Route, wire_id: str) -> None:
         """Known from now on by `wire_id`; replies to the old one are dropped."""
         del self._by_wire[route.wire_id]
+        self._replaced[route.wire_id] = route
         route.wire_id = wire_id
         self._by_wire[wire_id] = route
 

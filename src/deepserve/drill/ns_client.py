@@ -1,14 +1,15 @@
-"""An HTTP client for the cluster tests, run inside a host namespace (the test
-process lives in the root namespace, which reaches no host's address).
+"""An HTTP client for the cluster tests and the partition-head drill, run inside
+a host namespace (drill/netns.py: the root namespace reaches no host's address).
 
-    python -m tests.cluster.client wait URL NUM_TES TIMEOUT_S
+    python -m deepserve.drill.ns_client wait URL NUM_TES TIMEOUT_S
         polls URL/health until it lists NUM_TES TEs; prints {"num_tes": n}
-    python -m tests.cluster.client get URL PATH KEY
+    python -m deepserve.drill.ns_client get URL PATH KEY
         prints the body of GET URL/PATH (Authorization: Bearer KEY)
-    python -m tests.cluster.client generate URL KEY MODEL MAX_TOKENS PROMPTS_JSON
+    python -m deepserve.drill.ns_client generate URL KEY MODEL MAX_TOKENS PROMPTS_JSON
         streams one greedy completion per prompt, all at once (a thread each);
         prints {"event": "streaming"} once every stream has its first token,
-        then one JSON line: [{"ids": [...], "finish_reason": ..., "error": ...}]
+        then one JSON line: [{"ids": [...], "finish_reason": ..., "finishes": n,
+        "error": ...}] (finishes: chunks that carried a finish_reason; one per stream)
 
 Token ids come from `logprobs` ("token_id:<id>": return_tokens_as_token_ids), so a
 test compares them with a local greedy run and sees a repeated token.
@@ -64,6 +65,7 @@ def _stream(url: str, key: str, model: str, max_tokens: int, prompt: str, out: d
                         first.set()
                     if choice.get("finish_reason"):
                         out["finish_reason"] = choice["finish_reason"]
+                        out["finishes"] += 1
     except (httpx.HTTPError, ValueError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -71,7 +73,7 @@ def _stream(url: str, key: str, model: str, max_tokens: int, prompt: str, out: d
 
 
 def generate(url: str, key: str, model: str, max_tokens: int, prompts: list[str]) -> None:
-    outs = [{"ids": [], "finish_reason": None, "error": None} for _ in prompts]
+    outs = [{"ids": [], "finish_reason": None, "finishes": 0, "error": None} for _ in prompts]
     firsts = [threading.Event() for _ in prompts]
     threads = [threading.Thread(target=_stream, args=(url, key, model, max_tokens, p, o, f))
                for p, o, f in zip(prompts, outs, firsts)]
