@@ -31,7 +31,7 @@ from deepserve.engine.te import te_server
 from deepserve.gateway import __main__ as gateway_main
 from deepserve.ipc import curve, curve_keys
 from deepserve.supervisor.node import Node
-from deepserve.supervisor.node_config import with_cluster, with_models, with_port
+from deepserve.supervisor.node_config import with_cluster, with_models, with_port, with_quantize
 from deepserve.tiers import tier_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +98,8 @@ ENGINE_VALUES = {
     "num_threads": 3, "startup_timeout_s": 77.0, "kv_transfer_backend": "tcp",
     "kv_transfer_layerwise": True, "kv_transfer_timeout_s": 9.0, "storage_read_gbps": 0.5,
     "kv_bind_host": "10.0.0.7", "timeline_dir": "/tmp/timeline", "kv_load_layers": 3,
-    "kv_stream_bytes": 1 << 20, "dualpath_hop": "stream", "light_step_tokens": 128}
+    "kv_stream_bytes": 1 << 20, "dualpath_hop": "stream", "light_step_tokens": 128,
+    "quantize": "int8"}
 """A valid non-default value of every engine option but `processes` (implied True)."""
 
 # (section, key, value in the TOML, role that uses it, what that role sees -> expected)
@@ -541,6 +542,17 @@ def test_light_step_tokens_at_and_past_its_bounds(value, ok):
             EngineConfig(model="m", **options)
 
 
+@pytest.mark.parametrize("value, dtype, ok", [
+    ("", None, True), ("int8", None, True), ("int8", "bfloat16", True), ("int4", None, False),
+    ("INT8", None, False), ("int8", "float32", False), ("int8", "float16", False)])
+def test_quantize_takes_its_modes_on_a_bf16_model_only(value, dtype, ok):
+    if ok:
+        assert EngineConfig(model="m", quantize=value, dtype=dtype).quantize == value
+    else:
+        with pytest.raises(ValueError, match="quantize"):
+            EngineConfig(model="m", quantize=value, dtype=dtype)
+
+
 @pytest.mark.parametrize("size, hop, ok", [
     (0, "auto", True), (1, "auto", True), (1, "stream", True), (0, "stream", False),
     (-1, "auto", False), (True, "auto", False), (1.0, "auto", False), (1, "host", False),
@@ -640,6 +652,25 @@ def test_command_line_models_replace_the_node_model(tmp_path):
         ("m", 2, 2, 5.0), ("x", 0, 2, 5.0)]
     with pytest.raises(ValueError, match="named alike"):
         with_models(config, [str(tmp_path / "x")])
+
+
+def test_command_line_quantize_reaches_every_te_and_model(tmp_path):
+    """--quantize MODE (node_config.with_quantize): every [[te]] and [[model]] TE's
+    engine config says it; a TE whose dtype cannot be quantized is refused."""
+    conf = write_toml(tmp_path, {"node": {"model": "models/m"},
+                                 "te": [{"count": 2, "kv_cache_memory": 1 << 20}],
+                                 "model": [{"path": "models/x", "min_tes": 0}]})
+    config = load_node_config(conf)
+    assert with_quantize(config, None) is config
+    q = with_quantize(config, "int8")
+    assert [te.engine_config(q.node.model).quantize for te in q.tes] == ["int8", "int8"]
+    assert q.models[0].engine_config().quantize == "int8"
+    assert q.tes[0].options["kv_cache_memory"] == 1 << 20  # the rest kept
+    with pytest.raises(ValueError, match="quantize must be"):
+        with_quantize(config, "int3")
+    f32 = write_toml(tmp_path, {"node": {"model": "models/m"}, "te": [{"dtype": "float32"}]})
+    with pytest.raises(ValueError, match="needs dtype bfloat16"):
+        with_quantize(load_node_config(f32), "int8")
 
 
 def test_a_te_of_the_node_model_keeps_its_table_when_a_pool_process_becomes_it(tmp_path):

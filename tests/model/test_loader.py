@@ -1,6 +1,7 @@
 """Model directories: both rope spellings, shards, and every way to be broken."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -90,6 +91,17 @@ def test_missing_tensor_is_named(model_copy):
     save_file(tensors, path)
     with pytest.raises(ModelLoadError, match="down_proj"):
         load_model(model_copy)
+
+
+@pytest.mark.parametrize("quantization, method", [
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "fp8"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "awq"),
+    ({"bits": 4}, "?"), ("gptq", "?")])
+def test_a_quantized_checkpoint_is_refused_naming_its_method(model_copy, quantization, method):
+    """Its shapes may match ours, but its weights need scales we would not read."""
+    _edit_config(model_copy, quantization_config=quantization)
+    with pytest.raises(ModelLoadError, match=f"quant_method '{re.escape(method)}'"):
+        LLM(str(model_copy))
 
 
 def test_unsupported_architecture(model_copy):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from deepserve.config.cluster import WILDCARD_HOSTS
 
+QUANTIZE_MODES = ("", "int8")  # what model/quantize.py makes ("": nothing)
 MAX_KV_LOAD_LAYERS = 64  # ring slots of a layered load (staging: that many layers)
 
 
@@ -23,6 +24,11 @@ class EngineConfig:
     """Path of a Hugging Face model directory."""
     dtype: str | None = None
     """"float32" or "bfloat16"; None takes config.json's."""
+    quantize: str = ""
+    """"int8": the projections' weights quantized at load (round to nearest, one
+    scale per output channel; model/quantize.py) for the int8 kernel, which
+    streams half of bf16's bytes per decode step; needs a bfloat16 model and
+    the C++ kernels. "": the checkpoint's weights as they are."""
     block_size: int = 16
     """Tokens per KV block."""
     num_kv_blocks: int | None = None
@@ -112,6 +118,11 @@ class EngineConfig:
                              f"({self.max_num_batched_tokens}), got {self.light_step_tokens}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {self.quantize!r}")
+        if self.quantize and self.dtype not in (None, "bfloat16"):
+            raise ValueError(f"quantize = {self.quantize!r} needs dtype bfloat16 (or unset, "
+                             f"from a bf16 checkpoint), got {self.dtype!r}")
         if self.kv_transfer_backend not in ("shm", "ring", "tcp"):
             raise ValueError(f"kv_transfer_backend must be shm, ring or tcp, "
                              f"got {self.kv_transfer_backend!r}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 NAME = "deepserve_ops"
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "linear.cpp", "decode_attention.cpp", "elementwise.cpp")
+SOURCES = ("ops.cpp", "linear.cpp", "linear_vnni.cpp", "decode_attention.cpp", "elementwise.cpp")
 HEADERS = ("simd.h",)
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17")
 

@@ -190,6 +190,12 @@ def load_model_config(model_dir: str | Path, dtype: str | None = None) -> ModelC
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
+    quantized = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if quantized is not None:  # its weights need scales we would not read: refused, not guessed
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ModelLoadError(f"{path}: quantization_config (quant_method {method!r}) is not "
+                             "supported; load a bf16/fp16/fp32 checkpoint (quantize = "
+                             "\"int8\" quantizes one at load)")
     try:
         return _build(model_dir, raw, dtype, architecture_fields(raw))
     except KeyError as e:

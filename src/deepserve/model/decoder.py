@@ -178,13 +178,14 @@ class CausalLM(nn.Module):
         for table in self.rotary_tables:
             table.rebuild()
 
-    def pack_weights(self) -> None:
-        """Pack every bf16 projection for the C++ kernel (a no-op without it)."""
+    def pack_weights(self, quantize: str = "") -> None:
+        """Pack every bf16 projection for the C++ kernel (a no-op without it;
+        quantize "int8": quantized, RuntimeError without it)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 is_head = module is self.lm_head
                 module.pack(free_weight=not (is_head and self.config.tie_word_embeddings),
-                            always=is_head)
+                            always=is_head, quantize=quantize)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

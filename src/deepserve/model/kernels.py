@@ -4,6 +4,10 @@ Ops for CPUs with AVX2 + FMA (checked before loading):
 
   * linear_bf16: bf16 weights, fp32 arithmetic (see csrc/linear.cpp), on
     weights packed once at load time by pack_linear_weight;
+  * linear_w8: int8 weights with a scale per group of input features of each
+    output column (model/quantize.py), packed by pack_linear_w8: the same
+    panels and fp32 arithmetic, or on CPUs with AVX-512 VNNI int8 activations
+    and int32 sums (csrc/linear_vnni.cpp);
   * paged_decode_attention: one query token per sequence over the paged KV
     pool, read in place (see csrc/decode_attention.cpp);
   * add_rms_norm, rotary, silu_and_mul: a decoder layer's elementwise
@@ -138,6 +142,52 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
         w = torch.cat([w, w.new_zeros(num_panels * _PANEL - n, k)])
     # (NP, 2 halves, 8 lanes, K) -> (NP, K, 8 lanes, 2 halves)
     return w.view(num_panels, 2, 8, k).permute(0, 3, 2, 1).contiguous().view(num_panels, k, _PANEL)
+
+
+def w8_vnni() -> bool:
+    """int8 weights are packed for AVX-512 VNNI (csrc/linear_vnni.cpp: int8
+    activations too, as llama.cpp's Q8_0 dot products): the CPU has it and
+    $DEEPSERVE_KERNEL_ISA is not "avx2" (which keeps the fp32 path, for tests
+    and comparisons on such a CPU)."""
+    return (os.environ.get("DEEPSERVE_KERNEL_ISA") != "avx2"
+            and bool(torch.ops.deepserve.vnni_supported()))
+
+
+def pack_linear_w8(q: torch.Tensor, scales: torch.Tensor,
+                   vnni: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) int8 and its (N, K / G) group scales -> what linear_w8 takes; the
+    last panel is zero-padded (its scales 1).
+
+    fp32 path: panels (ceil(N / 16), K, 16) (panel p, row k, byte j: column
+    16p + j) and scales (ceil(N / 16), K / G, 16) laid out alike. VNNI (vnni
+    None: w8_vnni(); used where 4 divides G): panels (NP, K / 4, 64), column j's
+    four k at bytes 4j..4j+3, and scales (NP, K / G, 32): the 16 columns'
+    scales, then 128 * scale * the group's sum of q (the unsigned activations'
+    offset, taken back)."""
+    n, k = q.shape
+    num_panels, groups = -(-n // _PANEL), scales.shape[1]
+    if num_panels * _PANEL != n:
+        q = torch.cat([q, q.new_zeros(num_panels * _PANEL - n, k)])
+        scales = torch.cat([scales, scales.new_ones(num_panels * _PANEL - n, groups)])
+    scales = scales.float()
+    panel_scales = scales.view(num_panels, _PANEL, groups).permute(0, 2, 1)
+    if (w8_vnni() if vnni is None else vnni) and (k // groups) % 4 == 0:
+        sums = q.view(-1, groups, k // groups).sum(dim=2, dtype=torch.int32).float()
+        offsets = (128 * scales * sums).view(num_panels, _PANEL, groups).permute(0, 2, 1)
+        blocks = q.view(num_panels, _PANEL, k // 4, 4).permute(0, 2, 1, 3)
+        return (blocks.reshape(num_panels, k // 4, 4 * _PANEL).contiguous(),
+                torch.cat([panel_scales, offsets], dim=2).contiguous())
+    return q.view(num_panels, _PANEL, k).permute(0, 2, 1).contiguous(), panel_scales.contiguous()
+
+
+def linear_w8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+              bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x: (..., K) bf16 or fp32 -> (..., N) in x's dtype; packed and scales from
+    pack_linear_w8 (weight = int8 value times its group's scale)."""
+    lead = x.shape[:-1]
+    out = torch.ops.deepserve.linear_w8(x.reshape(-1, x.shape[-1]), packed, scales, bias,
+                                        out_features)
+    return out.view(*lead, out_features)
 
 
 def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,

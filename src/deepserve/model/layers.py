@@ -14,6 +14,7 @@ from torch import nn
 
 from deepserve.model import kernels
 from deepserve.model.parallel import TensorParallel
+from deepserve.model.quantize import dequantize_int8, quantize_int8
 
 
 class RMSNorm(nn.Module):
@@ -41,29 +42,46 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear that, once pack() ran, multiplies with the C++ bf16 kernel
-    on a packed copy of its weight (model/kernels.py); the torch path else."""
+    on a packed copy of its weight (model/kernels.py), or with the int8 one
+    on its quantized copy (model/quantize.py); the torch path else."""
 
     packed: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    """With an int8 packed weight: its group scales, packed alike (kernels.pack_linear_w8)."""
     kernel_rows: int | None = None
     """With a packed weight: inputs of up to this many rows go to the kernel,
     larger ones to torch (None: every input; kernels.kernel_max_rows)."""
 
-    def pack(self, free_weight: bool, always: bool = False) -> None:
-        """Pack a bf16 weight when the kernels are there. free_weight drops
-        the unpacked copy (not for a weight tied to the embedding) where the
-        kernel serves every size; where torch wins past a few rows, both
-        copies are kept. always: the kernel at every size (the lm_head, whose
-        fp32 logits the kernel gives without a bf16 rounding)."""
+    def pack(self, free_weight: bool, always: bool = False, quantize: str = "") -> None:
+        """Pack a bf16 weight when the kernels are there (quantize "int8": its
+        int8 form). free_weight drops the unpacked copy (not for a weight tied
+        to the embedding) where the kernel serves every size; where torch wins
+        past a few rows, both copies are kept (an int8 weight's torch copy
+        becomes its dequantized form: both paths compute the same model). always:
+        the kernel at every size (the lm_head, whose fp32 logits the kernel
+        gives without a bf16 rounding)."""
+        if quantize and not kernels.available():
+            raise RuntimeError(f"quantize = {quantize!r} needs the C++ kernels (AVX2 + FMA, "
+                               "built by bin/_venv.sh); they are not loaded here")
         if self.weight.dtype != torch.bfloat16 or not kernels.available():
             return
-        self.packed = kernels.pack_linear_weight(self.weight.detach())
         self.kernel_rows = None if always else kernels.kernel_max_rows()
+        if quantize == "int8":
+            q, scales = quantize_int8(self.weight)
+            self.packed, self.scales = kernels.pack_linear_w8(q, scales)
+            if self.kernel_rows is not None:  # torch's copy for larger inputs: the same model
+                self.weight = nn.Parameter(dequantize_int8(q, scales).to(torch.bfloat16),
+                                           requires_grad=False)
+        else:
+            self.packed = kernels.pack_linear_weight(self.weight.detach())
         if free_weight and self.kernel_rows is None:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None and (self.kernel_rows is None or
                                         x.numel() <= self.kernel_rows * x.shape[-1]):
+            if self.scales is not None:
+                return kernels.linear_w8(x, self.packed, self.scales, bias, self.out_features)
             return kernels.linear_bf16(x, self.packed, bias, self.out_features)
         return F.linear(x, self.weight, bias)
 

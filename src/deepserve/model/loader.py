@@ -32,8 +32,10 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(model_dir: str | Path, dtype: str | None = None,
-               tp: TensorParallel = TensorParallel()) -> CausalLM:
-    """This rank's CausalLM (the whole model at tp=1); ValueError if tp does not divide it."""
+               tp: TensorParallel = TensorParallel(), quantize: str = "") -> CausalLM:
+    """This rank's CausalLM (the whole model at tp=1); ValueError if tp does not divide
+    it. quantize "int8": its projections quantized (model/quantize.py); ModelLoadError
+    where the model is not bf16 or the kernels are not loaded."""
     cfg = load_model_config(model_dir, dtype)
     with torch.device("meta"):
         model = CausalLM(cfg, tp)  # raises before any weight is read
@@ -43,7 +45,13 @@ def load_model(model_dir: str | Path, dtype: str | None = None,
         model.lm_head.weight = model.embed_tokens.weight
     model.rebuild_rotary()  # one table per distinct rope, shared by its layers
     _copy_weights(model, checkpoint_targets(cfg, tp), tp, Path(model_dir))
-    model.pack_weights()
+    if quantize and cfg.dtype != torch.bfloat16:
+        raise ModelLoadError(f"quantize = {quantize!r} needs a bfloat16 model; {model_dir} "
+                             f"loads as {cfg.dtype} (set dtype = \"bfloat16\")")
+    try:
+        model.pack_weights(quantize)
+    except RuntimeError as e:  # quantized weights without the kernels to run them
+        raise ModelLoadError(str(e)) from None
     return model.eval()
 
 

@@ -21,7 +21,7 @@ from deepserve.errors import ModelLoadError
 from deepserve.ipc import curve_keys
 from deepserve.supervisor.node import Node
 from deepserve.supervisor.node_config import (load_node_config, with_cluster, with_models,
-                                              with_port)
+                                              with_port, with_quantize)
 
 _VITAL = ("gateway", "job-executor", "cluster-manager")
 
@@ -74,12 +74,14 @@ Ctrl-C stops every process."""
                    "over the head's cluster manager and job executor if the head dies")
 @click.option("--cluster-port", default=None, type=int,
               help="overrides [cluster] port (this node's first TCP port)")
+@click.option("--quantize", default=None, type=click.Choice(["int8"]),
+              help="quantize every TE's bf16 weights at load (sets [[te]] / [[model]] quantize)")
 @click.option("--keys", default=None, metavar="DIR",
               help="overrides [cluster] keys: the directory of bin/deepserve-keys' files")
 def main(conf: str, host: str | None, port: int | None, models: tuple[str, ...],
          idle_s: float | None, cluster_host: str | None, join: str | None,
          node_name: str | None, cluster_port: int | None, standby: bool | None,
-         keys: str | None) -> None:
+         quantize: str | None, keys: str | None) -> None:
     for value in models:
         path = value.partition("=")[2] if "=" in value else value
         if not (os.path.isfile(os.path.join(path, "config.json"))
@@ -88,6 +90,7 @@ def main(conf: str, host: str | None, port: int | None, models: tuple[str, ...],
                                      "nor a .gguf file", param_hint="--model")
     try:
         config = with_models(with_port(load_node_config(conf), host, port), models, idle_s)
+        config = with_quantize(config, quantize)
         config = with_cluster(config, join, cluster_host, node_name, cluster_port, standby,
                               keys)
     except ValueError as e:  # names the file, the section and the key

@@ -13,7 +13,7 @@ from deepserve.config.cluster import ClusterSection, named_for_cluster
 from deepserve.config.node import NodeConfig, NodeSection, SupervisorConfig, TESpec
 
 __all__ = ["NodeConfig", "SupervisorConfig", "TESpec", "load_node_config", "with_cluster",
-           "with_models", "with_port"]
+           "with_models", "with_port", "with_quantize"]
 
 
 def with_cluster(config: NodeConfig, join: str | None = None, host: str | None = None,
@@ -71,3 +71,16 @@ def with_models(config: NodeConfig, models: list[str] | tuple[str, ...] = (),
                           "model": "", "served_model": ""})
     return replace(config, node=node, tes=(), models=tuple(every))
 
+
+def with_quantize(config: NodeConfig, mode: str | None) -> NodeConfig:
+    """The command line's `--quantize MODE` over every TE's and every model's
+    engine options (checked as a [[te]] key would be: EngineConfig)."""
+    if mode is None:
+        return config
+    tes = tuple(replace(te, options={**te.options, "quantize": mode}) for te in config.tes)
+    models = tuple(replace(m, options={**m.options, "quantize": mode}) for m in config.models)
+    for te in tes:  # ValueError naming quantize (a bad mode, a float32 TE)
+        te.engine_config(config.node.model or "-")
+    for model in models:
+        model.engine_config()
+    return replace(config, tes=tes, models=models)

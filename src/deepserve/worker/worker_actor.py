@@ -146,13 +146,13 @@ class _Worker:
         start = time.perf_counter()
         weights_dir, self.weights = cached_model_dir(cfg.model, self.spec.weight_cache)
         try:
-            model = load_model(weights_dir, cfg.dtype, tp=self.tp)
+            model = load_model(weights_dir, cfg.dtype, tp=self.tp, quantize=cfg.quantize)
         except (OSError, ModelLoadError) as e:
             if self.weights != "cache":
                 raise
             log.warning("weight cache %s unusable (%s): loading from disk", weights_dir, e)
             self.weights = "disk"
-            model = load_model(cfg.model, cfg.dtype, tp=self.tp)
+            model = load_model(cfg.model, cfg.dtype, tp=self.tp, quantize=cfg.quantize)
         self.load_s = time.perf_counter() - start
         return model
 

@@ -28,7 +28,7 @@ from deepserve.worker.model_runner import ModelRunner
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         kernels.start_flushing_denormals()  # before loading starts torch's threads
-        model = load_model(config.model, config.dtype)
+        model = load_model(config.model, config.dtype, quantize=config.quantize)
         self.model_config = model.config
         self.tokenizer = Tokenizer(config.model)
         self.config = config.resolve(

@@ -7,6 +7,9 @@
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed,
                           const c10::optional<at::Tensor>& bias, int64_t N);
+at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& bias, int64_t N);
+bool vnni_supported();
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                      const at::Tensor& v_cache, const at::Tensor& tables,
                                      const at::Tensor& lens, double scale);
@@ -18,6 +21,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
 TORCH_LIBRARY(deepserve, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &linear_bf16);
+  m.def("linear_w8(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int n) -> Tensor",
+        &linear_w8);
+  m.def("vnni_supported() -> bool", [] { return vnni_supported(); });
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
         "Tensor lens, float scale) -> Tensor", &paged_decode_attention);
   m.def("add_rms_norm(Tensor? x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",

@@ -1,8 +1,9 @@
-// AVX2 helpers shared by the kernels: bf16 <-> fp32 for 8 lanes, exp of x <= 0.
+// AVX2 helpers shared by the kernels: bf16 <-> fp32 for 8 lanes and one, exp of x <= 0.
 #pragma once
 
 #include <immintrin.h>
 #include <cstdint>
+#include <cstring>
 
 namespace ds {
 
@@ -23,6 +24,15 @@ inline void store_bf16x8(void* p, __m256 v) {
                          nan);
   __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// One fp32 -> bf16 bits, rounded to nearest even (as torch's conversion); NaN stays NaN.
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
 }
 
 // fp32 -> fp32 rounded to bf16 precision (the value a bf16 store then load gives).

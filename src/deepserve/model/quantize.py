@@ -1,0 +1,38 @@
+"""Quantizing a checkpoint's weights at load (`quantize = "int8"` on a TE,
+`--quantize int8`): round to nearest, symmetric, one fp32 scale per group of
+GROUP consecutive input features of each output channel (a per-channel scale
+where GROUP does not divide the row): w ~= q * s, q in [-127, 127], s =
+max |w[n, group]| / 127 (llama.cpp's Q8_0 has groups of 32 too). The int8
+values feed the kernel's linear_w8 (model/kernels.py), which streams
+1 + 4 / GROUP bytes per weight in a decode step instead of bf16's two.
+
+Only the projections are quantized (attention q/k/v/o, the MLP, the lm_head);
+embeddings and norms stay in the checkpoint's dtype. A group of zeros gets
+scale 1 (its q is 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+QMAX = 127
+GROUP = 32
+
+
+def quantize_int8(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (q (N, K) int8, scales (N, K / G) fp32) with weight ~= q times
+    its group's scale; G = group where it divides K, else K (one scale a row)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    g = group if k % group == 0 else k
+    groups = w.view(n, k // g, g)
+    scales = groups.abs().amax(dim=2) / QMAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(groups / scales[:, :, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q.view(n, k), scales.contiguous()
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight an int8 one stands for (the reference the kernel is tested on)."""
+    g = q.shape[1] // scales.shape[1]
+    return q.float() * scales.repeat_interleave(g, dim=1)
