@@ -99,7 +99,8 @@ def main(model: str, modes: str, rounds: int, prompt_len: int, steps: int, windo
                       enable_prefix_caching=False)
             ppl[f"{n} all-kernel"] = perplexity(llm, text_ids, window)
             llm.shutdown()
-    print(f"CPU: {cpu()}")
+    print(f"CPU: {cpu()}; int8 path: "
+          f"{kernels.int8_isa() if kernels.int8_activations() else 'fp32 activations'}")
     print(f"model: {model}; {rounds} rounds interleaved; prompt {prompt_len} tokens, "
           f"{steps} decode steps timed; perplexity over {len(text_ids)} tokens of "
           f"{TEXT.name}, windows of {window}")

@@ -41,8 +41,11 @@ def test_a_partitioned_head_steps_down_and_nothing_is_served_twice(tmp_path, tin
         assert "state_dir/terms/2 names h1" in report["proof"]
         assert 0 < report["taken_over_s"] < report["stepped_down_s"] < 60, report
         assert report["sent"] == 16 and report["lost"] == 0 and report["bad_streams"] == 0
-        assert report["served_twice"] == 0 and report["heads_at_end"] == 1, report
-        assert report["late_tokens"] >= 0
+        assert report["delivered_twice"] == 0 and report["heads_at_end"] == 1, report
+        # generated twice (an old attempt's tokens that reached the gateway after its
+        # stream resumed elsewhere): reported, dropped, never delivered
+        assert report["served_twice"] >= report["delivered_twice"]
+        assert (report["late_tokens"] > 0) == (report["served_twice"] > 0), report
         scratch.close()
         assert scratch.runs and scratch.leftovers() == set(), scratch.leftovers()
     finally:

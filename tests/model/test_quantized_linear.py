@@ -7,6 +7,11 @@ bias."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +21,7 @@ from deepserve.model import kernels
 from deepserve.model.layers import Linear
 from deepserve.model.quantize import dequantize_int8, quantize_int8
 
+ROOT = Path(__file__).resolve().parents[2]
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
 
 
@@ -49,7 +55,7 @@ def test_linear_w8_matches_the_dequantized_fp32_matmul(m, n, k, group):
     b = torch.randn(n, generator=gen).to(torch.bfloat16)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     weight = dequantize_int8(q, s)
-    packed, s = kernels.pack_linear_w8(q, s, vnni=False)
+    packed, s = kernels.pack_linear_w8(q, s, a8=False)
     assert packed.dtype == torch.int8 and packed.shape == (-(-n // 16), k, 16)
     assert s.shape == (-(-n // 16), k // group if k % group == 0 else 1, 16)
     assert torch.equal(_unpacked(packed, s, n), weight)  # the layout the kernel reads
@@ -63,8 +69,8 @@ def test_linear_w8_matches_the_dequantized_fp32_matmul(m, n, k, group):
     torch.testing.assert_close(no_bias, ref - b.float(), rtol=1e-5, atol=1e-4 * k ** 0.5)
 
 
-def _vnni_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """What the VNNI path computes, in torch: x quantized per row and group as the
+def _a8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """What the int8-activation path computes, in torch: x quantized per row and group as the
     kernel does (round half to even, +-127), integer dot products per group, then
     both scales."""
     m, k = x.shape
@@ -78,29 +84,54 @@ def _vnni_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.
     return (dots * sx.double()[:, None, :] * s.double()[None, :, :]).sum(dim=2).float()
 
 
-@pytest.mark.skipif(not kernels.available() or not kernels.w8_vnni(),
-                    reason="needs the kernels and a CPU with AVX-512 VNNI")
-@pytest.mark.parametrize("n,k,group", [(1152, 576, 32), (576, 1536, 32), (100, 40, 8),
-                                       (16, 64, 64), (33, 64, 32), (48, 128, 128)])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 33])
-def test_the_vnni_path_is_its_int8_reference_exactly(m, n, k, group):
-    """int8 activations (per row and group) times int8 weights, summed in int32:
-    the same numbers as the reference's integer sums, scaled alike."""
+A8_CASES = [(1152, 576, 32), (576, 1536, 32), (100, 40, 8), (16, 64, 64), (33, 64, 32),
+            (48, 128, 128)]
+
+
+def _check_a8(m: int, n: int, k: int, group: int) -> None:
     gen = torch.Generator().manual_seed(m * 7 + n)
     q, s = quantize_int8(torch.randn(n, k, generator=gen) * torch.rand(1, k, generator=gen),
                          group)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     x[0, :group] = 0.0  # a group of zeros: scale 1, nothing added
     b = torch.randn(n, generator=gen).to(torch.bfloat16)
-    packed, ps = kernels.pack_linear_w8(q, s, vnni=True)
+    packed, ps = kernels.pack_linear_w8(q, s, a8=True)
     assert packed.shape == (-(-n // 16), k // 4, 64) and ps.shape == (-(-n // 16), k // group, 32)
-    ref = _vnni_reference(x, q, s)
+    ref = _a8_reference(x, q, s)
     out = kernels.linear_w8(x.float(), packed, ps, b, n)
     torch.testing.assert_close(out, ref + b.float(), rtol=1e-5, atol=1e-4 * k ** 0.5)
     out16 = kernels.linear_w8(x, packed, ps, None, n)
     torch.testing.assert_close(out16, ref.to(torch.bfloat16), rtol=1.6e-2, atol=1e-3 * k ** 0.5)
     exact = F.linear(x.float(), dequantize_int8(q, s))  # and near the unquantized product
     assert (out16.float() - exact).abs().mean() <= 0.02 * exact.abs().mean() + 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k,group", A8_CASES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 33])
+def test_the_int8_activation_path_is_its_reference_exactly(m, n, k, group):
+    """int8 activations (per row and group) times int8 weights, summed in int32:
+    the same numbers as the reference's integer sums, scaled alike (this CPU's
+    path: kernels.int8_isa())."""
+    _check_a8(m, n, k, group)
+
+
+@needs_kernels
+def test_the_avx2_int8_activation_path_on_a_vnni_cpu_too():
+    """Where this CPU runs VNNI, the AVX2 path (another instruction sequence) is
+    checked in a process that keeps it ($DEEPSERVE_KERNEL_ISA=avx2)."""
+    if kernels.int8_isa() != "avx512-vnni":
+        pytest.skip("this CPU runs the AVX2 path already (the test above)")
+    code = ("from deepserve.model import kernels\n"
+            "from tests.model.test_quantized_linear import A8_CASES, _check_a8\n"
+            "assert kernels.available() and kernels.int8_isa() == 'avx2'\n"
+            "for case in A8_CASES:\n"
+            "    for m in (1, 3, 5, 33):\n"
+            "        _check_a8(m, *case)\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "DEEPSERVE_KERNEL_ISA": "avx2"})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 def _unpacked(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
@@ -117,7 +148,7 @@ def test_linear_w8_takes_extreme_int8_values_and_refuses_wrong_operands():
     q[:, ::2] = 127
     s = torch.linspace(0.5, 2.0, 32).view(16, 2)  # two groups of 32
     x = torch.ones(3, 64)
-    packed, ps = kernels.pack_linear_w8(q, s, vnni=False)
+    packed, ps = kernels.pack_linear_w8(q, s, a8=False)
     out = kernels.linear_w8(x, packed, ps, None, 16)
     assert torch.equal(out, torch.zeros(3, 16))  # 16 * 127 - 16 * 127 a group, exactly
     x[:, 1::2] = 0
@@ -155,6 +186,20 @@ def test_an_int8_linear_is_the_same_model_on_either_path(monkeypatch, max_rows):
         assert lin.weight.numel() == 0
     else:
         assert torch.equal(lin.weight, ref.to(torch.bfloat16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("env, shape", [(None, (2, 16, 64)), ("1", (2, 16, 64)),
+                                        ("0", (2, 64, 16))])
+def test_int8_activations_are_the_default_and_can_be_turned_off(monkeypatch, env, shape):
+    if env is None:
+        monkeypatch.delenv("DEEPSERVE_INT8_ACTIVATIONS", raising=False)
+    else:
+        monkeypatch.setenv("DEEPSERVE_INT8_ACTIVATIONS", env)
+    q, s = quantize_int8(torch.randn(32, 64))
+    assert kernels.pack_linear_w8(q, s)[0].shape == shape
+    q, s = quantize_int8(torch.randn(32, 42))  # one group of 42 a row: 4 does not divide it
+    assert kernels.pack_linear_w8(q, s)[0].shape == (2, 42, 16)  # fp32 activations
 
 
 def test_quantized_weights_need_the_kernels(monkeypatch):

@@ -26,8 +26,8 @@ scenarios; the fault's proof, detection and recovery for all) and --drill-dir
 its fault-hook folder (hook scenarios).
 
 partition-head (drill/partition.py) starts its own three hosts and writes its
-own report (sent, lost, bad_streams, served_twice, late_tokens, heads_at_end,
-proven, proof); --conf names the model only ([node] model, default
+own report (sent, lost, bad_streams, served_twice, delivered_twice, late_tokens,
+heads_at_end, proven, proof); --conf names the model only ([node] model, default
 conf/cluster-head.toml's).
 
 The drill itself is runner.py. Exit 0 only when the report is ok (nothing
@@ -233,6 +233,10 @@ def _partition(conf: str | None, json_path: str | None) -> None:
     click.echo(text)
     for prompt, why in bad.items():
         click.echo(f"bad stream {prompt!r}: {why}")
+    if report["served_twice"]:
+        click.echo(f"served twice: {report['served_twice']} request(s) generated on two "
+                   f"attempts at once ({report['late_tokens']} tokens dropped at the gateway; "
+                   f"delivered twice: {report['delivered_twice']})")
     if json_path:
         Path(json_path).write_text(text + "\n")
     raise SystemExit(0 if partition.ok(report) else 1)

@@ -6,8 +6,8 @@ Ops for CPUs with AVX2 + FMA (checked before loading):
     weights packed once at load time by pack_linear_weight;
   * linear_w8: int8 weights with a scale per group of input features of each
     output column (model/quantize.py), packed by pack_linear_w8: the same
-    panels and fp32 arithmetic, or on CPUs with AVX-512 VNNI int8 activations
-    and int32 sums (csrc/linear_vnni.cpp);
+    panels and fp32 arithmetic, or int8 activations and int32 sums
+    (csrc/linear_vnni.cpp: AVX-512 VNNI or AVX2);
   * paged_decode_attention: one query token per sequence over the paged KV
     pool, read in place (see csrc/decode_attention.cpp);
   * add_rms_norm, rotary, silu_and_mul: a decoder layer's elementwise
@@ -144,26 +144,31 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return w.view(num_panels, 2, 8, k).permute(0, 3, 2, 1).contiguous().view(num_panels, k, _PANEL)
 
 
-def w8_vnni() -> bool:
-    """int8 weights are packed for AVX-512 VNNI (csrc/linear_vnni.cpp: int8
-    activations too, as llama.cpp's Q8_0 dot products): the CPU has it and
-    $DEEPSERVE_KERNEL_ISA is not "avx2" (which keeps the fp32 path, for tests
-    and comparisons on such a CPU)."""
-    return (os.environ.get("DEEPSERVE_KERNEL_ISA") != "avx2"
-            and bool(torch.ops.deepserve.vnni_supported()))
+def int8_activations() -> bool:
+    """int8 weights are packed for int8 activations (csrc/linear_vnni.cpp, as
+    llama.cpp's Q8_0 dot products: AVX-512 VNNI where the CPU has it, else
+    AVX2) unless $DEEPSERVE_INT8_ACTIVATIONS is "0", which keeps activations in
+    fp32 (the weights-only path: exact products of the int8 weights)."""
+    return os.environ.get("DEEPSERVE_INT8_ACTIVATIONS", "1") != "0"
+
+
+def int8_isa() -> str:
+    """Which int8-activation path runs here: "avx512-vnni" or "avx2"
+    ($DEEPSERVE_KERNEL_ISA=avx2 keeps the AVX2 one on a VNNI CPU)."""
+    return "avx512-vnni" if torch.ops.deepserve.vnni_supported() else "avx2"
 
 
 def pack_linear_w8(q: torch.Tensor, scales: torch.Tensor,
-                   vnni: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   a8: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) int8 and its (N, K / G) group scales -> what linear_w8 takes; the
     last panel is zero-padded (its scales 1).
 
-    fp32 path: panels (ceil(N / 16), K, 16) (panel p, row k, byte j: column
-    16p + j) and scales (ceil(N / 16), K / G, 16) laid out alike. VNNI (vnni
-    None: w8_vnni(); used where 4 divides G): panels (NP, K / 4, 64), column j's
-    four k at bytes 4j..4j+3, and scales (NP, K / G, 32): the 16 columns'
-    scales, then 128 * scale * the group's sum of q (the unsigned activations'
-    offset, taken back)."""
+    fp32 activations: panels (ceil(N / 16), K, 16) (panel p, row k, byte j:
+    column 16p + j) and scales (ceil(N / 16), K / G, 16) laid out alike. int8
+    activations (a8 None: int8_activations(); where 4 divides G): panels
+    (NP, K / 4, 64), column j's four k at bytes 4j..4j+3, and scales
+    (NP, K / G, 32): the 16 columns' scales, then 128 * scale * the group's sum
+    of q (VNNI's unsigned activations' offset, taken back)."""
     n, k = q.shape
     num_panels, groups = -(-n // _PANEL), scales.shape[1]
     if num_panels * _PANEL != n:
@@ -171,7 +176,7 @@ def pack_linear_w8(q: torch.Tensor, scales: torch.Tensor,
         scales = torch.cat([scales, scales.new_ones(num_panels * _PANEL - n, groups)])
     scales = scales.float()
     panel_scales = scales.view(num_panels, _PANEL, groups).permute(0, 2, 1)
-    if (w8_vnni() if vnni is None else vnni) and (k // groups) % 4 == 0:
+    if (int8_activations() if a8 is None else a8) and (k // groups) % 4 == 0:
         sums = q.view(-1, groups, k // groups).sum(dim=2, dtype=torch.int32).float()
         offsets = (128 * scales * sums).view(num_panels, _PANEL, groups).permute(0, 2, 1)
         blocks = q.view(num_panels, _PANEL, k // 4, 4).permute(0, 2, 1, 3)

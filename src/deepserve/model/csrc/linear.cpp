@@ -296,13 +296,12 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed,
   return o.out;
 }
 
-bool vnni_supported();
-void linear_w8_vnni(const at::Tensor& xf, const at::Tensor& packed, const at::Tensor& scales,
-                    const float* bias, at::Tensor& out);
+void linear_w8a8(const at::Tensor& xf, const at::Tensor& packed, const at::Tensor& scales,
+                 const float* bias, at::Tensor& out);
 
 // x as above; packed: (NP, K, 16) int8; scales: (NP, K / G, 16) fp32, laid out as the
 // panels: w[16p + j, k] = packed[p, k, j] * scales[p, k / G, j]. Or packed for
-// AVX-512 VNNI: (NP, K / 4, 64) and (NP, K / G, 32) (csrc/linear_vnni.cpp).
+// int8 activations: (NP, K / 4, 64) and (NP, K / G, 32) (csrc/linear_vnni.cpp).
 at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias, int64_t N) {
   Operands o(x, bias, N);
@@ -315,7 +314,7 @@ at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& packed, const at::Te
                 scales.size(1) > 0 && K % scales.size(1) == 0 &&
                 scales.scalar_type() == at::kFloat && scales.is_contiguous(),
                 "scales must be (NP, K / G, 32) fp32 with G dividing K");
-    linear_w8_vnni(o.xf, packed, scales, o.bias(), o.out);
+    linear_w8a8(o.xf, packed, scales, o.bias(), o.out);
     return o.out;
   }
   check_packed(packed, at::kChar, K, N);

@@ -1,18 +1,22 @@
-// int8 weights x int8 activations on AVX-512 VNNI (Zen 4, Ice Lake and later):
-// linear_w8's path where the weights were packed for it (kernels.pack_linear_w8
-// on a CPU with VNNI), as llama.cpp's Q8_0 x Q8_0 dot products are.
+// int8 weights x int8 activations: linear_w8's path where the weights were
+// packed for it (kernels.pack_linear_w8), as llama.cpp's Q8_0 x Q8_0 dot
+// products are. Two ISA paths, picked at run time:
+//   AVX-512 VNNI (Zen 4, Ice Lake and later): vpdpbusd, 64 products a
+//     instruction into 16 int32 sums; it multiplies unsigned by signed bytes,
+//     so the activations are stored + 128 and the 128 is taken back per group
+//     with the weights' group sums;
+//   AVX2: vpmaddubsw on |w| and x with w's sign (no pair exceeds 2 * 127 * 127,
+//     so the int16 sums never saturate), vpmaddwd to int32, 8 columns a register.
 //
 // The activations are quantized per row and group of G input features (the
-// weights' groups): xq = round(x / sx), sx = max |x[group]| / 127, stored
-// unsigned (xq + 128) because vpdpbusd multiplies unsigned by signed bytes; the
-// 128 it adds is taken back per group with the weights' group sums.
+// weights' groups): xq = round(x / sx), sx = max |x[group]| / 127.
 //
 // Packed layout (NP, K / 4, 64) int8: panel p, block b (k = 4b .. 4b + 3),
 // bytes 4j .. 4j + 3 hold column 16p + j at those four k, so one 64-byte load
 // and one vpdpbusd with four broadcast activation bytes add 64 products into
 // the 16 columns' int32 sums. Scales (NP, K / G, 32) fp32: [0, 16) the
 // columns' weight scales sw, [16, 32) c = 128 * sw * (sum of the group's q).
-// Per group: acc += float(dot) * (sx * sw) - sx * c.
+// Per group: acc += float(dot) * (sx * sw) (- sx * c on VNNI).
 //
 // Work split: panels over threads; in a panel, rows in blocks of up to 4
 // (the block's weights stay in L1 while its rows pass).
@@ -26,14 +30,17 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 namespace {
 
 constexpr int ROWS = 4;
 
-// Row m of x (fp32, K) -> xq (K unsigned bytes) and sx (K / G scales).
-void quantize_row(const float* x, int64_t K, int64_t G, uint8_t* xq, float* sx) {
+// Row m of x (fp32, K) -> xq (K bytes, + offset: 128 for VNNI, 0 for AVX2) and
+// sx (K / G scales).
+void quantize_row(const float* x, int64_t K, int64_t G, int offset, uint8_t* xq, float* sx) {
   for (int64_t g0 = 0, g = 0; g0 < K; g0 += G, ++g) {
     float amax = 0.f;
     for (int64_t k = g0; k < g0 + G; ++k) amax = std::max(amax, std::fabs(x[k]));
@@ -42,7 +49,7 @@ void quantize_row(const float* x, int64_t K, int64_t G, uint8_t* xq, float* sx) 
     sx[g] = s;
     for (int64_t k = g0; k < g0 + G; ++k) {
       const int q = static_cast<int>(std::nearbyint(x[k] * inv));
-      xq[k] = static_cast<uint8_t>(std::min(127, std::max(-127, q)) + 128);
+      xq[k] = static_cast<uint8_t>(std::min(127, std::max(-127, q)) + offset);
     }
   }
 }
@@ -76,10 +83,50 @@ __attribute__((target("avx512f,avx512vnni"))) void panel_rows(
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out16[r], acc[r]);
 }
 
+// The same on AVX2 (xq signed): 8 columns a register, lo = columns 0..7, hi = 8..15.
+template <int R>
+void panel_rows_avx2(const uint8_t* xq, const float* sx, int64_t K, int64_t G, const int8_t* w,
+                     const float* scales, float out16[ROWS][16]) {
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t NG = K / G;
+  for (int64_t g = 0; g < NG; ++g) {
+    __m256i dlo[R], dhi[R];
+    for (int r = 0; r < R; ++r) dlo[r] = dhi[r] = _mm256_setzero_si256();
+    for (int64_t b = g * G / 4; b < (g + 1) * G / 4; ++b) {
+      const __m256i wl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 64));
+      const __m256i wh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 64 + 32));
+      const __m256i al = _mm256_sign_epi8(wl, wl), ah = _mm256_sign_epi8(wh, wh);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * K + b * 4, 4);
+        const __m256i x = _mm256_set1_epi32(four);
+        dlo[r] = _mm256_add_epi32(dlo[r], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(al, _mm256_sign_epi8(x, wl)), ones));
+        dhi[r] = _mm256_add_epi32(dhi[r], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(ah, _mm256_sign_epi8(x, wh)), ones));
+      }
+    }
+    const __m256 swl = _mm256_loadu_ps(scales + g * 32), swh = _mm256_loadu_ps(scales + g * 32 + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = _mm256_set1_ps(sx[r * NG + g]);
+      lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo[r]), _mm256_mul_ps(s, swl), lo[r]);
+      hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi[r]), _mm256_mul_ps(s, swh), hi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out16[r], lo[r]);
+    _mm256_storeu_ps(out16[r] + 8, hi[r]);
+  }
+}
+
 using PanelFn = void (*)(const uint8_t*, const float*, int64_t, int64_t, const int8_t*,
                          const float*, float[ROWS][16]);
 constexpr PanelFn PANELS[ROWS + 1] = {nullptr, panel_rows<1>, panel_rows<2>, panel_rows<3>,
                                       panel_rows<4>};
+constexpr PanelFn PANELS_AVX2[ROWS + 1] = {nullptr, panel_rows_avx2<1>, panel_rows_avx2<2>,
+                                           panel_rows_avx2<3>, panel_rows_avx2<4>};
 
 template <typename T>
 void store(const float* acc, const float* bias, int64_t col0, int ncols, T* out) {
@@ -93,8 +140,9 @@ void store(const float* acc, const float* bias, int64_t col0, int ncols, T* out)
 }
 
 template <typename T>
-void run(const uint8_t* xq, const float* sx, int64_t M, int64_t K, int64_t G, const int8_t* w,
-         const float* scales, int64_t NP, int64_t N, const float* bias, T* out) {
+void run(const PanelFn* panels, const uint8_t* xq, const float* sx, int64_t M, int64_t K,
+         int64_t G, const int8_t* w, const float* scales, int64_t NP, int64_t N,
+         const float* bias, T* out) {
   const int64_t NG = K / G;
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
     float acc[ROWS][16];
@@ -102,7 +150,7 @@ void run(const uint8_t* xq, const float* sx, int64_t M, int64_t K, int64_t G, co
       const int ncols = static_cast<int>(std::min<int64_t>(16, N - p * 16));
       for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
         const int R = static_cast<int>(std::min<int64_t>(ROWS, M - r0));
-        PANELS[R](xq + r0 * K, sx + r0 * NG, K, G, w + p * K * 16, scales + p * NG * 32, acc);
+        panels[R](xq + r0 * K, sx + r0 * NG, K, G, w + p * K * 16, scales + p * NG * 32, acc);
         for (int r = 0; r < R; ++r) store<T>(acc[r], bias, p * 16, ncols, out + (r0 + r) * N + p * 16);
       }
     }
@@ -111,29 +159,35 @@ void run(const uint8_t* xq, const float* sx, int64_t M, int64_t K, int64_t G, co
 
 }  // namespace
 
+// The running CPU has AVX-512 VNNI and $DEEPSERVE_KERNEL_ISA is not "avx2" (which
+// keeps the AVX2 path: its tests and benchmarks on such a CPU). Read once a process.
 bool vnni_supported() {
   static const bool yes = __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512vnni");
+                          __builtin_cpu_supports("avx512vnni") &&
+                          !(std::getenv("DEEPSERVE_KERNEL_ISA") &&
+                            std::string(std::getenv("DEEPSERVE_KERNEL_ISA")) == "avx2");
   return yes;
 }
 
 // xf: (M, K) fp32; packed (NP, K / 4, 64) int8; scales (NP, K / G, 32) fp32; out (M, N).
-void linear_w8_vnni(const at::Tensor& xf, const at::Tensor& packed, const at::Tensor& scales,
-                    const float* bias, at::Tensor& out) {
+void linear_w8a8(const at::Tensor& xf, const at::Tensor& packed, const at::Tensor& scales,
+                 const float* bias, at::Tensor& out) {
   const int64_t M = xf.size(0), K = xf.size(1), NP = packed.size(0), N = out.size(1);
   const int64_t NG = scales.size(1), G = K / NG;
-  TORCH_CHECK(vnni_supported(), "int8 weights packed for AVX-512 VNNI on a CPU without it");
-  TORCH_CHECK(G % 4 == 0, "VNNI groups must be a multiple of 4 input features");
+  TORCH_CHECK(G % 4 == 0, "int8-activation groups must be a multiple of 4 input features");
+  const bool vnni = vnni_supported();
   auto xq = at::empty({M, K}, xf.options().dtype(at::kByte));
   auto sx = at::empty({M, NG}, xf.options());
   const float* xp = xf.data_ptr<float>();
   uint8_t* qp = xq.data_ptr<uint8_t>();
   float* sp = sx.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, G, qp + m * K, sp + m * NG);
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(xp + m * K, K, G, vnni ? 128 : 0, qp + m * K, sp + m * NG);
   const int8_t* w = packed.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
+  const PanelFn* panels = vnni ? PANELS : PANELS_AVX2;
   if (out.scalar_type() == at::kBFloat16)
-    run<at::BFloat16>(qp, sp, M, K, G, w, s, NP, N, bias, out.data_ptr<at::BFloat16>());
+    run<at::BFloat16>(panels, qp, sp, M, K, G, w, s, NP, N, bias, out.data_ptr<at::BFloat16>());
   else
-    run<float>(qp, sp, M, K, G, w, s, NP, N, bias, out.data_ptr<float>());
+    run<float>(panels, qp, sp, M, K, G, w, s, NP, N, bias, out.data_ptr<float>());
 }
