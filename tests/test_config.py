@@ -685,7 +685,27 @@ def test_a_te_of_the_node_model_keeps_its_table_when_a_pool_process_becomes_it(t
                                  "--model", model], "te", "")
         s = te_server.load_settings(args)
         assert (s.te_type, s.engine.block_size, s.served_model) == (kind, block, model)
+        assert s.engine.num_threads == max(1, (os.cpu_count() or 1) // 3)  # te0 + x's 2
         assert s.inbox.endswith(f"/{te_id}.sock")
+
+
+@pytest.mark.parametrize("tables, cores, want", [
+    ({"te": [{"count": 2}]}, 2, [1, 1]),  # the default conf/node.toml on 2 cores
+    ({"te": [{"count": 2}]}, 16, [8, 8]),
+    ({"te": [{"count": 2}]}, 1, [1, 1]),  # never below one a device
+    ({"te": [{"count": 1, "tp": 2}, {"count": 1}]}, 12, [8, 4]),  # 3 devices: 4 cores each
+    ({"te": [{"count": 2, "num_threads": 3}]}, 2, [3, 3]),  # said: kept
+    ({"node": {"num_devices": 4}, "te": [{"count": 1}]}, 16, [4]),  # room for 4 TEs
+    ({"te": [{"count": 1}], "model": [{"path": "models/x", "max_tes": 3}]}, 8, [2, 2]),
+])
+def test_a_te_without_num_threads_gets_its_share_of_the_cores(tmp_path, tables, cores, want):
+    """te_server.cores_share: TEs whose threads outnumber the cores starve each other."""
+    conf = write_toml(tmp_path, {"node": {"model": "models/m", **tables.get("node", {})},
+                                 **{k: v for k, v in tables.items() if k != "node"}})
+    config = load_node_config(conf)
+    engines = [te.engine_config(config.node.model) for te in config.tes]
+    engines += [m.engine_config() for m in config.models]
+    assert [te_server.cores_share(e, config, cores).num_threads for e in engines] == want
 
 
 @pytest.mark.parametrize("table, ok", [

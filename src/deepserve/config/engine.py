@@ -59,7 +59,9 @@ class EngineConfig:
     async_scheduling: bool = True
     """Build step N+1 while step N runs (processes only); False: synchronous."""
     num_threads: int | None = None
-    """torch threads per worker process; None: the machine's cores / tp."""
+    """torch threads per worker process; None: the machine's cores / tp, and in a
+    node's TE its share of them (engine/te/te_server.py cores_share: the cores
+    over the devices the node's TEs may take, times tp)."""
     startup_timeout_s: float = 120.0
     """Seconds the TE's processes have to load and report ready."""
     kv_transfer_backend: str = "shm"

@@ -27,6 +27,7 @@ _STARTED_AT = _time.monotonic()  # before the imports below (torch): a cold TE's
 
 import dataclasses  # noqa: E402
 import logging
+import os
 import time
 
 import msgspec
@@ -85,10 +86,29 @@ def load_settings(args: ChildArgs) -> TESettings:
                                    run_id=assign.run_id, pool=False)
     config, run = read_run_config(args.conf)
     settings = msgspec.structs.replace(_settings(args, config, run), started_at=started_at)
+    engine = cores_share(settings.engine, config)
     if config.cluster.is_cluster:  # peers on other hosts send KV to this host's address
-        engine = dataclasses.replace(settings.engine, kv_bind_host=config.cluster.host)
-        settings = msgspec.structs.replace(settings, engine=engine)
-    return settings
+        engine = dataclasses.replace(engine, kv_bind_host=config.cluster.host)
+    return msgspec.structs.replace(settings, engine=engine)
+
+
+def cores_share(engine: EngineConfig, config, cpu_count: int | None = None) -> EngineConfig:
+    """A TE without num_threads gets its share of this host's cores: the cores over
+    the devices the node's TEs may take ([node] num_devices, else every [[te]]'s
+    tp and every [[model]]'s max_tes x tp), times its own tp; at least 1 a device.
+
+    TEs whose torch threads outnumber the cores starve each other: OpenMP's
+    threads spin between parallel regions, so two TEs of 2 threads on 2 cores
+    each burn the cores the other needs. The default conf/node.toml (2 TEs, 2
+    cores) measured with tools/bench_tenants.py: B's TTFT alone 1.25 s with 2
+    threads a TE, 0.17 s with 1; A's tokens/s under its flood doubled."""
+    if engine.num_threads is not None:
+        return engine
+    devices = config.node.num_devices or (
+        sum(te.num_devices for te in config.tes)
+        + sum(m.max_tes * int(m.options.get("tp", 1)) for m in config.models))
+    share = max(1, (cpu_count or os.cpu_count() or 1) // max(1, devices))
+    return dataclasses.replace(engine, num_threads=share * engine.tp)
 
 
 def _settings(args: ChildArgs, config, run) -> TESettings:
