@@ -1,6 +1,6 @@
 """Quantized weights against bf16, same engine, same run (issue 48).
 
-Two numbers per mode (bf16, and each --modes entry: int8), engines in this
+Two numbers per mode (bf16, and each --modes entry: int8, int4), engines in this
 process, rounds interleaved (bf16, int8, bf16, int8, ...):
 
   * decode step at batch 1: (time to generate 1 + N tokens - time to
@@ -9,13 +9,14 @@ process, rounds interleaved (bf16, int8, bf16, int8, ...):
   * perplexity of tools/data/declaration.txt (the US Declaration of
     Independence, 1776, public domain) from the prompt logprobs of windows of
     --window tokens: exp(mean negative log-likelihood), and its change
-    against bf16 (the quality bar: int8 within 1 %). A window's prefill goes
+    against bf16 (the quality bars: int8 within 1 %, int4 within 10 %). A window's prefill goes
     to torch on the dequantized weights where torch wins past a few rows
     (kernels.kernel_max_rows, CPUs with bf16 arithmetic), so each quantized
     mode is also measured with the kernel at every size ("MODE all-kernel"):
     the arithmetic a decode step uses (on AVX-512 VNNI: int8 activations too).
 
-    python tools/bench_quant.py [--model models/smollm2-135m-instruct] [--rounds 5]
+    python tools/bench_quant.py [--model models/smollm2-135m-instruct] [--modes int8,int4]
+        [--rounds 5]
 
 Prints the CPU (model name and whether it has AVX512_BF16 / VNNI) and a table.
 """

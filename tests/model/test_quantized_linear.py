@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from deepserve.errors import ModelLoadError
 from deepserve.model import kernels
 from deepserve.model.layers import Linear
-from deepserve.model.quantize import dequantize_int8, quantize_int8
+from deepserve.model.quantize import (dequantize_int4, dequantize_int8, quantize_int4,
+                                      quantize_int8)
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
@@ -69,7 +70,8 @@ def test_linear_w8_matches_the_dequantized_fp32_matmul(m, n, k, group):
     torch.testing.assert_close(no_bias, ref - b.float(), rtol=1e-5, atol=1e-4 * k ** 0.5)
 
 
-def _a8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+def _a8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                  mins: torch.Tensor | None = None) -> torch.Tensor:
     """What the int8-activation path computes, in torch: x quantized per row and group as the
     kernel does (round half to even, +-127), integer dot products per group, then
     both scales."""
@@ -81,39 +83,54 @@ def _a8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Te
     sx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
     xq = torch.round(xg * (1 / sx)[:, :, None]).clamp(-127, 127).to(torch.int64)
     dots = torch.einsum("mgk,ngk->mng", xq, q.view(-1, groups, g).to(torch.int64)).double()
-    return (dots * sx.double()[:, None, :] * s.double()[None, :, :]).sum(dim=2).float()
+    out = dots * sx.double()[:, None, :] * s.double()[None, :, :]
+    if mins is not None:  # + each group's min times the sum of its (quantized) inputs
+        out += (sx * xq.sum(dim=2)).double()[:, None, :] * mins.double()[None, :, :]
+    return out.sum(dim=2).float()
 
 
 A8_CASES = [(1152, 576, 32), (576, 1536, 32), (100, 40, 8), (16, 64, 64), (33, 64, 32),
             (48, 128, 128)]
+"""(n, k, group) of the int8-activation tests; the int4 ones take those whose
+group 4 divides (all) and k a multiple of the group."""
 
 
-def _check_a8(m: int, n: int, k: int, group: int) -> None:
+def _check_a8(m: int, n: int, k: int, group: int, bits: int = 8) -> None:
     gen = torch.Generator().manual_seed(m * 7 + n)
-    q, s = quantize_int8(torch.randn(n, k, generator=gen) * torch.rand(1, k, generator=gen),
-                         group)
+    weight = torch.randn(n, k, generator=gen) * torch.rand(1, k, generator=gen)
+    mins = None
+    if bits == 4:
+        q, s, mins = quantize_int4(weight, group)
+        packed, ps = kernels.pack_linear_w4(q, s, mins)
+        assert packed.dtype == torch.uint8 and packed.shape == (-(-n // 16), k // 4, 32)
+        assert ps.shape == (-(-n // 16), k // group, 48)
+    else:
+        q, s = quantize_int8(weight, group)
+        packed, ps = kernels.pack_linear_w8(q, s, a8=True)
+        assert packed.shape == (-(-n // 16), k // 4, 64)
+        assert ps.shape == (-(-n // 16), k // group, 32)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     x[0, :group] = 0.0  # a group of zeros: scale 1, nothing added
     b = torch.randn(n, generator=gen).to(torch.bfloat16)
-    packed, ps = kernels.pack_linear_w8(q, s, a8=True)
-    assert packed.shape == (-(-n // 16), k // 4, 64) and ps.shape == (-(-n // 16), k // group, 32)
-    ref = _a8_reference(x, q, s)
+    ref = _a8_reference(x, q, s, mins)
     out = kernels.linear_w8(x.float(), packed, ps, b, n)
     torch.testing.assert_close(out, ref + b.float(), rtol=1e-5, atol=1e-4 * k ** 0.5)
     out16 = kernels.linear_w8(x, packed, ps, None, n)
     torch.testing.assert_close(out16, ref.to(torch.bfloat16), rtol=1.6e-2, atol=1e-3 * k ** 0.5)
-    exact = F.linear(x.float(), dequantize_int8(q, s))  # and near the unquantized product
+    weight = dequantize_int8(q, s) if mins is None else dequantize_int4(q, s, mins)
+    exact = F.linear(x.float(), weight)  # and near the unquantized product
     assert (out16.float() - exact).abs().mean() <= 0.02 * exact.abs().mean() + 1e-6
 
 
 @needs_kernels
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("n,k,group", A8_CASES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 33])
-def test_the_int8_activation_path_is_its_reference_exactly(m, n, k, group):
-    """int8 activations (per row and group) times int8 weights, summed in int32:
-    the same numbers as the reference's integer sums, scaled alike (this CPU's
-    path: kernels.int8_isa())."""
-    _check_a8(m, n, k, group)
+def test_the_int8_activation_path_is_its_reference_exactly(m, n, k, group, bits):
+    """int8 activations (per row and group) times int8 (or int4) weights, summed in
+    int32: the same numbers as the reference's integer sums, scaled alike (this
+    CPU's path: kernels.int8_isa())."""
+    _check_a8(m, n, k, group, bits)
 
 
 @needs_kernels
@@ -127,7 +144,8 @@ def test_the_avx2_int8_activation_path_on_a_vnni_cpu_too():
             "assert kernels.available() and kernels.int8_isa() == 'avx2'\n"
             "for case in A8_CASES:\n"
             "    for m in (1, 3, 5, 33):\n"
-            "        _check_a8(m, *case)\n"
+            "        for bits in (8, 4):\n"
+            "            _check_a8(m, *case, bits)\n"
             "print('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env={**os.environ, "DEEPSERVE_KERNEL_ISA": "avx2"})
@@ -200,6 +218,25 @@ def test_int8_activations_are_the_default_and_can_be_turned_off(monkeypatch, env
     assert kernels.pack_linear_w8(q, s)[0].shape == shape
     q, s = quantize_int8(torch.randn(32, 42))  # one group of 42 a row: 4 does not divide it
     assert kernels.pack_linear_w8(q, s)[0].shape == (2, 42, 16)  # fp32 activations
+
+
+def test_quantize_int4_spans_each_group_from_its_min_to_its_max():
+    w = torch.tensor([[0.5, -1.0, 0.25, 0.0, 2.0, 1.0, -0.5, 0.1],
+                      [0.0, 0.0, 0.0, 0.0, -3.0, 1.5, 0.0, 3.0]])
+    q, s, m = quantize_int4(w, group=4)
+    torch.testing.assert_close(s, torch.tensor([[1.5 / 15, 2.5 / 15], [1.0, 6.0 / 15]]))
+    torch.testing.assert_close(m, torch.tensor([[-1.0, -0.5], [0.0, -3.0]]))
+    assert q[0].tolist() == [15, 0, 12, 10, 15, 9, 0, 4]  # 0.25 -> 12.5 rounds to even
+    assert q[1].tolist() == [0, 0, 0, 0, 0, 11, 8, 15]  # 1.5 -> 11.25; 0 -> 7.5 -> 8
+    assert int(q.min()) >= 0 and int(q.max()) <= 15
+    err = (dequantize_int4(q, s, m) - w).abs()
+    assert (err <= s.repeat_interleave(4, dim=1) / 2 + 1e-6).all()  # half a step at most
+    with pytest.raises(ValueError, match="groups of 32"):
+        quantize_int4(torch.randn(4, 40))
+    big = torch.randn(64, 256)
+    err4 = (dequantize_int4(*quantize_int4(big)) - big).abs().mean()
+    err8 = (dequantize_int8(*quantize_int8(big)) - big).abs().mean()
+    assert err8 < err4 < 0.2 * big.abs().mean()  # coarser than int8, still close
 
 
 def test_quantized_weights_need_the_kernels(monkeypatch):

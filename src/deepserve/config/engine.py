@@ -14,7 +14,7 @@ from pathlib import Path
 
 from deepserve.config.cluster import WILDCARD_HOSTS
 
-QUANTIZE_MODES = ("", "int8")  # what model/quantize.py makes ("": nothing)
+QUANTIZE_MODES = ("", "int8", "int4")  # what model/quantize.py makes ("": nothing)
 MAX_KV_LOAD_LAYERS = 64  # ring slots of a layered load (staging: that many layers)
 
 
@@ -25,10 +25,11 @@ class EngineConfig:
     dtype: str | None = None
     """"float32" or "bfloat16"; None takes config.json's."""
     quantize: str = ""
-    """"int8": the projections' weights quantized at load (round to nearest, one
-    scale per output channel; model/quantize.py) for the int8 kernel, which
-    streams half of bf16's bytes per decode step; needs a bfloat16 model and
-    the C++ kernels. "": the checkpoint's weights as they are."""
+    """"int8" / "int4": the projections' weights quantized at load (round to
+    nearest, a scale per group of 32 inputs; model/quantize.py) for the int8
+    kernels, which stream about 1.1 / 0.75 bytes a weight per decode step
+    instead of bf16's 2; needs a bfloat16 model and the C++ kernels. "": the
+    checkpoint's weights as they are."""
     block_size: int = 16
     """Tokens per KV block."""
     num_kv_blocks: int | None = None

@@ -185,10 +185,29 @@ def pack_linear_w8(q: torch.Tensor, scales: torch.Tensor,
     return q.view(num_panels, _PANEL, k).permute(0, 2, 1).contiguous(), panel_scales.contiguous()
 
 
+def pack_linear_w4(q: torch.Tensor, scales: torch.Tensor,
+                   mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) values in [0, 15] and their (N, K / G) scales and mins (4 dividing G)
+    -> for linear_w8's int4 path: the int8-activation panels (pack_linear_w8) with
+    each 64-byte block's value i in the low nibble of byte i and value i + 32 in
+    its high one, (NP, K / 4, 32) uint8; scales (NP, K / G, 48): pack_linear_w8's
+    32 floats a group, then the 16 columns' mins (the last panel's: 0)."""
+    packed, packed_scales = pack_linear_w8(q, scales, a8=True)
+    if packed.shape[-1] != 4 * _PANEL:
+        raise ValueError("int4 weights need groups a multiple of 4 input features")
+    n, groups = mins.shape
+    num_panels = packed.shape[0]
+    mins = torch.cat([mins.float(), mins.new_zeros(num_panels * _PANEL - n, groups).float()])
+    panel_mins = mins.view(num_panels, _PANEL, groups).permute(0, 2, 1)
+    u = packed.view(torch.uint8)
+    return ((u[..., :32] | (u[..., 32:] << 4)).contiguous(),
+            torch.cat([packed_scales, panel_mins], dim=2).contiguous())
+
+
 def linear_w8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
               bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x: (..., K) bf16 or fp32 -> (..., N) in x's dtype; packed and scales from
-    pack_linear_w8 (weight = int8 value times its group's scale)."""
+    pack_linear_w8 or pack_linear_w4 (weight = its value times its group's scale)."""
     lead = x.shape[:-1]
     out = torch.ops.deepserve.linear_w8(x.reshape(-1, x.shape[-1]), packed, scales, bias,
                                         out_features)

@@ -14,7 +14,8 @@ from torch import nn
 
 from deepserve.model import kernels
 from deepserve.model.parallel import TensorParallel
-from deepserve.model.quantize import dequantize_int8, quantize_int8
+from deepserve.model.quantize import (GROUP, dequantize_int4, dequantize_int8, quantize_int4,
+                                      quantize_int8)
 
 
 class RMSNorm(nn.Module):
@@ -53,11 +54,12 @@ class Linear(nn.Linear):
     larger ones to torch (None: every input; kernels.kernel_max_rows)."""
 
     def pack(self, free_weight: bool, always: bool = False, quantize: str = "") -> None:
-        """Pack a bf16 weight when the kernels are there (quantize "int8": its
-        int8 form). free_weight drops the unpacked copy (not for a weight tied
-        to the embedding) where the kernel serves every size; where torch wins
-        past a few rows, both copies are kept (an int8 weight's torch copy
-        becomes its dequantized form: both paths compute the same model). always:
+        """Pack a bf16 weight when the kernels are there (quantize "int8" / "int4":
+        its quantized form; int4 where GROUP divides its input, else int8).
+        free_weight drops the unpacked copy (not for a weight tied to the
+        embedding) where the kernel serves every size; where torch wins past a
+        few rows, both copies are kept (a quantized weight's torch copy becomes
+        its dequantized form: both paths compute the same model). always:
         the kernel at every size (the lm_head, whose fp32 logits the kernel
         gives without a bf16 rounding)."""
         if quantize and not kernels.available():
@@ -66,16 +68,24 @@ class Linear(nn.Linear):
         if self.weight.dtype != torch.bfloat16 or not kernels.available():
             return
         self.kernel_rows = None if always else kernels.kernel_max_rows()
-        if quantize == "int8":
+        if quantize == "int4" and self.in_features % GROUP == 0:
+            q, scales, mins = quantize_int4(self.weight)
+            self.packed, self.scales = kernels.pack_linear_w4(q, scales, mins)
+            self._dequantized_copy(dequantize_int4(q, scales, mins))
+        elif quantize:  # int8, and int4's projections whose input is not in groups
             q, scales = quantize_int8(self.weight)
             self.packed, self.scales = kernels.pack_linear_w8(q, scales)
-            if self.kernel_rows is not None:  # torch's copy for larger inputs: the same model
-                self.weight = nn.Parameter(dequantize_int8(q, scales).to(torch.bfloat16),
-                                           requires_grad=False)
+            self._dequantized_copy(dequantize_int8(q, scales))
         else:
             self.packed = kernels.pack_linear_weight(self.weight.detach())
         if free_weight and self.kernel_rows is None:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def _dequantized_copy(self, weight: torch.Tensor) -> None:
+        """Where torch serves larger inputs, its weight becomes the quantized one's
+        value: both paths compute the same model."""
+        if self.kernel_rows is not None:
+            self.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None and (self.kernel_rows is None or

@@ -1,10 +1,14 @@
-"""Quantizing a checkpoint's weights at load (`quantize = "int8"` on a TE,
-`--quantize int8`): round to nearest, symmetric, one fp32 scale per group of
+"""Quantizing a checkpoint's weights at load (`quantize = "int8"` or "int4" on a
+TE, `--quantize int8|int4`). int8: round to nearest, symmetric, one fp32 scale per group of
 GROUP consecutive input features of each output channel (a per-channel scale
 where GROUP does not divide the row): w ~= q * s, q in [-127, 127], s =
 max |w[n, group]| / 127 (llama.cpp's Q8_0 has groups of 32 too). The int8
 values feed the kernel's linear_w8 (model/kernels.py), which streams
 1 + 4 / GROUP bytes per weight in a decode step instead of bf16's two.
+
+int4 (llama.cpp's Q4_1): groups of GROUP, w ~= q * s + m, q in [0, 15], m the
+group's smallest value, s = (largest - smallest) / 15; 0.5 + 8 / GROUP bytes
+per weight.
 
 Only the projections are quantized (attention q/k/v/o, the MLP, the lm_head);
 embeddings and norms stay in the checkpoint's dtype. A group of zeros gets
@@ -16,6 +20,7 @@ from __future__ import annotations
 import torch
 
 QMAX = 127
+QMAX4 = 15
 GROUP = 32
 
 
@@ -36,3 +41,26 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The fp32 weight an int8 one stands for (the reference the kernel is tested on)."""
     g = q.shape[1] // scales.shape[1]
     return q.float() * scales.repeat_interleave(g, dim=1)
+
+
+def quantize_int4(weight: torch.Tensor, group: int = GROUP
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (q (N, K) int8 in [0, 15], scales and mins (N, K / group)
+    fp32) with weight ~= q * scale + min of its group; K must be a multiple of
+    group (ValueError)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4 needs input features in groups of {group}; this weight has {k}")
+    groups = w.view(n, k // group, group)
+    mins, maxs = groups.amin(dim=2), groups.amax(dim=2)
+    scales = (maxs - mins) / QMAX4
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round((groups - mins[:, :, None]) / scales[:, :, None]).clamp_(0, QMAX4)
+    return q.to(torch.int8).view(n, k), scales.contiguous(), mins.contiguous()
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight an int4 one stands for."""
+    g = q.shape[1] // scales.shape[1]
+    return q.float() * scales.repeat_interleave(g, dim=1) + mins.repeat_interleave(g, dim=1)

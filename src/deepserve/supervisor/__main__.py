@@ -74,7 +74,7 @@ Ctrl-C stops every process."""
                    "over the head's cluster manager and job executor if the head dies")
 @click.option("--cluster-port", default=None, type=int,
               help="overrides [cluster] port (this node's first TCP port)")
-@click.option("--quantize", default=None, type=click.Choice(["int8"]),
+@click.option("--quantize", default=None, type=click.Choice(["int8", "int4"]),
               help="quantize every TE's bf16 weights at load (sets [[te]] / [[model]] quantize)")
 @click.option("--keys", default=None, metavar="DIR",
               help="overrides [cluster] keys: the directory of bin/deepserve-keys' files")

@@ -301,19 +301,22 @@ void linear_w8a8(const at::Tensor& xf, const at::Tensor& packed, const at::Tenso
 
 // x as above; packed: (NP, K, 16) int8; scales: (NP, K / G, 16) fp32, laid out as the
 // panels: w[16p + j, k] = packed[p, k, j] * scales[p, k / G, j]. Or packed for
-// int8 activations: (NP, K / 4, 64) and (NP, K / G, 32) (csrc/linear_vnni.cpp).
+// int8 activations: (NP, K / 4, 64) with scales (NP, K / G, 32), or int4:
+// (NP, K / 4, 32) uint8 with scales (NP, K / G, 48) (csrc/linear_vnni.cpp).
 at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias, int64_t N) {
   Operands o(x, bias, N);
   const int64_t K = x.size(1), NP = packed.size(0);
-  if (packed.dim() == 3 && packed.size(2) == 64) {
-    TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+  const bool int4 = packed.dim() == 3 && packed.size(2) == 32 && packed.scalar_type() == at::kByte;
+  if (int4 || (packed.dim() == 3 && packed.size(2) == 64)) {
+    TORCH_CHECK((int4 || packed.scalar_type() == at::kChar) && packed.is_contiguous() &&
                 packed.size(1) * 4 == K && NP * 16 >= N && NP * 16 < N + 16,
-                "packed must be (NP, K / 4, 64) int8 for ", N, " columns");
-    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == NP && scales.size(2) == 32 &&
-                scales.size(1) > 0 && K % scales.size(1) == 0 &&
-                scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-                "scales must be (NP, K / G, 32) fp32 with G dividing K");
+                "packed must be (NP, K / 4, 64) int8 or (NP, K / 4, 32) uint8 for ", N,
+                " columns");
+    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == NP && scales.size(1) > 0 &&
+                K % scales.size(1) == 0 && scales.scalar_type() == at::kFloat &&
+                scales.is_contiguous(),
+                "scales must be (NP, K / G, 32 or 48) fp32 with G dividing K");
     linear_w8a8(o.xf, packed, scales, o.bias(), o.out);
     return o.out;
   }
