@@ -3,6 +3,8 @@ slot each, a fair queue, limits, and a TE that dies while requests wait."""
 
 import time
 
+import msgspec
+
 from deepserve.config.tenants import TenantsSection
 from deepserve.control.je import job_executor
 from deepserve.control.je.fair_share import FairShare
@@ -120,3 +122,19 @@ def test_an_aborted_waiting_request_leaves_the_queue_and_its_count(rig):
     rig["to_je"].put(AbortRequest(request_id="a2"))
     _queued(rig, 0)
     assert rig["je"].share.num_requests == {"a": 1}
+
+
+def test_the_te_is_told_each_tenants_weight(rig):
+    """[tenants] weights reach the TE with each task (SubmitRequest.tenant_weight):
+    its scheduler shares a step among tenants by them (engine/scheduler.py)."""
+    rig["je"].share = FairShare(msgspec.convert(
+        {"weight": 2.0, "named": {"gold": {"weight": 5.0}}}, TenantsSection))
+    _listed(rig, ["te0"])
+    sent = {}
+    for rid, tenant in [("g1", "gold"), ("o1", "other")]:
+        _submit(rig, rid, tenant)
+        task = _pump(rig, lambda: _recv(rig["te"]["te0"]))
+        sent[task.request_id] = task.tenant_weight
+        rig["to_je"].put(TaskDone(request_id=rid))
+    assert sent == {"g1": 5.0, "o1": 2.0}
+

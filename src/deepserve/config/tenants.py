@@ -27,7 +27,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-Weight = Annotated[float, Meta(gt=0, le=1000)]
+from deepserve.messages.engine import TenantWeight as Weight  # what a TE is sent
+
 Limit = Annotated[int, Meta(ge=0)]
 
 

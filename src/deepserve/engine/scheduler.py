@@ -15,6 +15,11 @@ A tenant that sends little thus gets its first token as if the TE were idle
 but for the step already under way, instead of sharing a step with a
 flooding tenant's batch; one that keeps sequences running is not light.
 Sequences without a tenant (None) are one tenant.
+Where tenants compete inside a step, they share it by weight (their [tenants]
+weight, which the job executor sends with each request): decodes, prefill
+chunks and admissions are taken in weighted turn among the tenants,
+and prefill chunks and new prompts have at most their tenant's share of the
+step's tokens (engine/tenant_shares.py).
 While a tenant seen in the last LIGHT_TENANT_WINDOW_S has nothing running
 and another has (may_see_light_tenant), the others' steps take at most
 light_step_tokens (when set: a light request waits for the step under way,
@@ -49,6 +54,7 @@ from dataclasses import dataclass, field
 
 from deepserve.cache.kv_manager import KVCacheManager
 from deepserve.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from deepserve.engine.tenant_shares import TenantShares, weighted_order
 from deepserve.messages.step import NewSeq, SampledToken, ScheduledSeq, StepBatch
 
 LIGHT_TENANT_WINDOW_S = 10.0
@@ -183,12 +189,20 @@ class Scheduler:
         return not out.is_empty
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.seq_id)):
+        ordered = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.seq_id))
+        decodes = [s for s in ordered if s.num_uncomputed_tokens <= 1]
+        prefills = weighted_order(ordered[len(decodes):])
+        shares = TenantShares(prefills, max(0, budget - len(decodes)))
+        for i, seq in enumerate(weighted_order(decodes) + prefills):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING or self._is_exhausted(seq):
                 continue  # preempted earlier in this loop, or awaiting its last token
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens,
+                          budget if i < len(decodes) else shares.cap(seq, budget))
+            if num_new == 0:
+                continue  # its tenant's share of the step's prefill tokens is taken
+            shares.spend(seq, num_new)
             while not self.kv.grow(seq.seq_id, seq.num_computed_tokens + num_new):
                 victim = max(self.running, key=lambda s: s.seq_id)  # latest arrived
                 budget += out.scheduled.pop(victim.seq_id, 0)
@@ -201,11 +215,19 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            num_new = self._admit(self.waiting[0], out, budget)
+        order = weighted_order(self.waiting)
+        shares = TenantShares(order, budget, lambda s: s.num_tokens - s.num_computed_tokens)
+        for seq in order:
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            cap = shares.cap(seq, budget)
+            if cap == 0:
+                continue  # its tenant's share of the step is taken
+            num_new = self._admit(seq, out, cap)
             if num_new is None:  # the pool is short for the head; those that hold their
                 self._admit_preloaded(out, budget)  # blocks already go round it
                 break
+            shares.spend(seq, num_new)
             budget -= num_new
 
     def _admit_preloaded(self, out: SchedulerOutput, budget: int) -> None:

@@ -42,6 +42,7 @@ class Sequence:
         self.kv_from_peer = False  # a decode task: its prompt's KV came from a prefill TE
         self.pin_context = None  # a ContextPin: its blocks are pinned before it ends
         self.tenant: str | None = None  # who pays (the scheduler's light-tenant steps)
+        self.tenant_weight = 1.0  # its [tenants] weight: its share of a step with others
         self.finish_reason: str | None = None
         self.logprobs: list = []
         self.prompt_logprobs: list | None = None  # SampledToken.prompt, when asked for

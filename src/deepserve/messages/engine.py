@@ -12,13 +12,19 @@ different TEs talk PD (messages/pd.py) on a socket of their own.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+from msgspec import Meta
 
 from deepserve.messages.cache import CacheOpsDone, ContextPin
 from deepserve.messages.contexts import ContextInfo
 from deepserve.messages.pd import FailRequest, KVEndpoint, KVSent
 from deepserve.messages.sampling import SamplingParams
 from deepserve.messages.step import StepOutput
+
+TenantWeight = Annotated[float, Meta(gt=0, le=1000)]
+"""A tenant's share relative to the others ([tenants] weight, config/tenants.py)."""
 
 _STRUCT = dict(tag_field="kind", omit_defaults=True, kw_only=True)
 
@@ -55,6 +61,8 @@ class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     point, so the caller's text has no gap and no repeat.
     tenant: who pays for the request (the API key's tenant, set by the
     gateway): the job executor's fair queue and per-tenant limits;
+    tenant_weight: (JE -> TE) the tenant's [tenants] weight, its share of a
+    step that other tenants' sequences share (engine/scheduler.py);
     done_to: (JE -> TE) where the TE's tokenizer sends TaskDone when the
     request ends there, any way (the JE frees its slot on that TE);
     queued_s: (JE -> TE) seconds it waited in the JE's fair queue, echoed on
@@ -77,6 +85,7 @@ class SubmitRequest(msgspec.Struct, tag="submit", **_STRUCT):
     pin_context: ContextPin | None = None  # JE -> TE: this request creates that context
     read_path: str | None = None  # JE -> decode TE: "decode" (DualPath: read storage here)
     tenant: str | None = None
+    tenant_weight: TenantWeight = 1.0
     done_to: str | None = None
     queued_s: float = 0.0
 
@@ -106,6 +115,7 @@ class AddRequest(msgspec.Struct, tag="add", **_STRUCT):
     pin_context: ContextPin | None = None
     read_path: str | None = None
     tenant: str | None = None
+    tenant_weight: TenantWeight = 1.0
 
 
 class FinishRequest(msgspec.Struct, tag="finish", **_STRUCT):

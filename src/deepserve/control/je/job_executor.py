@@ -275,8 +275,8 @@ class JobExecutor:
                              resumed_output_ids=msg.resumed_output_ids,
                              resumed_text_chars=msg.resumed_text_chars,
                              pin_context=msg.pin_context, read_path=read_path,
-                             tenant=tenant_of(msg), done_to=self.inbox_address,
-                             queued_s=round(queued_s, 6))
+                             tenant=tenant_of(msg), tenant_weight=self.share.weight(tenant_of(msg)),
+                             done_to=self.inbox_address, queued_s=round(queued_s, 6))
         if not self.links.put(te_id, task):
             self._fail(msg, "te_lost", "the engine chosen for the request did not take it in "
                                        "time; retry")

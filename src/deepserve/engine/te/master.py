@@ -238,7 +238,7 @@ class Master:
         is_decode_task = msg.prefill_from is not None and msg.sampling.prompt_logprobs is None
         seq = self.core.add(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.salt,
                             schedule=False)  # the tier link admits it (or the PD policy)
-        seq.tenant = msg.tenant
+        seq.tenant, seq.tenant_weight = msg.tenant, msg.tenant_weight
         if msg.pin_context is not None and self.tier.can_pin_contexts:
             seq.pin_context, seq.keep_kv = msg.pin_context, True  # freed once pinned
         if is_decode_task:  # the JE names the prefill TE by its inbox

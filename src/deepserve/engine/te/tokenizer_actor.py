@@ -192,7 +192,7 @@ class TokenizerActor:
                                       sampling=sampling, salt=msg.salt,
                                       prefill_from=msg.prefill_from,
                                       pin_context=msg.pin_context, read_path=msg.read_path,
-                                      tenant=msg.tenant))
+                                      tenant=msg.tenant, tenant_weight=msg.tenant_weight))
 
     def _tokens(self, item: NewTokens, step_id: int) -> None:
         state = self.states.get(item.request_id)
