@@ -52,11 +52,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
 from deepserve.drill.cluster import drill_keys
+from deepserve.drill.health_events import HealthEvents, event_time
 from deepserve.drill.netns import HostNet
 
 NAME = "partition-head"
@@ -141,8 +141,8 @@ class PartitionDrill:
             lost = self._wait("head_lost", "h1")
             taken = self._wait("head_taken_over", "h1")
             down = self._wait("head_stepped_down", "head")
-            self.echo(f"h1 took over at +{_at(taken) - cut_at:.1f} s, h0 stepped down at "
-                      f"+{_at(down) - cut_at:.1f} s")
+            self.echo(f"h1 took over at +{event_time(taken) - cut_at:.1f} s, h0 stepped down at "
+                      f"+{event_time(down) - cut_at:.1f} s")
             counts.add(self._results(client, across))
         finally:
             self._cut(heal=True)
@@ -154,8 +154,8 @@ class PartitionDrill:
                 "bad_streams": len(counts.bad), "served_twice": counts.twice + late[1],
                 "delivered_twice": counts.twice, "late_tokens": late[0], "heads_at_end": self._heads_at_end(),
                 "proven": proven, "proof": "; ".join(proof),
-                "taken_over_s": round(_at(taken) - cut_at, 2),
-                "stepped_down_s": round(_at(down) - cut_at, 2), "bad": counts.bad}
+                "taken_over_s": round(event_time(taken) - cut_at, 2),
+                "stepped_down_s": round(event_time(down) - cut_at, 2), "bad": counts.bad}
 
     def _generate(self, prompts: list[str]) -> subprocess.Popen:
         client = self.net.python(1, "deepserve.drill.ns_client", "generate", URL, KEY, "tiny",
@@ -229,9 +229,9 @@ class PartitionDrill:
     # -- looking ---------------------------------------------------------------
 
     def health_events(self, event: str | None, node: str) -> list[dict]:
-        path = self.d / f"{node}-logs" / "health.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [e for e in map(json.loads, lines) if event is None or e.get("event") == event]
+        """`event`s (None: all) in `node`'s health log, oldest first."""
+        return [e for e in HealthEvents(self.d / f"{node}-logs").events()
+                if event is None or e.get("event") == event]
 
     def _wait(self, event: str, node: str) -> dict:
         deadline = time.monotonic() + EVENT_S
@@ -281,10 +281,6 @@ class Counts:
 def ok(report: dict) -> bool:
     return (report["lost"] == 0 and report["bad_streams"] == 0 and report["delivered_twice"] == 0
             and report["heads_at_end"] == 1 and report["proven"])
-
-
-def _at(event: dict) -> float:
-    return datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
 
 
 def run_partition(model: str, echo: Callable[[str], None]) -> dict:

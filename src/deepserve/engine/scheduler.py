@@ -215,6 +215,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting or budget == 0 or len(self.running) >= self.max_num_seqs:
+            return  # nothing to admit: no pass over a long queue on every step
         order = weighted_order(self.waiting)
         shares = TenantShares(order, budget, lambda s: s.num_tokens - s.num_computed_tokens)
         for seq in order:

@@ -234,8 +234,10 @@ void linear_w8a8(const at::Tensor& xf, const at::Tensor& packed, const at::Tenso
   const float* xp = xf.data_ptr<float>();
   uint8_t* qp = xq.data_ptr<uint8_t>();
   float* sp = sx.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row(xp + m * K, K, G, vnni ? 128 : 0, qp + m * K, sp + m * NG * 2);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {  // a prefill's rows: in parallel
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(xp + m * K, K, G, vnni ? 128 : 0, qp + m * K, sp + m * NG * 2);
+  });
   const bool int4 = packed.size(2) == Int4Block::BYTES;
   const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
   const float* s = scales.data_ptr<float>();
