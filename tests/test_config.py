@@ -544,7 +544,7 @@ def test_light_step_tokens_at_and_past_its_bounds(value, ok):
 
 @pytest.mark.parametrize("value, dtype, ok", [
     ("", None, True), ("int8", None, True), ("int8", "bfloat16", True), ("int4", None, True),
-    ("int3", None, False), ("INT8", None, False), ("int8", "float32", False),
+    ("gguf", None, True), ("gguf", "float32", False), ("GGUF", None, False), ("int3", None, False), ("INT8", None, False), ("int8", "float32", False),
     ("int4", "float16", False)])
 def test_quantize_takes_its_modes_on_a_bf16_model_only(value, dtype, ok):
     if ok:

@@ -3,7 +3,8 @@ given the wheel's .gguf file itself (it imports it before its TEs start, a
 cache hit once the model tests have run), and a chat question gets its real
 answer with finish_reason "stop" over a prefill TE -> decode TE pair (the
 question with the template's own system turn is long enough for PD) and
-over the colocated TE (a shorter system turn); a prompt sent again hits the
+over the colocated TE (a shorter system turn), which runs the file's own
+Q4_1 / Q8_0 weights (quantize = "gguf"); a prompt sent again hits the
 prefix cache with the same answer."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def node():
         model=str(builtin_gguf()), port=free_port(), startup_timeout_s=180, te_timeout_s=10,
         gguf_cache_dir=str(ROOT / "models" / "gguf"), api_keys={"key-a": "tenant-a"},
         pd_policy="threshold", pd_options={"min_prompt_len": 36, "max_decode_len": 10_000},
-        tes=(TESpec("te0", "colocated", TE), TESpec("te1", "prefill", TE),
+        tes=(TESpec("te0", "colocated", {**TE, "quantize": "gguf"}), TESpec("te1", "prefill", TE),
              TESpec("te2", "decode", TE)))
     node = Node(config)
     node.start()

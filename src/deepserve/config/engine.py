@@ -14,7 +14,7 @@ from pathlib import Path
 
 from deepserve.config.cluster import WILDCARD_HOSTS
 
-QUANTIZE_MODES = ("", "int8", "int4")  # what model/quantize.py makes ("": nothing)
+QUANTIZE_MODES = ("", "int8", "int4", "gguf")  # "": the weights as they are
 MAX_KV_LOAD_LAYERS = 64  # ring slots of a layered load (staging: that many layers)
 
 
@@ -28,8 +28,10 @@ class EngineConfig:
     """"int8" / "int4": the projections' weights quantized at load (round to
     nearest, a scale per group of 32 inputs; model/quantize.py) for the int8
     kernels, which stream about 1.1 / 0.75 bytes a weight per decode step
-    instead of bf16's 2; needs a bfloat16 model and the C++ kernels. "": the
-    checkpoint's weights as they are."""
+    instead of bf16's 2; needs a bfloat16 model and the C++ kernels. "gguf": a
+    model imported from a GGUF file runs its Q8_0 / Q4_0 / Q4_1 / Q4_K
+    projections as the file quantized them (model/stored_quants.py), the
+    others in bf16. "": the checkpoint's weights as they are."""
     block_size: int = 16
     """Tokens per KV block."""
     num_kv_blocks: int | None = None

@@ -28,6 +28,7 @@ from deepserve.model.config import ModelConfig, RopeConfig
 from deepserve.model.layers import Linear, RMSNorm, RowParallelLinear, gated_activation
 from deepserve.model.moe import SparseMoE
 from deepserve.model.parallel import TensorParallel
+from deepserve.model.quantize import QuantizedWeight
 from deepserve.model.rope import RotaryEmbedding
 
 _KV_HINT = " (replicating KV heads when tp > num_kv_heads is not supported yet)"
@@ -178,14 +179,23 @@ class CausalLM(nn.Module):
         for table in self.rotary_tables:
             table.rebuild()
 
-    def pack_weights(self, quantize: str = "") -> None:
+    def pack_weights(self, quantize: str = "",
+                     stored: dict[str, QuantizedWeight] | None = None) -> None:
         """Pack every bf16 projection for the C++ kernel (a no-op without it;
-        quantize "int8": quantized, RuntimeError without it)."""
-        for module in self.modules():
+        quantize "int8" / "int4": quantized, RuntimeError without it); stored:
+        projection weight name -> its checkpoint's own quantized form."""
+        stored = stored or {}
+        for name, module in self.named_modules():
             if isinstance(module, Linear):
                 is_head = module is self.lm_head
                 module.pack(free_weight=not (is_head and self.config.tie_word_embeddings),
-                            always=is_head, quantize=quantize)
+                            always=is_head, quantize=quantize,
+                            stored=stored.get(f"{name}.weight"))
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Projection weight name -> (out, in) of this rank's shard."""
+        return {f"{name}.weight": (m.out_features, m.in_features)
+                for name, m in self.named_modules() if isinstance(m, Linear)}
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -14,8 +14,7 @@ from torch import nn
 
 from deepserve.model import kernels
 from deepserve.model.parallel import TensorParallel
-from deepserve.model.quantize import (GROUP, dequantize_int4, dequantize_int8, quantize_int4,
-                                      quantize_int8)
+from deepserve.model.quantize import QuantizedWeight, quantize_weight
 
 
 class RMSNorm(nn.Module):
@@ -53,9 +52,11 @@ class Linear(nn.Linear):
     """With a packed weight: inputs of up to this many rows go to the kernel,
     larger ones to torch (None: every input; kernels.kernel_max_rows)."""
 
-    def pack(self, free_weight: bool, always: bool = False, quantize: str = "") -> None:
-        """Pack a bf16 weight when the kernels are there (quantize "int8" / "int4":
-        its quantized form; int4 where GROUP divides its input, else int8).
+    def pack(self, free_weight: bool, always: bool = False, quantize: str = "",
+             stored: QuantizedWeight | None = None) -> None:
+        """Pack a bf16 weight when the kernels are there: as it is, or quantized
+        (stored: the checkpoint's own quantized form, quantize = "gguf";
+        quantize "int8" / "int4": quantized here, model/quantize.py).
         free_weight drops the unpacked copy (not for a weight tied to the
         embedding) where the kernel serves every size; where torch wins past a
         few rows, both copies are kept (a quantized weight's torch copy becomes
@@ -68,16 +69,16 @@ class Linear(nn.Linear):
         if self.weight.dtype != torch.bfloat16 or not kernels.available():
             return
         self.kernel_rows = None if always else kernels.kernel_max_rows()
-        if quantize == "int4" and self.in_features % GROUP == 0:
-            q, scales, mins = quantize_int4(self.weight)
-            self.packed, self.scales = kernels.pack_linear_w4(q, scales, mins)
-            self._dequantized_copy(dequantize_int4(q, scales, mins))
-        elif quantize:  # int8, and int4's projections whose input is not in groups
-            q, scales = quantize_int8(self.weight)
-            self.packed, self.scales = kernels.pack_linear_w8(q, scales)
-            self._dequantized_copy(dequantize_int8(q, scales))
-        else:
+        quantized = stored or quantize_weight(self.weight, quantize)
+        if quantized is None:
             self.packed = kernels.pack_linear_weight(self.weight.detach())
+        elif quantized.mins is not None:
+            self.packed, self.scales = kernels.pack_linear_w4(quantized.q, quantized.scales,
+                                                              quantized.mins)
+        else:
+            self.packed, self.scales = kernels.pack_linear_w8(quantized.q, quantized.scales)
+        if quantized is not None:
+            self._dequantized_copy(quantized.dequantized())
         if free_weight and self.kernel_rows is None:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 

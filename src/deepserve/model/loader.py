@@ -16,7 +16,6 @@ config first.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from deepserve.errors import ModelLoadError
 from deepserve.model.config import load_model_config
 from deepserve.model.decoder import CausalLM
 from deepserve.model.parallel import TensorParallel
+from deepserve.model.stored_quants import stored_quants
 from deepserve.model.weight_map import Targets, _Target, checkpoint_targets
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -34,8 +34,9 @@ INDEX_FILE = "model.safetensors.index.json"
 def load_model(model_dir: str | Path, dtype: str | None = None,
                tp: TensorParallel = TensorParallel(), quantize: str = "") -> CausalLM:
     """This rank's CausalLM (the whole model at tp=1); ValueError if tp does not divide
-    it. quantize "int8": its projections quantized (model/quantize.py); ModelLoadError
-    where the model is not bf16 or the kernels are not loaded."""
+    it. quantize "int8" / "int4": its projections quantized (model/quantize.py); "gguf":
+    a GGUF import's projections as the file quantized them (model/stored_quants.py);
+    ModelLoadError where the model is not bf16 or the kernels are not loaded."""
     cfg = load_model_config(model_dir, dtype)
     with torch.device("meta"):
         model = CausalLM(cfg, tp)  # raises before any weight is read
@@ -44,12 +45,15 @@ def load_model(model_dir: str | Path, dtype: str | None = None,
     if cfg.tie_word_embeddings:  # to_empty() made two tensors of the tied one
         model.lm_head.weight = model.embed_tokens.weight
     model.rebuild_rotary()  # one table per distinct rope, shared by its layers
-    _copy_weights(model, checkpoint_targets(cfg, tp), tp, Path(model_dir))
+    targets = checkpoint_targets(cfg, tp)
+    _copy_weights(model, targets, tp, Path(model_dir))
     if quantize and cfg.dtype != torch.bfloat16:
         raise ModelLoadError(f"quantize = {quantize!r} needs a bfloat16 model; {model_dir} "
                              f"loads as {cfg.dtype} (set dtype = \"bfloat16\")")
+    stored = stored_quants(Path(model_dir), targets, tp, model.linear_shapes()) \
+        if quantize == "gguf" else {}
     try:
-        model.pack_weights(quantize)
+        model.pack_weights(quantize, stored)
     except RuntimeError as e:  # quantized weights without the kernels to run them
         raise ModelLoadError(str(e)) from None
     return model.eval()

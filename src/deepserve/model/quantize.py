@@ -1,5 +1,6 @@
 """Quantizing a checkpoint's weights at load (`quantize = "int8"` or "int4" on a
-TE, `--quantize int8|int4`). int8: round to nearest, symmetric, one fp32 scale per group of
+TE, `--quantize int8|int4`; a GGUF file's own quantized weights take the same
+forms: model/stored_quants.py). int8: round to nearest, symmetric, one fp32 scale per group of
 GROUP consecutive input features of each output channel (a per-channel scale
 where GROUP does not divide the row): w ~= q * s, q in [-127, 127], s =
 max |w[n, group]| / 127 (llama.cpp's Q8_0 has groups of 32 too). The int8
@@ -17,11 +18,40 @@ scale 1 (its q is 0).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 QMAX = 127
 QMAX4 = 15
 GROUP = 32
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A projection's weight in a form the int8 kernel runs: q (N, K) int8, in
+    [-128, 127] with scales (N, K / G) fp32 and mins None (int8), or in [0, 15]
+    with mins (N, K / G) fp32 too (int4)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight it stands for."""
+        if self.mins is None:
+            return dequantize_int8(self.q, self.scales)
+        return dequantize_int4(self.q, self.scales, self.mins)
+
+
+def quantize_weight(weight: torch.Tensor, mode: str) -> QuantizedWeight | None:
+    """weight quantized as `mode` says ("int4" where GROUP divides its input,
+    else int8; None for any other mode: it stays as it is)."""
+    if mode == "int4" and weight.shape[1] % GROUP == 0:
+        return QuantizedWeight(*quantize_int4(weight))
+    if mode in ("int8", "int4"):
+        return QuantizedWeight(*quantize_int8(weight))
+    return None
 
 
 def quantize_int8(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,8 +74,9 @@ Ctrl-C stops every process."""
                    "over the head's cluster manager and job executor if the head dies")
 @click.option("--cluster-port", default=None, type=int,
               help="overrides [cluster] port (this node's first TCP port)")
-@click.option("--quantize", default=None, type=click.Choice(["int8", "int4"]),
-              help="quantize every TE's bf16 weights at load (sets [[te]] / [[model]] quantize)")
+@click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "gguf"]),
+              help="quantize every TE's bf16 weights at load, or gguf: keep a GGUF "
+                   "model's own quantized weights (sets [[te]] / [[model]] quantize)")
 @click.option("--keys", default=None, metavar="DIR",
               help="overrides [cluster] keys: the directory of bin/deepserve-keys' files")
 def main(conf: str, host: str | None, port: int | None, models: tuple[str, ...],

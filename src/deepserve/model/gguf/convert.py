@@ -15,13 +15,15 @@ from pathlib import Path
 
 from deepserve.errors import ModelLoadError
 from deepserve.model.gguf.hf_config import Metadata, hf_config, special_ids
-from deepserve.model.gguf.tensors import check_tensors, write_safetensors
+from deepserve.model.gguf.blocks import write_quants
+from deepserve.model.gguf.tensors import check_tensors, hf_rows, write_safetensors
 from deepserve.model.gguf.vocab import build_tokenizer, check_tokenizer, tokenizer_config
 
 
 def convert(path: Path, out: Path) -> dict:
     """Write config.json, generation_config.json, tokenizer.json,
-    tokenizer_config.json and the bf16 weights of GGUF `path` into `out`;
+    tokenizer_config.json, the bf16 weights of GGUF `path` and its kept
+    quantized ones (blocks.py) into `out`;
     returns a summary (architecture, tensor types, seconds per phase)."""
     from gguf import GGUFReader  # numpy and gguf only when converting
 
@@ -46,9 +48,10 @@ def convert(path: Path, out: Path) -> dict:
     _write_json(out / "tokenizer_config.json", tokenizer_config(meta))
     weights_started = time.perf_counter()
     num_bytes = write_safetensors(reader, arch, config, out)
+    kept_bytes = write_quants(reader, hf_rows(arch, config), out)
     return {"architecture": arch_name, "model_type": arch.model_type,
             "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
-            "weight_bytes": num_bytes, "read_s": round(read_s, 3),
+            "weight_bytes": num_bytes, "kept_quantized_bytes": kept_bytes, "read_s": round(read_s, 3),
             "weights_s": round(time.perf_counter() - weights_started, 3)}
 
 

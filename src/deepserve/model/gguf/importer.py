@@ -31,8 +31,9 @@ from deepserve.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
-IMPORTER_VERSION = 1
-"""Part of the cache key: bump it when the importer writes different files."""
+IMPORTER_VERSION = 2
+"""Part of the cache key: bump it when the importer writes different files
+(2: the kept quantized weights, gguf/blocks.py)."""
 RECORD = "gguf_import.json"
 """Written last into an import: its presence means the directory is complete."""
 CACHE_ENV = "DEEPSERVE_GGUF_CACHE"

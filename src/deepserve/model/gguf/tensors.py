@@ -3,8 +3,9 @@
 Every tensor is dequantized at import with `gguf.quants.dequantize` (to
 fp32), renamed to the transformers name, and for llama's Q and K put back in
 the row order transformers' half-split rope expects, then rounded to bf16.
-Keeping them quantized for our own kernels is a later step: here a GGUF file
-becomes an ordinary checkpoint. A tensor of a type outside DEQUANTIZED, or a
+Beside them, blocks.py keeps the Q8_0 / Q4_* tensors' own integers and
+scales for the int8 kernel (`quantize = "gguf"`): the bf16 files stay an
+ordinary checkpoint every loader reads. A tensor of a type outside DEQUANTIZED, or a
 name we do not map, is refused before anything is written.
 
     GGUF (ne0 = in, ne1 = out)   token_embd.weight   blk.3.attn_q.weight (Q4_1)
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 from gguf import GGMLQuantizationType as QType
@@ -76,16 +77,24 @@ def unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(num_heads * head_dim, *rest)  # (H, half, D/2, ...)
 
 
+def hf_rows(arch: Arch, config: dict) -> Callable[[str, np.ndarray], np.ndarray]:
+    """(GGUF tensor name, array by its rows) -> the rows in HF order: llama's Q/K
+    rows unpermuted, every other tensor as it is."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+
+    def reorder(name: str, rows: np.ndarray) -> np.ndarray:
+        base = _NAME.fullmatch(name).group(2)
+        return unpermute(rows, heads[base]) if arch.permuted_qk and base in heads else rows
+    return reorder
+
+
 def hf_tensors(reader, arch: Arch, config: dict) -> Iterator[tuple[str, np.ndarray]]:
     """(transformers name, fp32 array in torch's (out, in) order) per tensor."""
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    reorder = hf_rows(arch, config)
     for t in reader.tensors:
         w = dequantize(t.data, t.tensor_type)
         w = np.asarray(w, dtype=np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
-        base = _NAME.fullmatch(t.name).group(2)
-        if arch.permuted_qk and base in heads:
-            w = unpermute(w, heads[base])
-        yield hf_name(t.name), w
+        yield hf_name(t.name), reorder(t.name, w)
 
 
 def write_safetensors(reader, arch: Arch, config: dict, out: Path) -> int:
