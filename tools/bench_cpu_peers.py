@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import click
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import bench_quant  # noqa: E402  (cpu)
 import bench_serve  # noqa: E402
-from bench_serving_vllm import idle_cpu, stop, wait_ready  # noqa: E402
+from bench_serving_vllm import idle_cpu, stop  # noqa: E402
 
 NAME = "peer-model"
 CONF = """[node]
@@ -55,6 +56,31 @@ enable_prefix_caching = false
 num_threads = {threads}
 {quantize_line}
 """
+
+
+def wait_ready(url: str, timeout_s: float) -> None:
+    """Until GET /v1/models lists NAME (llama-cpp-python's server has no /health)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if any(m.get("id") == NAME for m in httpx.get(f"{url}/v1/models", timeout=5)
+                   .json().get("data", [])):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} does not serve {NAME!r} after {timeout_s} s")
+
+
+def settle(proc: subprocess.Popen, timeout_s: float = 180.0) -> float:
+    """Wait until a server's process tree idles (a node warms a pool and its
+    weight cache after it answers); its idle CPU % (100 = one core)."""
+    deadline = time.monotonic() + timeout_s
+    while (cpu := idle_cpu(proc)) > 25 and time.monotonic() < deadline:
+        pass
+    return cpu
 
 
 def prompts(count: int, words: int) -> list[str]:
@@ -130,8 +156,8 @@ def main(llama_python, gguf, ours, concurrency, rounds, requests, words, max_tok
     results: dict[tuple[str, int], list[dict]] = {}
     try:
         for who in names:
-            wait_ready(urls[who], NAME, 900)
-        idle = {who: idle_cpu(proc) for who, proc in procs.items()}
+            wait_ready(urls[who], 900)
+        idle = {who: settle(proc) for who, proc in procs.items()}
         number = 0
         for _ in range(rounds):
             for level in levels:

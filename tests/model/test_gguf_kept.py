@@ -15,7 +15,6 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
-from deepserve import LLM, SamplingParams
 from deepserve.errors import ModelLoadError
 from deepserve.model import kernels
 from deepserve.model.config import load_model_config
@@ -28,6 +27,7 @@ from deepserve.model.quantize import QuantizedWeight
 from deepserve.model.stored_quants import QUANTS_FILE, stored_quants
 from deepserve.model.weight_map import checkpoint_targets
 from tests.model.gguf_factory import write_gguf
+from tests.model.logprob_check import assert_follows, prompt_logprobs
 from tests.model.test_gguf import _k_blocks
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
@@ -118,24 +118,17 @@ def test_gguf_mode_runs_each_projection_in_the_files_form(imports):
 
 
 @needs_kernels
-def test_gguf_mode_follows_the_bf16_import_and_ties_the_head(imports):
+def test_gguf_mode_follows_the_bf16_import_and_ties_the_head(imports, monkeypatch):
     """The kept weights are the bf16 import's values before rounding, so prompt
-    logprobs agree closely (the kernel quantizes activations per group)."""
+    logprobs agree closely, the kernel at every size (it quantizes activations
+    per group)."""
+    monkeypatch.setattr(kernels, "kernel_max_rows", lambda: None)
     directory, _ = imports["uniform"]
     model = load_model(directory, quantize="gguf")
     assert all(m.scales is not None for m in model.modules() if getattr(m, "packed", None)
                is not None)
     assert model.lm_head.packed.dtype == torch.int8  # the tied Q8_0 embedding
-    prompt = list(range(5, 200, 3))
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    logprobs = {}
-    for mode in ("", "gguf"):
-        llm = LLM(str(directory), dtype="bfloat16", quantize=mode, num_kv_blocks=64)
-        [out] = llm.generate([prompt], params)
-        logprobs[mode] = np.array([t.logprob for t in out.prompt_logprobs])
-        llm.shutdown()
-    diff = np.abs(logprobs[""] - logprobs["gguf"])
-    assert np.median(diff) < 0.05 and diff.max() < 0.5, diff
+    assert_follows(prompt_logprobs(directory), prompt_logprobs(directory, "gguf"))
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -174,8 +167,12 @@ def test_gguf_mode_needs_a_gguf_import(tiny_model, imports, tmp_path):
         (broken / f.name).symlink_to(f)
     stored = load_file(str(directory / QUANTS_FILE))
     key = "model.layers.0.mlp.down_proj.weight.scales"
-    stored[key] = stored[key][:, :-1].contiguous()
+    stored[key] = stored[key][:-1].contiguous()  # a row short
     (broken / QUANTS_FILE).unlink()
     save_file(stored, str(broken / QUANTS_FILE))
     with pytest.raises(ModelLoadError, match="down_proj.weight.scales has shape"):
+        load_model(broken, quantize="gguf")
+    stored[key] = load_file(str(directory / QUANTS_FILE))[key][:, :-1].contiguous()
+    save_file(stored, str(broken / QUANTS_FILE))  # 10 groups for 352 inputs
+    with pytest.raises(ModelLoadError, match="scales has 10 groups, which do not divide"):
         load_model(broken, quantize="gguf")

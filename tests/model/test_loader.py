@@ -93,14 +93,20 @@ def test_missing_tensor_is_named(model_copy):
         load_model(model_copy)
 
 
-@pytest.mark.parametrize("quantization, method", [
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "fp8"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "awq"),
-    ({"bits": 4}, "?"), ("gptq", "?")])
-def test_a_quantized_checkpoint_is_refused_naming_its_method(model_copy, quantization, method):
+@pytest.mark.parametrize("quantization, error", [
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "quant_method 'fp8'"),
+    ({"bits": 4}, "quant_method '?'"), ("gptq", "must be an object"),
+    ({"quant_method": "awq", "bits": 3}, "awq with bits = 3"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "awq with version = 'gemv'"),
+    ({"quant_method": "gptq", "bits": 8}, "gptq with bits = 8"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized"},
+     "format 'float-quantized'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "no projection has its tensors")])
+def test_a_quantized_checkpoint_we_do_not_read_is_refused_naming_it(model_copy, quantization,
+                                                                   error):
     """Its shapes may match ours, but its weights need scales we would not read."""
     _edit_config(model_copy, quantization_config=quantization)
-    with pytest.raises(ModelLoadError, match=f"quant_method '{re.escape(method)}'"):
+    with pytest.raises(ModelLoadError, match=re.escape(error)):
         LLM(str(model_copy))
 
 

@@ -31,7 +31,9 @@ class EngineConfig:
     instead of bf16's 2; needs a bfloat16 model and the C++ kernels. "gguf": a
     model imported from a GGUF file runs its Q8_0 / Q4_0 / Q4_1 / Q4_K
     projections as the file quantized them (model/stored_quants.py), the
-    others in bf16. "": the checkpoint's weights as they are."""
+    others in bf16. "": the checkpoint's weights as they are (an AWQ / GPTQ /
+    compressed-tensors checkpoint's quantized ones included, which refuse any
+    other mode: model/checkpoint_quants.py)."""
     block_size: int = 16
     """Tokens per KV block."""
     num_kv_blocks: int | None = None

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deepserve.errors import ModelLoadError
+from deepserve.model.quant_config import QuantMethod, quant_method
 
 if TYPE_CHECKING:
     import torch
@@ -127,6 +128,9 @@ class ModelConfig:
     fused_checkpoint: bool = False
     """The checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)."""
     moe: MoEConfig | None = None
+    quantization: QuantMethod | None = None
+    """The checkpoint's own quantization (quantization_config), read by
+    model/checkpoint_quants.py; None: plain weights."""
 
     @property
     def dtype(self) -> "torch.dtype":
@@ -191,23 +195,21 @@ def load_model_config(model_dir: str | Path, dtype: str | None = None) -> ModelC
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
     quantized = raw.get("quantization_config") if isinstance(raw, dict) else None
-    if quantized is not None:  # its weights need scales we would not read: refused, not guessed
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
-        raise ModelLoadError(f"{path}: quantization_config (quant_method {method!r}) is not "
-                             "supported; load a bf16/fp16/fp32 checkpoint (quantize = "
-                             "\"int8\" quantizes one at load)")
+    method = quant_method(quantized, path) if quantized is not None else None
     try:
-        return _build(model_dir, raw, dtype, architecture_fields(raw))
+        return _build(model_dir, raw, dtype, architecture_fields(raw), method)
     except KeyError as e:
         raise ModelLoadError(f"{path} lacks the field {e.args[0]!r}") from e
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: {e}") from e
 
 
-def _build(model_dir: Path, raw: dict, dtype: str | None, fields: dict) -> ModelConfig:
+def _build(model_dir: Path, raw: dict, dtype: str | None, fields: dict,
+           method: QuantMethod | None) -> ModelConfig:
     num_heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
-    dtype_name = dtype or raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    dtype_name = dtype or ("bfloat16" if method else None) or raw.get("dtype") or \
+        raw.get("torch_dtype") or "float32"  # a quantized checkpoint runs on bf16 kernels
     if dtype_name not in DTYPE_SIZES:
         raise ModelLoadError(f"dtype {dtype_name!r} is not supported; "
                              f"use one of {sorted(DTYPE_SIZES)}")
@@ -222,6 +224,6 @@ def _build(model_dir: Path, raw: dict, dtype: str | None, fields: dict) -> Model
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=False, o_bias=False, dtype_name=dtype_name,
-        eos_token_ids=_eos_ids(model_dir, raw))
+        eos_token_ids=_eos_ids(model_dir, raw), quantization=method)
     common.update(fields)
     return ModelConfig(**common)

@@ -25,7 +25,8 @@ from deepserve.errors import ModelLoadError
 from deepserve.model.config import load_model_config
 from deepserve.model.decoder import CausalLM
 from deepserve.model.parallel import TensorParallel
-from deepserve.model.stored_quants import stored_quants
+from deepserve.model.checkpoint_quants import QuantTensors, read_checkpoint_quants
+from deepserve.model.stored_quants import assemble, stored_quants
 from deepserve.model.weight_map import Targets, _Target, checkpoint_targets
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,9 +36,14 @@ def load_model(model_dir: str | Path, dtype: str | None = None,
                tp: TensorParallel = TensorParallel(), quantize: str = "") -> CausalLM:
     """This rank's CausalLM (the whole model at tp=1); ValueError if tp does not divide
     it. quantize "int8" / "int4": its projections quantized (model/quantize.py); "gguf":
-    a GGUF import's projections as the file quantized them (model/stored_quants.py);
-    ModelLoadError where the model is not bf16 or the kernels are not loaded."""
-    cfg = load_model_config(model_dir, dtype)
+    a GGUF import's projections as the file quantized them (model/stored_quants.py); a
+    quantized checkpoint (AWQ, GPTQ, compressed-tensors) runs its own weights
+    (model/checkpoint_quants.py). ModelLoadError where the model is not bf16 or the
+    kernels are not loaded."""
+    cfg, model_dir = load_model_config(model_dir, dtype), Path(model_dir)
+    if cfg.quantization and quantize:
+        raise ModelLoadError(f"{model_dir} is a {cfg.quantization.name} checkpoint, quantized "
+                             f"already: quantize = {quantize!r} does not apply (leave it unset)")
     with torch.device("meta"):
         model = CausalLM(cfg, tp)  # raises before any weight is read
     model.to_empty(device="cpu")
@@ -46,12 +52,20 @@ def load_model(model_dir: str | Path, dtype: str | None = None,
         model.lm_head.weight = model.embed_tokens.weight
     model.rebuild_rotary()  # one table per distinct rope, shared by its layers
     targets = checkpoint_targets(cfg, tp)
-    _copy_weights(model, targets, tp, Path(model_dir))
-    if quantize and cfg.dtype != torch.bfloat16:
-        raise ModelLoadError(f"quantize = {quantize!r} needs a bfloat16 model; {model_dir} "
+    quants = read_checkpoint_quants(checkpoint_files(model_dir), cfg.quantization) \
+        if cfg.quantization else None
+    if quants is not None and not quants.weights() & set(targets):
+        raise ModelLoadError(f"{model_dir}: quantization_config says "
+                             f"{cfg.quantization.name}, but no projection has its tensors")
+    _copy_weights(model, targets, tp, model_dir, quants)
+    if (quantize or quants) and cfg.dtype != torch.bfloat16:
+        raise ModelLoadError(f"quantized weights need a bfloat16 model; {model_dir} "
                              f"loads as {cfg.dtype} (set dtype = \"bfloat16\")")
-    stored = stored_quants(Path(model_dir), targets, tp, model.linear_shapes()) \
-        if quantize == "gguf" else {}
+    stored = {}
+    if quantize == "gguf":
+        stored = stored_quants(model_dir, targets, tp, model.linear_shapes())
+    elif quants:
+        stored = assemble(quants, targets, tp, model.linear_shapes())
     try:
         model.pack_weights(quantize, stored)
     except RuntimeError as e:  # quantized weights without the kernels to run them
@@ -79,18 +93,25 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def _copy_weights(model: CausalLM, targets: Targets, tp: TensorParallel,
-                  model_dir: Path) -> None:
+                  model_dir: Path, quants: QuantTensors | None = None) -> None:
+    """Every target's tensor into its parameter; a quantized checkpoint's
+    projections (quants) as the values they stand for."""
     params = dict(model.named_parameters())
     seen: set[str] = set()
+    quantized = quants.weights() if quants else set()
     for path in checkpoint_files(model_dir):
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    for target in targets.get(name, ()):
+                    for target in targets.get(name, ()) if name not in quantized else ():
                         _copy_one(params, target, tp, f.get_slice(name), name, path)
                         seen.add(name)
         except SafetensorError as e:
             raise ModelLoadError(f"{path} is corrupt or truncated: {e}") from e
+    for name in sorted(quantized & set(targets)):
+        for target in targets[name]:
+            _copy_one(params, target, tp, quants.dequantized(name), name, model_dir)
+        seen.add(name)
     missing = sorted(set(targets) - seen)
     if missing:
         raise ModelLoadError(

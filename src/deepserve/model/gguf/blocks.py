@@ -29,7 +29,8 @@ from gguf import GGMLQuantizationType as QType
 from gguf.quants import Q4_K
 
 from deepserve.model.gguf.tensors import hf_name
-from deepserve.model.stored_quants import GROUP, QUANTS_FILE
+from deepserve.model.quantize import GROUP
+from deepserve.model.stored_quants import QUANTS_FILE
 
 KEPT = frozenset({QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K})
 """GGUF types whose blocks are kept quantized."""
