@@ -165,6 +165,8 @@ def test_options_we_do_not_read_are_refused_by_name(checkpoints, tmp_path):
     directory, _ = checkpoints["gptq"]
     with pytest.raises(ModelLoadError, match="quantized already"):
         load_model(directory, quantize="int8")
+    with pytest.raises(ModelLoadError, match="a gptq checkpoint needs a bfloat16 model"):
+        load_model(directory, "float32")
     shuffled = tmp_path / "act-order"
     shutil.copytree(directory, shuffled)
     tensors = load_file(str(shuffled / "model.safetensors"))

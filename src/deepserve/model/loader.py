@@ -59,7 +59,8 @@ def load_model(model_dir: str | Path, dtype: str | None = None,
                              f"{cfg.quantization.name}, but no projection has its tensors")
     _copy_weights(model, targets, tp, model_dir, quants)
     if (quantize or quants) and cfg.dtype != torch.bfloat16:
-        raise ModelLoadError(f"quantized weights need a bfloat16 model; {model_dir} "
+        what = f"quantize = {quantize!r}" if quantize else f"a {cfg.quantization.name} checkpoint"
+        raise ModelLoadError(f"{what} needs a bfloat16 model; {model_dir} "
                              f"loads as {cfg.dtype} (set dtype = \"bfloat16\")")
     stored = {}
     if quantize == "gguf":
