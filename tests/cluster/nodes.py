@@ -110,11 +110,7 @@ class Cluster:
     def stop(self) -> None:
         """SIGTERM every node (a node stops its children and cleans up), reap them,
         then sweep what a killed host could not clean (its /dev/shm would not outlive it)."""
-        for proc in self.nodes.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.nodes.values():
-            self.hosts.reap(proc, 30)
+        self.hosts.stop(list(self.nodes.values()), 30)
         self.scratch.close()
         self.scratch.sweep()
         self.scratch.remove_dir()

@@ -166,6 +166,16 @@ class HostNet:
             proc.kill()
             return proc.wait(timeout_s)
 
+    @classmethod
+    def stop(cls, procs, timeout_s: float = REAP_S) -> None:
+        """SIGTERM every process still running (all at once, so they stop side by
+        side), then reap each (bounded, killed by its pid past it)."""
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            cls.reap(proc, timeout_s)
+
     def kill_host(self, host: int) -> list[int]:
         """A host dies: SIGKILL every process inside it at once (the namespace is
         ours, so every pid in it is one of ours or their children). The pids."""

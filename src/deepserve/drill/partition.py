@@ -58,6 +58,7 @@ from typing import Callable
 from deepserve.drill.cluster import drill_keys
 from deepserve.drill.health_events import HealthEvents, event_time
 from deepserve.drill.netns import HostNet
+from deepserve.drill.prompts import greedy_reference
 
 NAME = "partition-head"
 DESCRIPTION = ("the link between the head and its standby is cut (3 network namespaces, "
@@ -249,11 +250,7 @@ class PartitionDrill:
     def close(self) -> None:
         """SIGTERM every node (each stops its children and cleans up), reap them,
         delete the namespaces and the drill's directory."""
-        for proc in self.nodes.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.nodes.values():
-            self.net.reap(proc, 30)
+        self.net.stop(list(self.nodes.values()), 30)
         self.net.close()
         shutil.rmtree(self.d, ignore_errors=True)
 
@@ -287,20 +284,13 @@ def run_partition(model: str, echo: Callable[[str], None]) -> dict:
     """The drill on `model` (a model directory): started, run, stopped; its report.
     NetnsUnavailable where namespaces cannot be made; RuntimeError where the
     cluster or an awaited event did not come."""
-    from deepserve import LLM, SamplingParams
+    from deepserve import LLM
     drill, llm = PartitionDrill(model, echo), None
     try:
         echo(f"starting three hosts (network namespaces {drill.net.tag}-h0..2) and their nodes")
         drill.start()
         llm = LLM(drill.model, num_kv_blocks=256)
-        cache: dict[tuple[str, int], list[int]] = {}
-
-        def greedy(prompt: str, max_tokens: int) -> list[int]:
-            if (prompt, max_tokens) not in cache:
-                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-                cache[prompt, max_tokens] = llm.generate([prompt], params)[0].token_ids
-            return cache[prompt, max_tokens]
-        return drill.run(greedy)
+        return drill.run(greedy_reference(llm))
     finally:
         if llm is not None:
             llm.shutdown()

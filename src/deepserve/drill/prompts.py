@@ -6,6 +6,8 @@
                        no block with any other prompt (a fresh id comes first)
     make_long_prompts  six long prompts of their own (a fresh id each): KV that
                        outgrows small tiers and comes back from storage
+    greedy_reference   a local engine's greedy tokens per (prompt, max_tokens),
+                       cached: what a stream's tokens are checked against
 
 Lengths are counted with the model's tokenizer when it is at hand, else a
 token is assumed to cover up to 6 characters.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Callable
 
 SHORT_PROMPTS = ("Say hi", "The capital of France is", "1, 2, 3, 4,")
 LONG_UNIT = "def handler(request):\n    headers = request.headers\n    return headers\n"
@@ -72,3 +75,17 @@ def token_counter(model_dir: str):
     except Exception:  # noqa: BLE001 - fall back to characters
         return None
     return lambda text: len(tok.encode(text).ids)
+
+
+def greedy_reference(llm) -> Callable[[str, int], list[int]]:
+    """ids(prompt, max_tokens): llm's greedy tokens (EOS ignored), each computed once."""
+    from deepserve import SamplingParams
+
+    cache: dict[tuple[str, int], list[int]] = {}
+
+    def ids(prompt: str, max_tokens: int) -> list[int]:
+        if (prompt, max_tokens) not in cache:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            cache[prompt, max_tokens] = llm.generate([prompt], params)[0].token_ids
+        return cache[prompt, max_tokens]
+    return ids

@@ -77,16 +77,14 @@ class Linear(nn.Linear):
                                                               quantized.mins)
         else:
             self.packed, self.scales = kernels.pack_linear_w8(quantized.q, quantized.scales)
-        if quantized is not None:
-            self._dequantized_copy(quantized.dequantized())
+        if quantized is not None and stored is None and self.kernel_rows is not None:
+            # torch serves larger inputs: its weight becomes the quantized one's value, so
+            # both paths compute the same model (a stored form's weight is that already:
+            # the loader copied its values)
+            self.weight = nn.Parameter(quantized.dequantized().to(torch.bfloat16),
+                                       requires_grad=False)
         if free_weight and self.kernel_rows is None:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-
-    def _dequantized_copy(self, weight: torch.Tensor) -> None:
-        """Where torch serves larger inputs, its weight becomes the quantized one's
-        value: both paths compute the same model."""
-        if self.kernel_rows is not None:
-            self.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None and (self.kernel_rows is None or

@@ -44,10 +44,14 @@ def quant_method(config: object, path: Path) -> QuantMethod:
                          "quantizes one at load)")
 
 
+DEFAULTS = {"version": "gemm", "zero_point": True}
+"""What AutoAWQ and transformers' AwqConfig mean when a key is left out."""
+
+
 def _need(config: dict, path: Path, **wanted) -> None:
     method = config.get("quant_method")
     for key, value in wanted.items():
-        got = config.get(key, value if key in ("version", "zero_point") else None)
+        got = config.get(key, DEFAULTS.get(key))
         if isinstance(got, str) and isinstance(value, str):
             got = got.lower()
         if got != value:
