@@ -7,7 +7,10 @@ Servers, all started at once on consecutive ports, each given --threads:
     none, the file dequantized to bf16; "gguf": the file's own Q4_1 / Q8_0
     weights; "int8" / "int4": quantized again from the bf16 import);
   * llama: llama.cpp's OpenAI server (llama-cpp-python[server], from a venv
-    of its own built with CMAKE_ARGS="-DGGML_NATIVE=ON"), `--n_threads`.
+    of its own built with CMAKE_ARGS="-DGGML_NATIVE=ON"), `--n_threads`;
+  * vllm (with --vllm-python): `vllm serve` on the file's bf16 import (our
+    importer's directory), bf16, prefix caching off, its OpenMP threads bound
+    to the first --threads cores.
 
 The client is ours (tools/bench_serve.py, closed loop, streaming
 /v1/completions): llama-cpp-python's server takes text prompts only. Each
@@ -19,13 +22,15 @@ ours-gguf, llama, ours-bf16, ...); the table gives medians [min-max] over
 rounds of each round's median TTFT and TPOT and its output tokens/s.
 
     python tools/bench_cpu_peers.py --llama-python /path/llama-venv/bin/python \\
-        [--gguf FILE] [--ours bf16,gguf] [--concurrency 1,8] [--rounds 3] [--requests 4]
+        [--vllm-python /path/vllm-venv/bin/python] [--gguf FILE] [--ours bf16,gguf]
+        [--concurrency 1,8] [--rounds 3] [--requests 4]
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -38,6 +43,7 @@ import click
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import bench_quant  # noqa: E402  (cpu)
+import bench_runs  # noqa: E402  (VLLM_ENV)
 import bench_serve  # noqa: E402
 from bench_serving_vllm import idle_cpu, stop  # noqa: E402
 
@@ -91,11 +97,22 @@ def prompts(count: int, words: int) -> list[str]:
             for i in range(count)]
 
 
-def start(who: str, port: int, gguf: Path, threads: int, llama_python: str, out: Path,
-          cache: Path) -> subprocess.Popen:
+def start(who: str, port: int, gguf: Path, threads: int, peers: dict[str, str], out: Path,
+          cache: Path, max_seqs: int) -> subprocess.Popen:
     log = open(out / f"{who}.log", "w")
+    if who == "vllm":  # the bf16 safetensors our importer made of the same file
+        from deepserve.model.gguf import import_gguf
+
+        cmd = [peers["vllm"], str(ROOT / "tools" / "vllm_cli.py"), "serve",
+               str(import_gguf(gguf, cache)), "--served-model-name", NAME, "--port", str(port),
+               "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs",
+               str(max_seqs), "--max-num-batched-tokens", "2048", "--no-enable-prefix-caching"]
+        env = {**os.environ, **bench_runs.VLLM_ENV,
+               "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+        return subprocess.Popen(cmd, cwd="/", env=env, start_new_session=True, stdout=log,
+                                stderr=subprocess.STDOUT)
     if who == "llama":
-        cmd = [llama_python, "-m", "llama_cpp.server", "--model", str(gguf),
+        cmd = [peers["llama"], "-m", "llama_cpp.server", "--model", str(gguf),
                "--model_alias", NAME, "--host", "127.0.0.1", "--port", str(port),
                "--n_threads", str(threads), "--n_threads_batch", str(threads),
                "--n_ctx", "2048"]
@@ -132,6 +149,8 @@ def _stats(values: list[float]) -> str:
 
 @click.command()
 @click.option("--llama-python", required=True, help="python of the llama-cpp-python venv")
+@click.option("--vllm-python", default=None, help="python of a vllm-cpu venv: vLLM serves "
+              "the file's bf16 import too")
 @click.option("--gguf", type=click.Path(path_type=Path), default=None,
               help="default: the built-in SmolLM2-135M-Instruct Q4_1")
 @click.option("--ours", default="bf16,gguf", help="our quantize modes (bf16: none)")
@@ -142,16 +161,17 @@ def _stats(values: list[float]) -> str:
 @click.option("--max-tokens", default=128)
 @click.option("--threads", default=2)
 @click.option("--port", default=8300)
-def main(llama_python, gguf, ours, concurrency, rounds, requests, words, max_tokens, threads,
+def main(llama_python, vllm_python, gguf, ours, concurrency, rounds, requests, words, max_tokens, threads,
          port) -> None:
     from deepserve.model.gguf import builtin_gguf
 
     gguf = gguf or builtin_gguf()
     levels = [int(c) for c in concurrency.split(",")]
-    names = [f"ours-{m}" for m in ours.split(",") if m] + ["llama"]
+    peers = {"llama": llama_python} | ({"vllm": vllm_python} if vllm_python else {})
+    names = [f"ours-{m}" for m in ours.split(",") if m] + list(peers)
     out = Path(tempfile.mkdtemp(prefix="bench-cpu-peers-"))
-    procs = {who: start(who, port + i, gguf, threads, llama_python, out, ROOT / "models" / "gguf")
-             for i, who in enumerate(names)}
+    procs = {who: start(who, port + i, gguf, threads, peers, out, ROOT / "models" / "gguf",
+                        max(levels)) for i, who in enumerate(names)}
     urls = {who: f"http://127.0.0.1:{port + i}" for i, who in enumerate(names)}
     results: dict[tuple[str, int], list[dict]] = {}
     try:
@@ -183,12 +203,18 @@ def main(llama_python, gguf, ours, concurrency, rounds, requests, words, max_tok
               f"{_stats([r['tpot_ms'] for r in rows]):>22} "
               f"{_stats([r['out_tok_s'] for r in rows]):>22} "
               f"{statistics.median(r['tokens'] for r in rows):>7.0f}")
-    for who in names:
-        if who != "llama" and (who, 1) in results and ("llama", 1) in results:
-            ratio = [b["tpot_ms"] / a["tpot_ms"]
-                     for a, b in zip(results[(who, 1)], results[("llama", 1)])]
-            print(f"c=1 TPOT llama / {who} per round: {_stats(ratio).strip()} (> 1: ours faster)")
+    ours_names = [who for who in names if who.startswith("ours-")]
+    for who in ours_names:
+        if (who, 1) in results:
+            print(f"c=1 TPOT llama / {who} per round: "
+                  f"{_ratios(results[('llama', 1)], results[(who, 1)], 'tpot_ms')} (> 1: ours faster)")
+        for level in levels if "vllm" in peers else ():
+            print(f"c={level} out tok/s {who} / vllm per round: "
+                  f"{_ratios(results[(who, level)], results[('vllm', level)], 'out_tok_s')}")
 
+
+def _ratios(top: list[dict], bottom: list[dict], key: str) -> str:
+    return _stats([a[key] / b[key] for a, b in zip(top, bottom)]).strip()
 
 if __name__ == "__main__":
     main()
